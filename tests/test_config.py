@@ -1,0 +1,106 @@
+"""Option parsing: good values are exact, bad ones name the option and value."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from vllm_patch.config import (
+    ANONYMOUS_USER,
+    DEFAULT_OPTION,
+    MAX_USER_LEN,
+    USERS_OPTION,
+    OutputRateConfig,
+    OutputRateConfigError,
+    parse_rate,
+    parse_user_rates,
+    resolve_user,
+)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("20", Fraction(20)), ("0.5", Fraction(1, 2)), (" 1e2 ", Fraction(100)),
+     (0.1, Fraction(1, 10)), (3, Fraction(3)), ("33.3", Fraction(333, 10))],
+)
+def test_good_rates_are_exact(text, expected):
+    assert parse_rate(text, DEFAULT_OPTION) == expected
+
+
+@pytest.mark.parametrize(
+    "bad", ["0", "-1", "nan", "NaN", "inf", "-inf", "abc", "", "1/0", True, None, [1], "1e10"]
+)
+def test_bad_default_names_option_and_value(bad):
+    with pytest.raises(OutputRateConfigError) as err:
+        OutputRateConfig.from_options(bad if bad is not None else [None])
+    assert DEFAULT_OPTION in str(err.value)
+    assert repr(bad if bad is not None else [None]) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [
+        ("[1, 2]", "JSON object"),
+        ('{"a": 0}', "'a'"),
+        ('{"a": -3}', "-3"),
+        ('{"a": NaN}', "NaN"),
+        ('{"a": Infinity}', "Infinity"),
+        ('{"a": "fast"}', "fast"),
+        ('{"a": null}', "None"),
+        ('{"a": true}', "True"),
+        ('{"": 5}', "non-empty"),
+        ("{not json", "JSON object"),
+        ('"20"', "JSON object"),
+    ],
+)
+def test_bad_user_json_is_refused(bad, fragment):
+    with pytest.raises(OutputRateConfigError) as err:
+        OutputRateConfig.from_options("10", bad)
+    assert USERS_OPTION in str(err.value)
+    assert fragment in str(err.value)
+
+
+def test_overrides_without_default_are_refused():
+    with pytest.raises(OutputRateConfigError, match=DEFAULT_OPTION):
+        OutputRateConfig.from_options(None, '{"a": 5}')
+
+
+def test_feature_off_without_default():
+    assert OutputRateConfig.from_options(None, None) is None
+
+
+def test_round_trip_through_additional_config_is_exact():
+    cfg = OutputRateConfig.from_options("0.5", '{"a": 100, "b": 0.1, "c": "2.25"}')
+    again = OutputRateConfig.from_dict(cfg.to_dict())
+    assert again == cfg
+    assert again.user_rates == {"a": 100, "b": Fraction(1, 10), "c": Fraction(9, 4)}
+
+
+def test_from_dict_refuses_unknown_keys_and_missing_default():
+    with pytest.raises(OutputRateConfigError, match="unknown keys"):
+        OutputRateConfig.from_dict({"default_user_output_tokens_per_second": 1, "burst": 2})
+    with pytest.raises(OutputRateConfigError, match="required"):
+        OutputRateConfig.from_dict({"user_output_tokens_per_second": {}})
+
+
+@given(st.dictionaries(st.text(min_size=1, max_size=20),
+                       st.integers(1, 10**6) | st.floats(0.001, 1e6)))
+def test_any_valid_object_parses(obj):
+    rates = parse_user_rates(obj)
+    assert set(rates) == set(obj)
+    assert all(r > 0 for r in rates.values())
+
+
+@pytest.mark.parametrize(
+    "extra, user",
+    [(None, ANONYMOUS_USER), ({}, ANONYMOUS_USER), ({"output_rate_user": ""}, ANONYMOUS_USER),
+     ({"output_rate_user": None}, ANONYMOUS_USER), ({"output_rate_user": "u1"}, "u1"),
+     ({"output_rate_user": 42}, "42"), ({"output_rate_user": {"x": 1}}, ANONYMOUS_USER),
+     ({"output_rate_user": ["a"]}, ANONYMOUS_USER), ({"output_rate_user": "x" * 1000}, "x" * MAX_USER_LEN),
+     ({"user": "ignored"}, ANONYMOUS_USER)],
+)
+def test_resolve_user(extra, user):
+    assert resolve_user(extra) == user

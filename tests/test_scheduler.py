@@ -1,0 +1,438 @@
+"""The real vLLM Scheduler / AsyncScheduler with output-rate limits.
+
+Real KV cache manager, controlled model outputs, a fake clock (see harness).
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from harness import Driver, FakeClock, make_request, make_scheduler, scheduled_ids
+from vllm_patch import config as orl_config
+from vllm_patch import scheduler as orl_scheduler
+from vllm_patch.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
+
+MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
+
+
+def limits(default, **users):
+    return {
+        "default_user_output_tokens_per_second": default,
+        "user_output_tokens_per_second": users,
+    }
+
+
+def setup(lim, is_async=False, step_ms=10.0, **kw):
+    clock = FakeClock()
+    sched = make_scheduler(lim, clock=clock, async_scheduling=is_async, **kw)
+    return sched, Driver(sched, clock, step_ms=step_ms, is_async=is_async), clock
+
+
+# -- installation ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_feature_off_is_upstream_class(is_async):
+    sched = make_scheduler(None, async_scheduling=is_async)
+    assert type(sched) is (AsyncScheduler if is_async else Scheduler)
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_feature_on_picks_matching_variant(is_async):
+    sched = make_scheduler(limits(10), async_scheduling=is_async)
+    assert type(sched) is (OutputRateAsyncScheduler if is_async else OutputRateScheduler)
+    assert isinstance(sched, AsyncScheduler) == is_async
+
+
+def _trace(lim, is_async):
+    """Schedule decisions of a mixed workload, step by step."""
+    sched, drv, _ = setup(lim, is_async, max_num_seqs=4, max_num_batched_tokens=64)
+    reqs = [make_request(u, prompt_len=p, max_tokens=m, req_id=f"{u}-{i}")
+            for i, (u, p, m) in enumerate([("a", 100, 20), ("b", 10, 30), ("a", 40, 5),
+                                           ("c", 70, 12), (None, 5, 25), ("b", 3, 8)])]
+    drv.add(*reqs)
+    trace = []
+    while sched.has_requests():
+        out = drv.step()
+        trace.append((dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids),
+                      sorted(out.finished_req_ids)))
+    drv.flush()
+    return trace, {r: len(t) for r, t in drv.tokens.items()}
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_limits_that_never_bind_schedule_exactly_like_upstream(is_async):
+    upstream = _trace(None, is_async)
+    limited = _trace(limits(10**6), is_async)
+    assert limited == upstream
+
+
+# -- charging -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_charge_only_on_sampling_steps(is_async):
+    sched, drv, _ = setup(limits(1000), is_async, max_num_batched_tokens=32)
+    req = make_request("a", prompt_len=100, max_tokens=5)
+    drv.add(req)
+    charges = []
+    for _ in range(4):  # 32 + 32 + 32 + 4 prompt tokens
+        out = drv.step()
+        charges.append((out.num_scheduled_tokens[req.request_id],
+                        dict(sched.output_rate_last_step.charged)))
+    assert [c[1] for c in charges[:3]] == [{}, {}, {}]
+    assert charges[3] == (4, {req.request_id: "a"})  # final chunk samples: 1
+    out = drv.step()
+    assert sched.output_rate_last_step.charged == {req.request_id: "a"}  # decode: 1
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_rate_is_the_limit_and_tokens_complete(is_async):
+    sched, drv, clock = setup(limits(20), is_async)
+    reqs = [make_request("a", max_tokens=100) for _ in range(4)]
+    t0 = clock()
+    drv.add(*reqs)
+    drv.run_until_done()
+    assert all(drv.count(r.request_id) == 100 for r in reqs)
+    assert all(drv.finished[r.request_id] == "length" for r in reqs)
+    times = sorted(t for r in reqs for _, t in drv.tokens[r.request_id])
+    span_s = (times[-1] - times[0]) / 1e9
+    # GCRA bound: n <= (W + 0.1) * rate + 1, and no slower than one step late
+    assert len(times) <= (span_s + 0.1) * 20 + 1
+    assert len(times) - 1 >= (span_s - 0.1 - 0.02) * 20
+    assert t0 <= times[0]
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_four_streams_share_evenly(is_async):
+    """4 streams of one user, 400 tokens each: at every step within 1 token."""
+    sched, drv, _ = setup(limits(100), is_async)
+    reqs = [make_request("a", max_tokens=400) for _ in range(4)]
+    drv.add(*reqs)
+    while sched.has_requests():
+        drv.step()
+        counts = [drv.count(r.request_id) for r in reqs]
+        assert max(counts) - min(counts) <= 1, counts
+    drv.flush()
+    assert [drv.count(r.request_id) for r in reqs] == [400] * 4
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_streams_of_different_priority_rotate_separately(is_async):
+    sched, drv, _ = setup(limits(50), is_async, policy="priority")
+    high = [make_request("a", max_tokens=60, priority=0) for _ in range(2)]
+    low = [make_request("a", max_tokens=60, priority=1) for _ in range(2)]
+    drv.add(*high, *low)
+    drv.run(40)
+    h = [drv.count(r.request_id) for r in high]
+    assert abs(h[0] - h[1]) <= 1
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_throttled_user_never_delays_another(is_async):
+    sched, drv, _ = setup(limits(5, b=10**6), is_async)
+    a = [make_request("a", max_tokens=50) for _ in range(6)]
+    b = [make_request("b", max_tokens=60) for _ in range(2)]
+    drv.add(*a, *b)
+    drv.step()  # prefills
+    for _ in range(58):
+        out = drv.step()
+        assert {r.request_id for r in b} <= scheduled_ids(out)
+    assert sched.output_rate_last_step.throttled  # a was being throttled
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_refused_user_is_asked_once_per_step(is_async, monkeypatch):
+    sched, drv, _ = setup(limits(1), is_async)
+    drv.add(*[make_request("a", max_tokens=10) for _ in range(8)])
+    drv.run(3)
+    calls = []
+    real = sched.output_rate_limiter.try_take
+    monkeypatch.setattr(sched.output_rate_limiter, "try_take",
+                        lambda u, now: calls.append(u) or real(u, now))
+    drv.step()
+    assert len(sched.output_rate_last_step.throttled) == 8
+    assert calls == ["a"]
+
+
+def test_user_is_resolved_once_per_request(monkeypatch):
+    calls = []
+    real = orl_config.resolve_user
+    monkeypatch.setattr(orl_scheduler, "resolve_user", lambda x: calls.append(x) or real(x))
+    sched, drv, _ = setup(limits(50))
+    reqs = [make_request("a", max_tokens=30), make_request(None, max_tokens=30)]
+    drv.add(*reqs)
+    drv.run_until_done()
+    assert len(calls) == 2
+    assert [r.output_rate_user for r in reqs] == ["a", orl_config.ANONYMOUS_USER]
+
+
+# -- prefill when the budget is gone --------------------------------------------
+
+
+def _exhaust(sched, drv, user="a"):
+    """Take the user's whole budget now, through a running request."""
+    sched.output_rate_limiter.try_take(user, sched.output_rate_clock())
+    while sched.output_rate_limiter.try_take(user, sched.output_rate_clock()):
+        pass
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_chunked_prefill_stops_one_short_without_budget(is_async):
+    sched, drv, clock = setup(limits(2), is_async)
+    _exhaust(sched, drv)
+    req = make_request("a", prompt_len=50, max_tokens=3)
+    drv.add(req)
+    out = drv.step()
+    assert out.num_scheduled_tokens == {req.request_id: 49}
+    assert sched.output_rate_last_step.charged == {}
+    assert req.status == RequestStatus.RUNNING
+    for _ in range(10):
+        out = drv.step()
+        assert req.request_id not in out.num_scheduled_tokens
+    drv.run_until_done()
+    drv.flush()
+    assert drv.count(req.request_id) == 3
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_without_chunked_prefill_prefill_waits_whole_and_others_pass(is_async):
+    sched, drv, _ = setup(limits(2, b=1000), is_async, enable_chunked_prefill=False)
+    _exhaust(sched, drv)
+    a = make_request("a", prompt_len=50, max_tokens=3)
+    b = make_request("b", prompt_len=20, max_tokens=3)
+    drv.add(a, b)
+    out = drv.step()
+    assert out.num_scheduled_tokens == {b.request_id: 20}
+    assert a.status == RequestStatus.WAITING
+    drv.run_until_done()
+    drv.flush()
+    assert drv.count(a.request_id) == 3 and drv.count(b.request_id) == 3
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_full_prefix_hit_without_budget_does_not_block_others(is_async):
+    """A prompt whose cache hit leaves only its last token cannot be held one
+    short: it must be skipped, not stop admission for everyone behind it."""
+    sched, drv, _ = setup(limits(1, b=1000), is_async)
+    prompt = list(range(100, 133))  # 33 tokens: 2 full blocks + 1
+    first = make_request("a", prompt=prompt, max_tokens=1)
+    drv.add(first)
+    drv.run_until_done()
+    drv.flush()
+    _exhaust(sched, drv)
+    again = make_request("a", prompt=prompt, max_tokens=2)
+    other = make_request("b", prompt_len=10, max_tokens=2)
+    drv.add(again, other)
+    out = drv.step()
+    assert other.request_id in out.num_scheduled_tokens
+    assert again.request_id not in out.num_scheduled_tokens
+    drv.run_until_done()
+    drv.flush()
+    assert drv.count(again.request_id) == 2
+
+
+# -- throttled requests give their place away ---------------------------------
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_throttled_requests_keep_kv_and_free_active_slots(is_async):
+    sched, drv, _ = setup(limits(1, b=1000), is_async, max_num_seqs=8, max_num_active_seqs=4)
+    a = [make_request("a", max_tokens=20) for _ in range(4)]
+    drv.add(*a)
+    drv.step()
+    drv.step()
+    b = [make_request("b", max_tokens=20) for _ in range(6)]
+    drv.add(*b)
+    for _ in range(3):
+        out = drv.step()
+    # a's four streams are throttled but resident, with their blocks
+    assert all(r in sched.running for r in a)
+    assert all(sched.kv_cache_manager.get_block_ids(r.request_id)[0] for r in a)
+    # their active slots went to b; resident requests stay <= max_num_seqs
+    assert len(sched.running) == 8
+    active = [r for r in sched.running if r.request_id in out.num_scheduled_tokens]
+    assert len(active) == 4
+    assert all(r.output_rate_user == "b" for r in active)
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_active_cap_goes_to_longest_waiting_user(is_async):
+    sched, drv, clock = setup(limits(1000), is_async, max_num_seqs=8, max_num_active_seqs=2)
+    # fill running with 8 resident requests: no throttling, so only 2 run per step
+    users = ["u0", "u1", "u2", "u3"]
+    reqs = [make_request(u, max_tokens=200) for u in users for _ in range(2)]
+    sched.max_num_active_reqs = 8
+    drv.add(*reqs)
+    drv.step()
+    sched.max_num_active_reqs = 2
+    served = {u: 0 for u in users}
+    for _ in range(40):
+        out = drv.step()
+        for rid in out.num_scheduled_tokens:
+            served[sched.requests[rid].output_rate_user] += 1
+    # every user got its turn: 80 slots over 4 users
+    assert all(18 <= n <= 22 for n in served.values()), served
+
+
+# -- preemption --------------------------------------------------------------
+
+
+def _kv_pressure(lim, policy, priorities=(0, 0, 0)):
+    sched, drv, clock = setup(lim, False, num_blocks=8, block_size=16, policy=policy,
+                              max_num_batched_tokens=256)
+    a1 = make_request("a", prompt_len=31, max_tokens=200, priority=priorities[0], block_size=16)
+    b1 = make_request("b", prompt_len=31, max_tokens=200, priority=priorities[1], block_size=16)
+    b2 = make_request("b", prompt_len=31, max_tokens=200, priority=priorities[2], block_size=16)
+    drv.add(a1)
+    drv.step()
+    drv.add(b1)
+    drv.step()
+    drv.add(b2)
+    for _ in range(60):
+        out = drv.step()
+        if out.preempted_req_ids:
+            return sched, out.preempted_req_ids, (a1, b1, b2)
+    raise AssertionError("no preemption happened")
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_kv_exhaustion_preempts_throttled_first(policy):
+    sched, preempted, (a1, b1, b2) = _kv_pressure(limits(1, b=1000), policy)
+    assert preempted == {a1.request_id}
+    # upstream would have preempted the latest arrival of b
+    _, preempted_up, (_, _, b2_up) = _kv_pressure(None, policy)
+    assert preempted_up == {b2_up.request_id}
+
+
+def test_priority_preference_stays_within_a_priority():
+    # b2 has a lower priority (higher value): vLLM's choice stands.
+    sched, preempted, (a1, b1, b2) = _kv_pressure(limits(1, b=1000), "priority", (0, 0, 1))
+    assert preempted == {b2.request_id}
+
+
+# -- refunds ---------------------------------------------------------------------
+
+
+def test_failed_kv_allocation_is_refunded():
+    sched, drv, clock = setup(limits(10, b=1000), False, num_blocks=5, block_size=16,
+                              max_num_batched_tokens=256)
+    b = make_request("b", prompt_len=60, max_tokens=100, block_size=16)  # 4 blocks
+    drv.add(b)
+    drv.step()
+    a = make_request("a", prompt_len=20, max_tokens=5, block_size=16)
+    drv.add(a)
+    avail_before = sched.output_rate_limiter.available("a", clock())
+    out = drv.step()
+    assert a.request_id not in out.num_scheduled_tokens
+    refunded = sched.output_rate_last_step.refunded
+    assert (a.request_id, "a", "not_scheduled") in refunded
+    assert sched.output_rate_limiter.available("a", clock()) == avail_before
+
+
+def test_self_preempted_request_is_refunded():
+    sched, drv, clock = setup(limits(1000), False, num_blocks=3, block_size=16)
+    a = make_request("a", prompt_len=31, max_tokens=100, block_size=16)
+    drv.add(a)
+    refunds = []
+    sched.output_rate_observer = lambda rec: refunds.extend(rec.refunded)
+    for _ in range(40):
+        out = drv.step()
+        if out.preempted_req_ids:
+            break
+    assert (a.request_id, "a", "preempted") in refunds
+
+
+# -- async look-ahead and aborts ------------------------------------------------
+
+
+def test_async_lookahead_overcharges_at_most_one_per_request():
+    sched, drv, _ = setup(limits(1000), True)
+    charged: dict[str, int] = {}
+
+    def observe(rec):
+        for rid in rec.charged:
+            charged[rid] = charged.get(rid, 0) + 1
+
+    sched.output_rate_observer = observe
+    reqs = [make_request("a", max_tokens=50, ignore_eos=False) for _ in range(5)]
+    drv.add(*reqs)
+    # the model emits EOS for request i after 10 + i tokens
+    stop_at = {r.request_id: 10 + i for i, r in enumerate(reqs)}
+    real = drv._apply
+
+    def apply(out, mro):
+        for i, rid in enumerate(mro.req_ids):
+            if mro.sampled_token_ids[i] and len(drv.tokens[rid]) + 1 >= stop_at[rid]:
+                mro.sampled_token_ids[i] = [1]
+        real(out, mro)
+
+    drv._apply = apply
+    drv.run_until_done()
+    drv.flush()
+    for r in reqs:
+        delivered = drv.count(r.request_id)
+        assert delivered == stop_at[r.request_id]
+        assert delivered <= charged[r.request_id] <= delivered + 1
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_abort_mid_throttle_frees_everything(is_async):
+    sched, drv, _ = setup(limits(1), is_async)
+    reqs = [make_request("a", prompt_len=40, max_tokens=50) for _ in range(3)]
+    drv.add(*reqs)
+    drv.run(5)
+    assert sched.output_rate_last_step.throttled
+    free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ABORTED)
+    drv.flush()
+    drv.step()
+    assert not sched.running and not sched.has_requests()
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() > free_before
+    assert sched.kv_cache_manager.usage == 0
+
+
+# -- engine-loop wait ------------------------------------------------------------
+
+
+def test_idle_wait_is_min_of_50ms_and_next_ready():
+    sched, drv, clock = setup(limits(Fraction(1, 2)), False)
+    drv.add(make_request("a", max_tokens=5))
+    drv.step()
+    out = drv.step()
+    assert out.total_num_scheduled_tokens == 0
+    assert sched.output_rate_idle_wait_s() == pytest.approx(0.05)
+    ready = sched.output_rate_wake_target_ns()
+    clock.now_ns = ready - 3_000_000
+    assert sched.output_rate_idle_wait_s() == pytest.approx(0.003)
+    clock.now_ns = ready + 1
+    assert sched.output_rate_idle_wait_s() == 0.0
+
+
+def test_no_wait_when_nobody_is_refused():
+    sched, drv, _ = setup(limits(1000), False)
+    drv.add(make_request("a", max_tokens=5))
+    drv.step()
+    assert sched.output_rate_idle_wait_s() is None
+
+
+def test_cleanup_every_256_steps_changes_nothing():
+    def run(every):
+        orl_scheduler.CLEANUP_EVERY_STEPS = every
+        try:
+            sched, drv, _ = setup(limits(7, b=3))
+            reqs = [make_request(u, max_tokens=40) for u in "ababc"]
+            drv.add(*reqs)
+            drv.run_until_done()
+            return {r.request_id[-1]: drv.tokens[r.request_id] for r in reqs}, len(sched.output_rate_limiter)
+        finally:
+            orl_scheduler.CLEANUP_EVERY_STEPS = 256
+
+    with_cleanup, users_left = run(3)
+    without, _ = run(10**9)
+    assert [v for v in with_cleanup.values()] == [v for v in without.values()]

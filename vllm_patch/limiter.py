@@ -1,0 +1,154 @@
+"""Per-user GCRA (Generic Cell Rate Algorithm) output-token limiter.
+
+Pure logic: imports nothing from vLLM. The scheduler asks it, once per
+sampling step of a request, whether the request's user may have one more
+output token now.
+
+One state per user: the theoretical arrival time (TAT) of the next token.
+A token is allowed at ``now`` when ``TAT - now <= burst``; on allow
+``TAT = max(TAT, now) + 1/rate``. A refused call changes nothing.
+
+All times of a user are stored multiplied by that user's rate, written as a
+fraction ``num/den`` tokens per second: a time of ``t`` ns is stored as
+``t * num`` and "advance by 1/rate seconds" becomes "add ``den * 1e9``".
+Everything is integer arithmetic, so fractional limits such as 0.5 tok/s
+are exact and nothing drifts however long a user stays throttled.
+
+Bound: in any window of W seconds a user gets at most
+``floor((W + burst) * rate) + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from fractions import Fraction
+
+NS_PER_S = 1_000_000_000
+#: The burst a user may run ahead of its even spacing. It must cover at
+#: least one engine step, or budget accrued between two steps expires.
+BURST_NS = 100_000_000
+
+Clock = Callable[[], int]
+
+
+def monotonic_clock() -> int:
+    """The default clock: monotonic nanoseconds."""
+    return time.monotonic_ns()
+
+
+class _UserState:
+    """GCRA state of one user, in rate-scaled units."""
+
+    __slots__ = ("num", "step", "burst", "tat")
+
+    def __init__(self, rate: Fraction, burst_ns: int, tat: int) -> None:
+        self.num = rate.numerator
+        self.step = rate.denominator * NS_PER_S
+        self.burst = burst_ns * rate.numerator
+        self.tat = tat
+
+
+class OutputRateLimiter:
+    """Output tokens per second per user, shared by all of a user's requests.
+
+    The limiter only keeps the books. Who asks first and what happens to a
+    refused request is the scheduler's business.
+    """
+
+    def __init__(
+        self,
+        default_rate: Fraction,
+        user_rates: Mapping[str, Fraction] | None = None,
+        burst_ns: int = BURST_NS,
+    ) -> None:
+        if default_rate <= 0:
+            raise ValueError(f"default rate must be positive, got {default_rate}")
+        if burst_ns < 0:
+            raise ValueError(f"burst must not be negative, got {burst_ns}")
+        self.default_rate = Fraction(default_rate)
+        self.user_rates = {u: Fraction(r) for u, r in (user_rates or {}).items()}
+        self.burst_ns = burst_ns
+        self._users: dict[str, _UserState] = {}
+
+    # -- queries ---------------------------------------------------------
+
+    def rate_of(self, user: str) -> Fraction:
+        """The configured limit of ``user`` in tokens per second."""
+        return self.user_rates.get(user, self.default_rate)
+
+    def __len__(self) -> int:
+        """Number of users with live state."""
+        return len(self._users)
+
+    def __contains__(self, user: str) -> bool:
+        return user in self._users
+
+    def tat_ns(self, user: str) -> int | None:
+        """The user's theoretical arrival time in ns (rounded up), or None."""
+        st = self._users.get(user)
+        return None if st is None else -(-st.tat // st.num)
+
+    def ready_at_ns(self, user: str) -> int:
+        """Earliest time at which ``try_take(user)`` can succeed.
+
+        ``TAT - burst`` rounded up, so that waiting until it never wakes too
+        early. 0 for a user without state (ready at once).
+        """
+        st = self._users.get(user)
+        if st is None:
+            return 0
+        return -(-(st.tat - st.burst) // st.num)
+
+    def would_allow(self, user: str, now_ns: int) -> bool:
+        """Whether ``try_take(user, now_ns)`` would succeed; changes nothing."""
+        st = self._users.get(user)
+        return st is None or st.tat - now_ns * st.num <= st.burst
+
+    def available(self, user: str, now_ns: int) -> int:
+        """How many ``try_take`` calls at ``now_ns`` would succeed in a row."""
+        st = self._users.get(user)
+        if st is None:
+            rate = self.rate_of(user)
+            return self.burst_ns * rate.numerator // (rate.denominator * NS_PER_S) + 1
+        now = now_ns * st.num
+        tat = st.tat if st.tat > now else now
+        slack = st.burst - (tat - now)
+        return slack // st.step + 1 if slack >= 0 else 0
+
+    # -- updates ---------------------------------------------------------
+
+    def try_take(self, user: str, now_ns: int) -> bool:
+        """Take one token for ``user`` at ``now_ns`` if the budget allows."""
+        st = self._users.get(user)
+        if st is None:
+            st = self._new_state(user, now_ns)
+        now = now_ns * st.num
+        tat = st.tat
+        if tat - now > st.burst:
+            return False
+        st.tat = (tat if tat > now else now) + st.step
+        return True
+
+    def refund(self, user: str) -> None:
+        """Give back one token taken by ``try_take`` (TAT -= 1/rate)."""
+        st = self._users.get(user)
+        if st is not None:
+            st.tat -= st.step
+
+    def cleanup_idle_users(self, now_ns: int) -> list[str]:
+        """Drop users whose TAT is not ahead of ``now_ns``.
+
+        Such a user behaves exactly like a new one (``max(TAT, now) = now``),
+        so dropping it changes nothing observable. Returns the dropped users.
+        """
+        idle = [u for u, st in self._users.items() if st.tat <= now_ns * st.num]
+        for user in idle:
+            del self._users[user]
+        return idle
+
+    def _new_state(self, user: str, now_ns: int) -> _UserState:
+        rate = self.rate_of(user)
+        st = _UserState(rate, self.burst_ns, now_ns * rate.numerator)
+        self._users[user] = st
+        return st

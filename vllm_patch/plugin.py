@@ -1,0 +1,260 @@
+"""The vLLM plugin: options, configuration checks and scheduler installation.
+
+``register()`` is the ``vllm.general_plugins`` entry point. vLLM loads it in
+every process (API server, engine core, workers), possibly more than once, so
+it is idempotent and does nothing costly. It
+
+1. refuses any vLLM but 0.32.x;
+2. adds ``--default-user-output-tokens-per-second`` and
+   ``--user-output-tokens-per-second`` to vLLM's own argument parser and
+   carries them to the engine in ``additional_config["output_rate"]``;
+3. after vLLM built its ``VllmConfig``, calls ``configure_output_rate()``:
+   with the feature on, refuse unsupported configurations and install the
+   scheduler matching ``async_scheduling``; with it off, touch nothing;
+4. refuses beam search at the OpenAI serving entry while the feature is on.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+from vllm_patch.config import (
+    ADDITIONAL_CONFIG_KEY,
+    DEFAULT_OPTION,
+    USERS_OPTION,
+    OutputRateConfig,
+    OutputRateConfigError,
+)
+from vllm_patch.internals import check_vllm_version
+
+logger = logging.getLogger("vllm_output_rate")
+
+SYNC_SCHEDULER = "vllm_patch.scheduler.OutputRateScheduler"
+ASYNC_SCHEDULER = "vllm_patch.scheduler.OutputRateAsyncScheduler"
+_OUR_SCHEDULERS = (SYNC_SCHEDULER, ASYNC_SCHEDULER)
+
+BEAM_SEARCH_REFUSAL = (
+    "Beam search is not available on this server: per-user output-rate "
+    "limiting is on, and beam search expands candidates outside the "
+    "one-token-per-step path the limiter charges. Use sampling instead."
+)
+
+_registered = False
+#: Whether the feature is on in this process (set by configure_output_rate).
+_feature_on = False
+
+
+def register() -> None:
+    """Entry point of the ``vllm.general_plugins`` group. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    check_vllm_version()
+    _patch_engine_args()
+    _patch_beam_search()
+    _registered = True
+
+
+# -- options ------------------------------------------------------------------
+
+
+def add_output_rate_args(parser: Any) -> Any:
+    """Add the two options to a vLLM argument parser (once)."""
+    if any(DEFAULT_OPTION in a.option_strings for a in parser._actions):
+        return parser
+    group = parser.add_argument_group(
+        title="Output-rate limits (vllm-output-rate)",
+        description="Per-user output-token rate limits inside the scheduler. "
+        "The user is vllm_xargs.output_rate_user of each request "
+        "(missing: the shared user __anonymous__).",
+    )
+    group.add_argument(
+        DEFAULT_OPTION,
+        dest="default_user_output_tokens_per_second",
+        default=None,
+        type=str,
+        help="Output tokens per second for each user without an override, "
+        "shared by all of that user's requests. Setting it turns the feature "
+        "on; without it vLLM behaves exactly as upstream.",
+    )
+    group.add_argument(
+        USERS_OPTION,
+        dest="user_output_tokens_per_second",
+        default=None,
+        type=str,
+        help='Per-user overrides as a JSON object, e.g. \'{"user-a": 100, '
+        '"user-b": 0.5}\'.',
+    )
+    return parser
+
+
+def _patch_engine_args() -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs.create_engine_config, "_output_rate", False):
+        return
+
+    upstream_add = EngineArgs.add_cli_args
+    upstream_from = EngineArgs.from_cli_args.__func__
+    upstream_create = EngineArgs.create_engine_config
+
+    def add_cli_args(parser: Any) -> Any:
+        return add_output_rate_args(upstream_add(parser))
+
+    def from_cli_args(cls: Any, args: Any) -> Any:
+        engine_args = upstream_from(cls, args)
+        config = OutputRateConfig.from_options(
+            getattr(args, "default_user_output_tokens_per_second", None),
+            getattr(args, "user_output_tokens_per_second", None),
+        )
+        if config is not None:
+            engine_args.additional_config = {
+                **(engine_args.additional_config or {}),
+                ADDITIONAL_CONFIG_KEY: config.to_dict(),
+            }
+        return engine_args
+
+    @functools.wraps(upstream_create)
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = upstream_create(self, *args, **kwargs)
+        configure_output_rate(vllm_config)
+        return vllm_config
+
+    create_engine_config._output_rate = True  # type: ignore[attr-defined]
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+    EngineArgs.from_cli_args = classmethod(from_cli_args)
+    EngineArgs.create_engine_config = create_engine_config
+
+
+# -- configuration ------------------------------------------------------------
+
+
+def unsupported_reasons(vllm_config: Any) -> list[str]:
+    """Why this configuration cannot run with output-rate limits, if at all.
+
+    Each entry names the option (or model property) to change.
+    """
+    reasons: list[str] = []
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    if vllm_config.speculative_config is not None:
+        reasons.append(
+            "--speculative-config: speculative decoding can emit several tokens "
+            "per step, but each request is charged one token per step"
+        )
+    if parallel.data_parallel_size > 1:
+        reasons.append(
+            f"--data-parallel-size {parallel.data_parallel_size}: each rank "
+            f"would keep its own limiter and give a user one budget per rank"
+        )
+    if parallel.pipeline_parallel_size > 1:
+        reasons.append(
+            f"--pipeline-parallel-size {parallel.pipeline_parallel_size}: "
+            f"several micro-batches in flight are not covered"
+        )
+    if model is not None:
+        for flag, what in (
+            ("is_multimodal_model", "multimodal models"),
+            ("is_encoder_decoder", "encoder-decoder models"),
+            ("is_hybrid", "hybrid (attention + state-space) models"),
+            ("is_attention_free", "attention-free models"),
+            ("is_diffusion", "diffusion models"),
+        ):
+            if getattr(model, flag, False):
+                reasons.append(
+                    f"--model {model.model}: {what} are not supported "
+                    f"(only standard attention decoders)"
+                )
+    if vllm_config.diffusion_config is not None:
+        reasons.append("--diffusion-config: diffusion models are not supported")
+    if vllm_config.cache_config.kv_offloading_size is not None:
+        reasons.append(
+            "--kv-offloading-size: KV offload changes the KV lifecycle of "
+            "throttled requests"
+        )
+    elif vllm_config.kv_transfer_config is not None:
+        reasons.append(
+            "--kv-transfer-config: KV connectors change the KV lifecycle of "
+            "throttled requests"
+        )
+    if vllm_config.ec_transfer_config is not None:
+        reasons.append("--ec-transfer-config: EC connectors are not supported")
+    if getattr(vllm_config.aux_output_config, "enabled", False):
+        reasons.append("aux output connector (--aux-output-config) is not supported")
+    scheduler_cls = vllm_config.scheduler_config.scheduler_cls
+    if scheduler_cls is not None and _qualname(scheduler_cls) not in _OUR_SCHEDULERS:
+        reasons.append(
+            f"--scheduler-cls {_qualname(scheduler_cls)}: output-rate limits "
+            f"install their own scheduler"
+        )
+    return reasons
+
+
+def _qualname(cls: Any) -> str:
+    if isinstance(cls, str):
+        return cls
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
+    """With limits in ``additional_config``: check and install; else nothing.
+
+    Idempotent. Raises ``OutputRateConfigError`` naming the options at fault.
+    """
+    global _feature_on
+    from vllm_patch.scheduler import output_rate_config_of
+
+    config = output_rate_config_of(vllm_config)
+    if config is None:
+        return None
+    reasons = unsupported_reasons(vllm_config)
+    if reasons:
+        raise OutputRateConfigError(
+            f"{DEFAULT_OPTION} cannot be used with this configuration:\n  - "
+            + "\n  - ".join(reasons)
+        )
+    sched = vllm_config.scheduler_config
+    sched.scheduler_cls = ASYNC_SCHEDULER if sched.async_scheduling else SYNC_SCHEDULER
+    # Canonical form, so the engine core parses exactly what we checked.
+    vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = config.to_dict()
+    _feature_on = True
+    logger.info(
+        "output-rate limits on: default %s tok/s per user, %d override(s), "
+        "scheduler %s",
+        config.default_rate,
+        len(config.user_rates),
+        sched.scheduler_cls,
+    )
+    return config
+
+
+# -- beam search ----------------------------------------------------------------
+
+
+def _patch_beam_search() -> None:
+    """Refuse beam search with HTTP 400 while the feature is on."""
+    try:
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionRequest,
+        )
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    except ImportError:  # pragma: no cover - serving extras missing
+        return
+    for cls in (ChatCompletionRequest, CompletionRequest):
+        upstream = cls.to_beam_search_params
+        if getattr(upstream, "_output_rate", False):
+            continue
+
+        def to_beam_search_params(self: Any, *args: Any, __up=upstream, **kw: Any):
+            if _feature_on:
+                from vllm.exceptions import VLLMValidationError
+
+                raise VLLMValidationError(
+                    BEAM_SEARCH_REFUSAL, parameter="use_beam_search", value=True
+                )
+            return __up(self, *args, **kw)
+
+        to_beam_search_params._output_rate = True  # type: ignore[attr-defined]
+        cls.to_beam_search_params = to_beam_search_params

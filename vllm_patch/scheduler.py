@@ -1,0 +1,435 @@
+"""The output-rate limit inside vLLM's V1 scheduler.
+
+One mixin holds the behaviour; ``OutputRateScheduler`` and
+``OutputRateAsyncScheduler`` put it over vLLM's ``Scheduler`` and
+``AsyncScheduler``. vLLM's own ``schedule()`` does the scheduling; the mixin
+works at the hook points listed in ``vllm_patch.internals``:
+
+* before ``schedule()``: read the clock once, rotate each user's streams so
+  the one after the last served goes first, move requests whose user has no
+  budget behind the others, and, when the active cap binds, put the users
+  who waited longest first;
+* at ``_reserve_prefill_lookahead`` (per request, right before KV
+  allocation): charge one token when the step samples, shrink a final
+  prefill chunk to stop one position short when the budget is gone (chunked
+  prefill), or skip the request (it stays in ``running`` with its KV);
+* at ``_handle_blocked_waiting_request``: skip waiting requests of users
+  without budget whose prefill cannot advance;
+* after ``schedule()``: the single refund point, for every request charged in
+  this step that is not in ``num_scheduled_tokens``.
+
+What the limiter did in a step is kept as plain data
+(``output_rate_last_step``) for telemetry; the engine loop asks
+``output_rate_idle_wait_s()`` how long it may wait when no model ran.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_patch.config import (
+    ADDITIONAL_CONFIG_KEY,
+    OutputRateConfig,
+    OutputRateConfigError,
+    resolve_user,
+)
+from vllm_patch.limiter import Clock, OutputRateLimiter, monotonic_clock
+
+#: Idle users are dropped from the limiter every this many steps.
+CLEANUP_EVERY_STEPS = 256
+#: Longest idle wait of the engine loop, so that work that becomes ready
+#: without a message (a compiled grammar, say) is seen soon enough.
+MAX_IDLE_WAIT_S = 0.05
+
+_RUNNING = RequestStatus.RUNNING
+
+
+@dataclass(slots=True)
+class OutputRateStep:
+    """What the limiter did in one ``schedule()`` call. Plain data."""
+
+    step: int
+    now_ns: int
+    #: request id -> user, for every token charged (and kept) in this step.
+    charged: dict[str, str] = field(default_factory=dict)
+    #: (request id, user, reason) for every token given back.
+    refunded: list[tuple[str, str, str]] = field(default_factory=list)
+    #: running requests skipped because their user had no budget.
+    throttled: list[Request] = field(default_factory=list)
+    #: users refused in this step -> when their budget returns (ns).
+    refused: dict[str, int] = field(default_factory=dict)
+    #: final prefill chunks held one position short for lack of budget.
+    prefill_held: int = 0
+    #: waiting requests left waiting for lack of budget.
+    waiting_skipped: int = 0
+    #: running requests left out because the active cap was full.
+    cap_deferred: int = 0
+    #: throttled requests preempted in place of a request with budget.
+    preempted_throttled: list[str] = field(default_factory=list)
+
+
+def output_rate_config_of(vllm_config: Any) -> OutputRateConfig | None:
+    """The limits carried in ``additional_config``, or None (feature off)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    data = extra.get(ADDITIONAL_CONFIG_KEY)
+    return None if data is None else OutputRateConfig.from_dict(data)
+
+
+class OutputRateSchedulerMixin:
+    """Per-user output-token rate limit over vLLM's V1 scheduler."""
+
+    #: Monotonic ns clock; tests replace it on the instance.
+    output_rate_clock: Clock = staticmethod(monotonic_clock)
+    #: Called with each ``OutputRateStep`` when set (telemetry).
+    output_rate_observer: Callable[[OutputRateStep], None] | None = None
+
+    # Per-step counters read by the ``max_num_active_reqs`` property while
+    # vLLM's __init__ runs, before ours has set anything.
+    _orl_base_active = 0
+    _orl_throttled_running = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = output_rate_config_of(self.vllm_config)
+        if config is None:
+            raise OutputRateConfigError(
+                f"{type(self).__name__} needs additional_config"
+                f"[{ADDITIONAL_CONFIG_KEY!r}]; install it with "
+                f"vllm_patch.plugin.configure_output_rate()"
+            )
+        self.output_rate_config = config
+        self.output_rate_limiter = OutputRateLimiter(
+            config.default_rate, config.user_rates
+        )
+        self._orl_chunked = bool(self.scheduler_config.enable_chunked_prefill)
+        self._orl_prefix_caching = bool(self.cache_config.enable_prefix_caching)
+        self._orl_priority = self.policy == SchedulingPolicy.PRIORITY
+        self._orl_step_no = 0
+        # (user, priority) -> id of the stream served last, for rotation.
+        self._orl_last_served: dict[tuple[str, int], str] = {}
+        # user -> when it was last served (ns), for cross-user order.
+        self._orl_user_served_ns: dict[str, int] = {}
+        self._orl_begin(self.output_rate_clock())
+        self.output_rate_last_step = self._orl_record
+        self._orl_upstream_allocate = self.kv_cache_manager.allocate_slots
+        self.kv_cache_manager.allocate_slots = self._orl_allocate_slots
+
+        from vllm_patch import engine_loop
+
+        engine_loop.install()
+
+    # -- vLLM's admission cap -------------------------------------------
+
+    @property
+    def max_num_active_reqs(self) -> int:
+        """Admission cap of the waiting loop: throttled requests don't count."""
+        return min(
+            self._orl_base_active + self._orl_throttled_running,
+            self.max_num_running_reqs,
+        )
+
+    @max_num_active_reqs.setter
+    def max_num_active_reqs(self, value: int) -> None:
+        self._orl_base_active = value
+
+    # -- requests --------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        request.output_rate_user = resolve_user(
+            request.sampling_params.extra_args if request.sampling_params else None
+        )
+        super().add_request(request)
+
+    @staticmethod
+    def _orl_user(request: Request) -> str:
+        user = getattr(request, "output_rate_user", None)
+        if user is None:
+            sp = request.sampling_params
+            user = request.output_rate_user = resolve_user(
+                sp.extra_args if sp else None
+            )
+        return user
+
+    # -- the step --------------------------------------------------------
+
+    def schedule(self, *args: Any, **kwargs: Any):
+        now = self.output_rate_clock()
+        self._orl_begin(now)
+        if len(self.running) > 1:
+            self._orl_order_running(now)
+        output = super().schedule(*args, **kwargs)
+        self._orl_finish(output.num_scheduled_tokens, output.preempted_req_ids)
+        return output
+
+    def _orl_begin(self, now: int) -> None:
+        self._orl_step_no += 1
+        self._orl_now = now
+        record = OutputRateStep(self._orl_step_no, now)
+        self._orl_record = record
+        self._orl_charged: dict[str, tuple[str, int]] = {}
+        self._orl_refused = record.refused
+        self._orl_throttled = record.throttled
+        self._orl_throttled_running = 0
+        self._orl_active = 0
+        self._orl_block_admission = False
+        if self._orl_step_no % CLEANUP_EVERY_STEPS == 0:
+            self._orl_cleanup(now)
+
+    def _orl_cleanup(self, now: int) -> None:
+        for user in self.output_rate_limiter.cleanup_idle_users(now):
+            self._orl_user_served_ns.pop(user, None)
+        requests = self.requests
+        stale = [k for k, rid in self._orl_last_served.items() if rid not in requests]
+        for key in stale:
+            del self._orl_last_served[key]
+
+    def _orl_order_running(self, now: int) -> None:
+        """Rotate, move users without budget back, longest-waiting user first.
+
+        Only reorders when it matters: when some user has fewer tokens than
+        running streams, or when more requests could run than the active cap.
+        """
+        running = self.running
+        user_of = self._orl_user
+        streams: dict[str, int] = {}
+        for request in running:
+            user = user_of(request)
+            streams[user] = streams.get(user, 0) + 1
+        limiter = self.output_rate_limiter
+        budget = {user: limiter.available(user, now) for user in streams}
+        short = any(budget[user] < n for user, n in streams.items())
+        cap_binds = len(running) > self._orl_base_active
+        if not short and not cap_binds:
+            return
+        if short:
+            running = self._orl_rotated(running)
+        ready: list[Request] = []
+        throttled: list[Request] = []
+        for request in running:
+            user = request.output_rate_user
+            if request.is_prefill_chunk:
+                ready.append(request)
+            elif budget[user] > 0:
+                budget[user] -= 1
+                ready.append(request)
+            else:
+                throttled.append(request)
+        if len(ready) > self._orl_base_active:
+            ready = self._orl_longest_waiting_first(ready)
+        self.running[:] = ready + throttled
+
+    def _orl_rotated(self, running: list[Request]) -> list[Request]:
+        """Each (user, priority) group starts after its stream served last."""
+        groups: dict[tuple[str, int], list[Request]] = {}
+        for request in running:
+            groups.setdefault(
+                (request.output_rate_user, request.priority), []
+            ).append(request)
+        last_served = self._orl_last_served
+        turns: dict[tuple[str, int], Any] = {}
+        for key, members in groups.items():
+            last = last_served.get(key)
+            if len(members) > 1 and last is not None:
+                for i, request in enumerate(members):
+                    if request.request_id == last:
+                        members = members[i + 1 :] + members[: i + 1]
+                        break
+            turns[key] = iter(members)
+        return [next(turns[(r.output_rate_user, r.priority)]) for r in running]
+
+    def _orl_longest_waiting_first(self, ready: list[Request]) -> list[Request]:
+        """Interleave users, the one served longest ago first."""
+        served = self._orl_user_served_ns
+        rank: dict[str, int] = {}
+        keyed = []
+        for position, request in enumerate(ready):
+            user = request.output_rate_user
+            turn = rank.get(user, 0)
+            rank[user] = turn + 1
+            keyed.append((turn, served.get(user, 0), position, request))
+        keyed.sort(key=lambda item: item[:3])
+        return [item[3] for item in keyed]
+
+    # -- the charge point ------------------------------------------------
+
+    def _reserve_prefill_lookahead(
+        self, request: Request, num_computed_tokens: int, num_new_tokens: int
+    ) -> int:
+        num_new_tokens = super()._reserve_prefill_lookahead(
+            request, num_computed_tokens, num_new_tokens
+        )
+        if num_new_tokens <= 0:
+            return num_new_tokens
+        running = request.status == _RUNNING
+        if running and self._orl_active >= self._orl_base_active:
+            self._orl_record.cap_deferred += 1
+            return 0
+        if num_computed_tokens + num_new_tokens >= request.num_tokens:
+            # This step samples a token: charge one, once per step.
+            charged = self._orl_charged
+            if request.request_id not in charged:
+                user = request.output_rate_user
+                if user in self._orl_refused or not self.output_rate_limiter.try_take(
+                    user, self._orl_now
+                ):
+                    return self._orl_refuse(request, user, num_computed_tokens)
+                charged[request.request_id] = (user, request.priority)
+        if running:
+            self._orl_active += 1
+        return num_new_tokens
+
+    def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
+        refused = self._orl_refused
+        if user not in refused:
+            refused[user] = self.output_rate_limiter.ready_at_ns(user)
+        running = request.status == _RUNNING
+        if self._orl_chunked:
+            # Advance the prefill to the second-to-last position; the first
+            # token is sampled in a later step, when budget returns.
+            held = request.num_tokens - 1 - num_computed_tokens
+            if held > 0:
+                self._orl_record.prefill_held += 1
+                if running:
+                    self._orl_active += 1
+                return held
+        if running:
+            self._orl_throttled_running += 1
+            self._orl_throttled.append(request)
+        return 0
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        if not super()._handle_blocked_waiting_request(request):
+            return False
+        if self._orl_block_admission:
+            # We preempted a throttled request in this step; like vLLM after
+            # its own preemptions, admit nothing new in this step.
+            return False
+        user = self._orl_user(request)
+        if user not in self._orl_refused:
+            if self.output_rate_limiter.would_allow(user, self._orl_now):
+                return True
+            self._orl_refused[user] = self.output_rate_limiter.ready_at_ns(user)
+        if self._orl_chunked and self._can_hold_prefill(request):
+            return True
+        self._orl_record.waiting_skipped += 1
+        return False
+
+    def _can_hold_prefill(self, request: Request) -> bool:
+        """Whether this waiting request's prefill surely has a position to
+        compute short of its last one, whatever its prefix-cache hit (hits
+        are whole blocks of at most ``num_tokens - 1`` tokens)."""
+        if request.num_tokens - 1 - request.num_computed_tokens <= 0:
+            return False
+        return not (
+            self._orl_prefix_caching
+            and request.num_computed_tokens == 0
+            and (request.num_tokens - 1) % self.block_size == 0
+        )
+
+    # -- preemption: throttled requests go first --------------------------
+
+    def _orl_allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
+        allocate = self._orl_upstream_allocate
+        blocks = allocate(request, *args, **kwargs)
+        if blocks is not None or request.status != _RUNNING:
+            return blocks
+        while blocks is None:
+            victim = self._orl_throttled_victim(request)
+            if victim is None:
+                break
+            self.running.remove(victim)
+            self._preempt_request(victim, time.monotonic())
+            self._orl_block_admission = True
+            self._orl_record.preempted_throttled.append(victim.request_id)
+            blocks = allocate(request, *args, **kwargs)
+        return blocks
+
+    def _orl_throttled_victim(self, request: Request) -> Request | None:
+        """A throttled running request to preempt instead of vLLM's choice.
+
+        Only requests after ``request`` in ``running`` (vLLM's loop index
+        stays valid); with the PRIORITY policy only within the priority vLLM
+        would preempt from.
+        """
+        running = self.running
+        try:
+            start = running.index(request) + 1
+        except ValueError:
+            return None
+        limiter, now, refused = self.output_rate_limiter, self._orl_now, self._orl_refused
+        charged = self._orl_charged
+        candidates = [
+            r
+            for r in running[start:]
+            if r.request_id not in charged
+            and (
+                r.output_rate_user in refused
+                or not limiter.would_allow(self._orl_user(r), now)
+            )
+            and self._request_blocks_can_be_freed(r)
+        ]
+        if not candidates:
+            return None
+        if self._orl_priority:
+            lowest = max(r.priority for r in running)
+            candidates = [r for r in candidates if r.priority == lowest]
+            if not candidates:
+                return None
+            return max(candidates, key=lambda r: r.arrival_time)
+        return candidates[-1]
+
+    # -- the refund point and the step record -------------------------------
+
+    def _orl_finish(self, scheduled: dict[str, int], preempted: set[str]) -> None:
+        record = self._orl_record
+        limiter = self.output_rate_limiter
+        last_served = self._orl_last_served
+        served_users = self._orl_user_served_ns
+        now = self._orl_now
+        kept = record.charged
+        for req_id, (user, priority) in self._orl_charged.items():
+            if req_id in scheduled:
+                kept[req_id] = user
+                last_served[(user, priority)] = req_id
+                served_users[user] = now
+            else:
+                limiter.refund(user)
+                reason = "preempted" if req_id in preempted else "not_scheduled"
+                record.refunded.append((req_id, user, reason))
+        self.output_rate_last_step = record
+        observer = self.output_rate_observer
+        if observer is not None:
+            observer(record)
+
+    def output_rate_idle_wait_s(self) -> float | None:
+        """How long the engine loop may wait after a step that ran nothing.
+
+        ``min(50 ms, earliest ready_at among users refused in the last step
+        - now)``; None when no user was refused (then vLLM's own behaviour).
+        """
+        refused = self._orl_refused
+        if not refused:
+            return None
+        earliest = min(refused.values())
+        wait = (earliest - self.output_rate_clock()) / 1e9
+        return min(MAX_IDLE_WAIT_S, wait) if wait > 0 else 0.0
+
+    def output_rate_wake_target_ns(self) -> int | None:
+        """The earliest ready_at among users refused in the last step."""
+        refused = self._orl_refused
+        return min(refused.values()) if refused else None
+
+
+class OutputRateScheduler(OutputRateSchedulerMixin, Scheduler):
+    """vLLM's synchronous ``Scheduler`` with per-user output-rate limits."""
+
+
+class OutputRateAsyncScheduler(OutputRateSchedulerMixin, AsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with per-user output-rate limits."""
