@@ -1,0 +1,207 @@
+"""A small streaming client for the OpenAI-compatible server, and a server runner.
+
+Used by the demo and the end-to-end tests: it records, for every streamed
+chunk, when it arrived and how many completion tokens the server had counted
+by then (``continuous_usage_stats``), so token counts are exact even when a
+chunk carries no text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass
+class StreamResult:
+    user: str
+    max_tokens: int
+    #: (arrival time in s, completion tokens counted so far) per chunk
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+    started: float = 0.0
+
+    @property
+    def first(self) -> float | None:
+        return next((t for t, n in self.chunks if n > 0), None)
+
+    @property
+    def last(self) -> float | None:
+        return self.chunks[-1][0] if self.chunks else None
+
+
+async def stream_chat(
+    client: httpx.AsyncClient,
+    base_url: str,
+    model: str,
+    user: str | None,
+    max_tokens: int,
+    prompt: str = "Explain continuous batching.",
+    ignore_eos: bool = True,
+    on_tokens: Any = None,
+) -> StreamResult:
+    """One streaming chat completion; never raises (errors are recorded)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": ignore_eos,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if user is not None:
+        body["vllm_xargs"] = {"output_rate_user": user}
+    result = StreamResult(user or "__anonymous__", max_tokens, started=time.monotonic())
+    import json
+
+    try:
+        async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.monotonic()
+                data = json.loads(line[6:])
+                usage = data.get("usage") or {}
+                count = usage.get("completion_tokens", result.completion_tokens)
+                for choice in data.get("choices") or ():
+                    if choice.get("finish_reason"):
+                        result.finish_reason = choice["finish_reason"]
+                if count > result.completion_tokens or not result.chunks:
+                    result.chunks.append((now, count))
+                if on_tokens is not None and count > result.completion_tokens:
+                    on_tokens(count - result.completion_tokens)
+                result.completion_tokens = count
+    except Exception as exc:  # recorded, never raised: one stream must not kill a run
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result
+
+
+@dataclass
+class UserSummary:
+    user: str
+    limit: Fraction | None
+    streams: int
+    tokens: int
+    span_s: float
+    rate: float
+    errors: int
+    complete: int
+
+
+def summarize(results: list[StreamResult], limits: dict[str, Fraction | None]) -> list[UserSummary]:
+    """Per user: tokens, first-to-last-token span and rate over it."""
+    by_user: dict[str, list[StreamResult]] = {}
+    for r in results:
+        by_user.setdefault(r.user, []).append(r)
+    out = []
+    for user, rs in by_user.items():
+        firsts = [r.first for r in rs if r.first is not None]
+        lasts = [r.last for r in rs if r.last is not None]
+        tokens = sum(r.completion_tokens for r in rs)
+        span = (max(lasts) - min(firsts)) if firsts and lasts else 0.0
+        rate = (tokens - 1) / span if span > 0 else 0.0
+        out.append(UserSummary(
+            user, limits.get(user), len(rs), tokens, span, rate,
+            sum(r.error is not None for r in rs),
+            sum(r.completion_tokens == r.max_tokens and r.error is None for r in rs),
+        ))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``vllm-output-rate serve`` in a subprocess, on loopback."""
+
+    def __init__(self, model: str, args: list[str], log_path: str | os.PathLike[str], port: int | None = None):
+        self.model = model
+        self.port = port or free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.args = args
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 300.0) -> Server:
+        env = dict(os.environ)
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        env.setdefault("DO_NOT_TRACK", "1")
+        cmd = [sys.executable, "-m", "vllm_patch.cli", "serve", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--served-model-name", "tiny", *self.args]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}\n"
+                                   + self.log_tail())
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.stop()
+        raise TimeoutError(f"server not ready after {timeout_s}s; log: {self.log_path}\n" + self.log_tail())
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+async def run_load(base_url: str, plan: list[tuple[str | None, int, int]], model: str = "tiny",
+                   progress: Any = None) -> list[StreamResult]:
+    """Run ``plan`` = [(user, streams, max_tokens)] concurrently.
+
+    ``progress`` (a tqdm bar, say) gets ``update(n)`` for every n tokens.
+    """
+    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    on_tokens = progress.update if progress is not None else None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        return list(await asyncio.gather(*(
+            stream_chat(client, base_url, model, user, max_tokens, on_tokens=on_tokens)
+            for user, streams, max_tokens in plan
+            for _ in range(streams)
+        )))
