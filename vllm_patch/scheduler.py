@@ -112,14 +112,9 @@ class OutputRateSchedulerMixin:
         self._orl_prefix_caching = bool(self.cache_config.enable_prefix_caching)
         self._orl_priority = self.policy == SchedulingPolicy.PRIORITY
         self._orl_step_no = 0
-        # (user, priority) -> id of the stream served last, for rotation.
-        self._orl_last_served: dict[tuple[str, int], str] = {}
-        # user -> when it was last served (ns), for cross-user order.
-        self._orl_user_served_ns: dict[str, int] = {}
         self._orl_begin(self.output_rate_clock())
         self.output_rate_last_step = self._orl_record
         self._orl_upstream_allocate = self.kv_cache_manager.allocate_slots
-        self.kv_cache_manager.allocate_slots = self._orl_allocate_slots
 
         from vllm_patch import engine_loop
 
@@ -142,28 +137,27 @@ class OutputRateSchedulerMixin:
     # -- requests --------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        # Resolved once per request; read by attribute on every step after.
         request.output_rate_user = resolve_user(
             request.sampling_params.extra_args if request.sampling_params else None
         )
+        # When a token was last dispatched for it (rotation, cross-user order).
+        request.output_rate_served_ns = 0
         super().add_request(request)
-
-    @staticmethod
-    def _orl_user(request: Request) -> str:
-        user = getattr(request, "output_rate_user", None)
-        if user is None:
-            sp = request.sampling_params
-            user = request.output_rate_user = resolve_user(
-                sp.extra_args if sp else None
-            )
-        return user
 
     # -- the step --------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any):
         now = self.output_rate_clock()
         self._orl_begin(now)
-        if len(self.running) > 1:
-            self._orl_order_running(now)
+        short = len(self.running) > 1 and self._orl_order_running(now)
+        # Throttled victims exist only when some user is short of budget;
+        # otherwise keep vLLM's allocate_slots unwrapped (hot path).
+        manager = self.kv_cache_manager
+        if short:
+            manager.allocate_slots = self._orl_allocate_slots
+        elif "allocate_slots" in manager.__dict__:
+            del manager.allocate_slots
         output = super().schedule(*args, **kwargs)
         self._orl_finish(output.num_scheduled_tokens, output.preempted_req_ids)
         return output
@@ -173,41 +167,33 @@ class OutputRateSchedulerMixin:
         self._orl_now = now
         record = OutputRateStep(self._orl_step_no, now)
         self._orl_record = record
-        self._orl_charged: dict[str, tuple[str, int]] = {}
+        self._orl_charged: dict[str, Request] = {}
         self._orl_refused = record.refused
         self._orl_throttled = record.throttled
         self._orl_throttled_running = 0
         self._orl_active = 0
         self._orl_block_admission = False
         if self._orl_step_no % CLEANUP_EVERY_STEPS == 0:
-            self._orl_cleanup(now)
+            self.output_rate_limiter.cleanup_idle_users(now)
 
-    def _orl_cleanup(self, now: int) -> None:
-        for user in self.output_rate_limiter.cleanup_idle_users(now):
-            self._orl_user_served_ns.pop(user, None)
-        requests = self.requests
-        stale = [k for k, rid in self._orl_last_served.items() if rid not in requests]
-        for key in stale:
-            del self._orl_last_served[key]
-
-    def _orl_order_running(self, now: int) -> None:
+    def _orl_order_running(self, now: int) -> bool:
         """Rotate, move users without budget back, longest-waiting user first.
 
         Only reorders when it matters: when some user has fewer tokens than
         running streams, or when more requests could run than the active cap.
+        Returns whether some user is short of budget.
         """
         running = self.running
-        user_of = self._orl_user
         streams: dict[str, int] = {}
         for request in running:
-            user = user_of(request)
+            user = request.output_rate_user
             streams[user] = streams.get(user, 0) + 1
         limiter = self.output_rate_limiter
         budget = {user: limiter.available(user, now) for user in streams}
         short = any(budget[user] < n for user, n in streams.items())
         cap_binds = len(running) > self._orl_base_active
         if not short and not cap_binds:
-            return
+            return False
         if short:
             running = self._orl_rotated(running)
         ready: list[Request] = []
@@ -224,6 +210,7 @@ class OutputRateSchedulerMixin:
         if len(ready) > self._orl_base_active:
             ready = self._orl_longest_waiting_first(ready)
         self.running[:] = ready + throttled
+        return short
 
     def _orl_rotated(self, running: list[Request]) -> list[Request]:
         """Each (user, priority) group starts after its stream served last."""
@@ -232,21 +219,26 @@ class OutputRateSchedulerMixin:
             groups.setdefault(
                 (request.output_rate_user, request.priority), []
             ).append(request)
-        last_served = self._orl_last_served
         turns: dict[tuple[str, int], Any] = {}
         for key, members in groups.items():
-            last = last_served.get(key)
-            if len(members) > 1 and last is not None:
+            if len(members) > 1:
+                # the last, in running order, of those served most recently
+                last, latest = -1, 0
                 for i, request in enumerate(members):
-                    if request.request_id == last:
-                        members = members[i + 1 :] + members[: i + 1]
-                        break
+                    if request.output_rate_served_ns and request.output_rate_served_ns >= latest:
+                        last, latest = i, request.output_rate_served_ns
+                if last >= 0:
+                    members = members[last + 1 :] + members[: last + 1]
             turns[key] = iter(members)
         return [next(turns[(r.output_rate_user, r.priority)]) for r in running]
 
     def _orl_longest_waiting_first(self, ready: list[Request]) -> list[Request]:
         """Interleave users, the one served longest ago first."""
-        served = self._orl_user_served_ns
+        served: dict[str, int] = {}
+        for request in self.running:
+            user = request.output_rate_user
+            if request.output_rate_served_ns > served.get(user, 0):
+                served[user] = request.output_rate_served_ns
         rank: dict[str, int] = {}
         keyed = []
         for position, request in enumerate(ready):
@@ -262,25 +254,31 @@ class OutputRateSchedulerMixin:
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
-        num_new_tokens = super()._reserve_prefill_lookahead(
-            request, num_computed_tokens, num_new_tokens
-        )
+        if self.num_prefill_lookahead:  # 0 unless multi-module MTP drafting
+            num_new_tokens = super()._reserve_prefill_lookahead(
+                request, num_computed_tokens, num_new_tokens
+            )
         if num_new_tokens <= 0:
-            return num_new_tokens
+            return 0
         running = request.status == _RUNNING
         if running and self._orl_active >= self._orl_base_active:
             self._orl_record.cap_deferred += 1
             return 0
-        if num_computed_tokens + num_new_tokens >= request.num_tokens:
-            # This step samples a token: charge one, once per step.
+        # A step samples when it reaches the end of the known sequence. A
+        # running request past its prefill always does (checked first: cheap).
+        if (running and not request.is_prefill_chunk) or (
+            num_computed_tokens + num_new_tokens >= request.num_tokens
+        ):
+            # Charge one token, once per step.
             charged = self._orl_charged
-            if request.request_id not in charged:
+            req_id = request.request_id
+            if req_id not in charged:
                 user = request.output_rate_user
                 if user in self._orl_refused or not self.output_rate_limiter.try_take(
                     user, self._orl_now
                 ):
                     return self._orl_refuse(request, user, num_computed_tokens)
-                charged[request.request_id] = (user, request.priority)
+                charged[req_id] = request
         if running:
             self._orl_active += 1
         return num_new_tokens
@@ -311,7 +309,7 @@ class OutputRateSchedulerMixin:
             # We preempted a throttled request in this step; like vLLM after
             # its own preemptions, admit nothing new in this step.
             return False
-        user = self._orl_user(request)
+        user = request.output_rate_user
         if user not in self._orl_refused:
             if self.output_rate_limiter.would_allow(user, self._orl_now):
                 return True
@@ -371,7 +369,7 @@ class OutputRateSchedulerMixin:
             if r.request_id not in charged
             and (
                 r.output_rate_user in refused
-                or not limiter.would_allow(self._orl_user(r), now)
+                or not limiter.would_allow(r.output_rate_user, now)
             )
             and self._request_blocks_can_be_freed(r)
         ]
@@ -389,18 +387,15 @@ class OutputRateSchedulerMixin:
 
     def _orl_finish(self, scheduled: dict[str, int], preempted: set[str]) -> None:
         record = self._orl_record
-        limiter = self.output_rate_limiter
-        last_served = self._orl_last_served
-        served_users = self._orl_user_served_ns
         now = self._orl_now
         kept = record.charged
-        for req_id, (user, priority) in self._orl_charged.items():
+        for req_id, request in self._orl_charged.items():
             if req_id in scheduled:
-                kept[req_id] = user
-                last_served[(user, priority)] = req_id
-                served_users[user] = now
+                kept[req_id] = request.output_rate_user
+                request.output_rate_served_ns = now
             else:
-                limiter.refund(user)
+                user = request.output_rate_user
+                self.output_rate_limiter.refund(user)
                 reason = "preempted" if req_id in preempted else "not_scheduled"
                 record.refunded.append((req_id, user, reason))
         self.output_rate_last_step = record

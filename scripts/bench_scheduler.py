@@ -1,0 +1,105 @@
+"""Scheduler cost with the limiter on vs off, side by side in one run.
+
+Drives the real vLLM Scheduler and KV cache manager with synthetic model
+outputs (no model), R requests resident and decoding, spread over U users.
+A share of the users is throttled (0.001 tok/s: after their first token they
+are refused every step); the others have a limit that never binds.
+
+Reports per-step ``schedule()`` + ``update_from_output()`` time, as the
+median over interleaved blocks (on, off, on, off, ...) so that machine noise
+hits both alike, and the ratio on/off. With the limiter off every resident
+request runs every step; with it on, throttled requests are skipped.
+
+    .venv/bin/python scripts/bench_scheduler.py            # full grid
+    .venv/bin/python scripts/bench_scheduler.py --quick    # R=64,256 only
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from harness import FakeClock, make_request, make_scheduler, model_output_for  # noqa: E402
+
+PROMPT = 16
+NEVER_BINDS = 10**9
+THROTTLED = "0.001"
+
+
+def build(limited: bool, running: int, users: int, throttled_share: float):
+    # Requests go to users in contiguous blocks, so that the throttled share
+    # of users is also the throttled share of requests.
+    users = min(users, running)
+    throttled_users = round(users * throttled_share)
+    user_names = [f"u{i}" for i in range(users)]
+    limits = None
+    if limited:
+        limits = {
+            "default_user_output_tokens_per_second": NEVER_BINDS,
+            "user_output_tokens_per_second": {u: THROTTLED for u in user_names[:throttled_users]},
+        }
+    clock = FakeClock()
+    sched = make_scheduler(
+        limits, clock=clock, num_blocks=running * 16, max_num_seqs=running,
+        max_num_batched_tokens=max(2048, running * PROMPT), max_model_len=4096,
+        enable_prefix_caching=False,
+    )
+    for i in range(running):
+        sched.add_request(make_request(user_names[i * users // running], prompt_len=PROMPT, max_tokens=4000))
+    return sched, clock
+
+
+def step(sched, clock) -> float:
+    t0 = time.perf_counter()
+    out = sched.schedule()
+    t1 = time.perf_counter()
+    mro = model_output_for(sched, out)
+    t2 = time.perf_counter()
+    sched.update_from_output(out, mro)
+    t3 = time.perf_counter()
+    clock.advance_ms(10)
+    return (t1 - t0) + (t3 - t2)
+
+
+def measure(running: int, users: int, share: float, blocks: int, block_steps: int):
+    on = build(True, running, users, share)
+    off = build(False, running, users, share)
+    for pair in (on, off):  # prefill + a few decode steps: steady state
+        for _ in range(5):
+            step(*pair)
+    on_times, off_times = [], []
+    for _ in range(blocks):
+        on_times.append(statistics.median(step(*on) for _ in range(block_steps)))
+        off_times.append(statistics.median(step(*off) for _ in range(block_steps)))
+    active = len(on[0].output_rate_last_step.charged)
+    return statistics.median(on_times), statistics.median(off_times), active
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="skip R=1024")
+    parser.add_argument("--blocks", type=int, default=7)
+    parser.add_argument("--block-steps", type=int, default=9)
+    args = parser.parse_args()
+    sizes = [64, 256] if args.quick else [64, 256, 1024]
+    rows = []
+    print("| R | users | throttled share | active/step (on) | on ms/step | off ms/step | on/off |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for running in sizes:
+        for users in (1, 16, 256):
+            for share in (0.0, 0.5, 0.9):
+                if users == 1 and share > 0:
+                    continue  # one user is either throttled or not
+                on, off, active = measure(running, users, share, args.blocks, args.block_steps)
+                rows.append((running, users, share, active, on, off))
+                print(f"| {running} | {users} | {share:.0%} | {active} | {on * 1e3:.3f} | "
+                      f"{off * 1e3:.3f} | {on / off:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
