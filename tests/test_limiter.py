@@ -209,3 +209,21 @@ def test_refund_restores_exactly_one_token(rate, gaps):
             lim.refund("u")
             assert lim.available("u", t) == before
             assert lim.try_take("u", t)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rate=rates, gaps=gaps, data=st.data())
+def test_take_n_equals_n_single_takes(rate, gaps, data):
+    """A step's net charge settled at once equals one try_take per token."""
+    bulk, single = OutputRateLimiter(rate), OutputRateLimiter(rate)
+    t = T0
+    for gap in gaps:
+        t += gap
+        avail = bulk.available("u", t)
+        assert avail == single.available("u", t)
+        n = data.draw(st.integers(0, min(avail, 50)))
+        bulk.take("u", t, n)
+        for _ in range(n):
+            assert single.try_take("u", t)
+        assert bulk.available("u", t) == single.available("u", t)
+        assert bulk.ready_at_ns("u") == single.ready_at_ns("u") or n == 0

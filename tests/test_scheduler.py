@@ -84,11 +84,11 @@ def test_charge_only_on_sampling_steps(is_async):
     for _ in range(4):  # 32 + 32 + 32 + 4 prompt tokens
         out = drv.step()
         charges.append((out.num_scheduled_tokens[req.request_id],
-                        dict(sched.output_rate_last_step.charged)))
+                        sched.output_rate_last_step.charged_users()))
     assert [c[1] for c in charges[:3]] == [{}, {}, {}]
     assert charges[3] == (4, {req.request_id: "a"})  # final chunk samples: 1
     out = drv.step()
-    assert sched.output_rate_last_step.charged == {req.request_id: "a"}  # decode: 1
+    assert sched.output_rate_last_step.charged_users() == {req.request_id: "a"}  # decode: 1
 
 
 @pytest.mark.parametrize("is_async", MODES)
@@ -152,8 +152,8 @@ def test_refused_user_is_asked_once_per_step(is_async, monkeypatch):
     drv.add(*[make_request("a", max_tokens=10) for _ in range(8)])
     drv.run(3)
     calls = []
-    real = sched.output_rate_limiter.try_take
-    monkeypatch.setattr(sched.output_rate_limiter, "try_take",
+    real = sched.output_rate_limiter.available
+    monkeypatch.setattr(sched.output_rate_limiter, "available",
                         lambda u, now: calls.append(u) or real(u, now))
     drv.step()
     assert len(sched.output_rate_last_step.throttled) == 8
@@ -190,7 +190,7 @@ def test_chunked_prefill_stops_one_short_without_budget(is_async):
     drv.add(req)
     out = drv.step()
     assert out.num_scheduled_tokens == {req.request_id: 49}
-    assert sched.output_rate_last_step.charged == {}
+    assert sched.output_rate_last_step.charged_users() == {}
     assert req.status == RequestStatus.RUNNING
     for _ in range(10):
         out = drv.step()

@@ -130,6 +130,20 @@ class OutputRateLimiter:
         st.tat = (tat if tat > now else now) + st.step
         return True
 
+    def take(self, user: str, now_ns: int, n: int) -> None:
+        """Take ``n`` tokens at ``now_ns`` at once (``n <= available(...)``).
+
+        The same as ``n`` successful ``try_take`` calls at ``now_ns``; the
+        scheduler uses it to settle a step's net charges per user.
+        """
+        if n <= 0:
+            return
+        st = self._users.get(user)
+        if st is None:
+            st = self._new_state(user, now_ns)
+        now = now_ns * st.num
+        st.tat = (st.tat if st.tat > now else now) + n * st.step
+
     def refund(self, user: str) -> None:
         """Give back one token taken by ``try_take`` (TAT -= 1/rate)."""
         st = self._users.get(user)

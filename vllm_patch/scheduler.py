@@ -57,8 +57,8 @@ class OutputRateStep:
 
     step: int
     now_ns: int
-    #: request id -> user, for every token charged (and kept) in this step.
-    charged: dict[str, str] = field(default_factory=dict)
+    #: request id -> request, for every token charged (and kept) in this step.
+    charged: dict[str, Request] = field(default_factory=dict)
     #: (request id, user, reason) for every token given back.
     refunded: list[tuple[str, str, str]] = field(default_factory=list)
     #: running requests skipped because their user had no budget.
@@ -73,6 +73,10 @@ class OutputRateStep:
     cap_deferred: int = 0
     #: throttled requests preempted in place of a request with budget.
     preempted_throttled: list[str] = field(default_factory=list)
+
+    def charged_users(self) -> dict[str, str]:
+        """request id -> user of every token charged and kept in this step."""
+        return {rid: r.output_rate_user for rid, r in self.charged.items()}
 
 
 def output_rate_config_of(vllm_config: Any) -> OutputRateConfig | None:
@@ -149,8 +153,15 @@ class OutputRateSchedulerMixin:
 
     def schedule(self, *args: Any, **kwargs: Any):
         now = self.output_rate_clock()
+        # Reordering only matters once some user ran short (a step refused
+        # someone: until then every sampling stream was served in running
+        # order) or when more requests are resident than may run.
+        was_short = bool(self._orl_refused)
         self._orl_begin(now)
-        short = len(self.running) > 1 and self._orl_order_running(now)
+        running = len(self.running)
+        short = running > 1 and (was_short or running > self._orl_base_active) and (
+            self._orl_order_running()
+        )
         # Throttled victims exist only when some user is short of budget;
         # otherwise keep vLLM's allocate_slots unwrapped (hot path).
         manager = self.kv_cache_manager
@@ -167,8 +178,12 @@ class OutputRateSchedulerMixin:
         self._orl_now = now
         record = OutputRateStep(self._orl_step_no, now)
         self._orl_record = record
-        self._orl_charged: dict[str, Request] = {}
+        self._orl_charged = record.charged
         self._orl_refused = record.refused
+        # user -> tokens it may still take in this step (asked once per user)
+        self._orl_allow: dict[str, int] = {}
+        # user -> tokens it could take at the start of this step
+        self._orl_allow_start: dict[str, int] = {}
         self._orl_throttled = record.throttled
         self._orl_throttled_running = 0
         self._orl_active = 0
@@ -176,7 +191,7 @@ class OutputRateSchedulerMixin:
         if self._orl_step_no % CLEANUP_EVERY_STEPS == 0:
             self.output_rate_limiter.cleanup_idle_users(now)
 
-    def _orl_order_running(self, now: int) -> bool:
+    def _orl_order_running(self) -> bool:
         """Rotate, move users without budget back, longest-waiting user first.
 
         Only reorders when it matters: when some user has fewer tokens than
@@ -188,8 +203,8 @@ class OutputRateSchedulerMixin:
         for request in running:
             user = request.output_rate_user
             streams[user] = streams.get(user, 0) + 1
-        limiter = self.output_rate_limiter
-        budget = {user: limiter.available(user, now) for user in streams}
+        # Asks the limiter once per user: the hook reads the same allowance.
+        budget = {user: self._orl_budget(user) for user in streams}
         short = any(budget[user] < n for user, n in streams.items())
         cap_binds = len(running) > self._orl_base_active
         if not short and not cap_binds:
@@ -274,19 +289,25 @@ class OutputRateSchedulerMixin:
             req_id = request.request_id
             if req_id not in charged:
                 user = request.output_rate_user
-                if user in self._orl_refused or not self.output_rate_limiter.try_take(
-                    user, self._orl_now
-                ):
+                left = self._orl_allow.get(user)
+                if left is None:
+                    left = self._orl_budget(user)
+                if left <= 0:
                     return self._orl_refuse(request, user, num_computed_tokens)
+                self._orl_allow[user] = left - 1
                 charged[req_id] = request
         if running:
             self._orl_active += 1
         return num_new_tokens
 
+    def _orl_budget(self, user: str) -> int:
+        """First look at ``user`` in this step: how many tokens it may take."""
+        left = self.output_rate_limiter.available(user, self._orl_now)
+        self._orl_allow[user] = self._orl_allow_start[user] = left
+        return left
+
     def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
-        refused = self._orl_refused
-        if user not in refused:
-            refused[user] = self.output_rate_limiter.ready_at_ns(user)
+        self._orl_refused[user] = 0  # ready time filled in when the step ends
         running = request.status == _RUNNING
         if self._orl_chunked:
             # Advance the prefill to the second-to-last position; the first
@@ -310,10 +331,12 @@ class OutputRateSchedulerMixin:
             # its own preemptions, admit nothing new in this step.
             return False
         user = request.output_rate_user
-        if user not in self._orl_refused:
-            if self.output_rate_limiter.would_allow(user, self._orl_now):
-                return True
-            self._orl_refused[user] = self.output_rate_limiter.ready_at_ns(user)
+        left = self._orl_allow.get(user)
+        if left is None:
+            left = self._orl_budget(user)
+        if left > 0:
+            return True
+        self._orl_refused[user] = 0
         if self._orl_chunked and self._can_hold_prefill(request):
             return True
         self._orl_record.waiting_skipped += 1
@@ -361,18 +384,16 @@ class OutputRateSchedulerMixin:
             start = running.index(request) + 1
         except ValueError:
             return None
-        limiter, now, refused = self.output_rate_limiter, self._orl_now, self._orl_refused
-        charged = self._orl_charged
-        candidates = [
-            r
-            for r in running[start:]
-            if r.request_id not in charged
-            and (
-                r.output_rate_user in refused
-                or not limiter.would_allow(r.output_rate_user, now)
-            )
-            and self._request_blocks_can_be_freed(r)
-        ]
+        charged, allow = self._orl_charged, self._orl_allow
+        candidates = []
+        for r in running[start:]:
+            if r.request_id in charged or not self._request_blocks_can_be_freed(r):
+                continue
+            left = allow.get(r.output_rate_user)
+            if left is None:
+                left = self._orl_budget(r.output_rate_user)
+            if left <= 0:
+                candidates.append(r)
         if not candidates:
             return None
         if self._orl_priority:
@@ -387,17 +408,28 @@ class OutputRateSchedulerMixin:
 
     def _orl_finish(self, scheduled: dict[str, int], preempted: set[str]) -> None:
         record = self._orl_record
-        now = self._orl_now
-        kept = record.charged
-        for req_id, request in self._orl_charged.items():
-            if req_id in scheduled:
-                kept[req_id] = request.output_rate_user
+        charged = record.charged
+        allow = self._orl_allow
+        for req_id in charged.keys() - scheduled.keys():
+            # The single refund point: charged but not dispatched.
+            user = charged.pop(req_id).output_rate_user
+            allow[user] += 1
+            reason = "preempted" if req_id in preempted else "not_scheduled"
+            record.refunded.append((req_id, user, reason))
+        # Settle the step: the net charge of each user, taken at `now` (the
+        # same as one try_take per charge and one refund per give-back).
+        limiter, now = self.output_rate_limiter, self._orl_now
+        for user, start in self._orl_allow_start.items():
+            limiter.take(user, now, start - allow[user])
+        refused = record.refused
+        for user in refused:
+            refused[user] = limiter.ready_at_ns(user)
+        if refused or len(self.running) > self._orl_base_active:
+            # Served times feed the next step's rotation, which only runs
+            # after a step that refused someone (see schedule()).
+            now = self._orl_now
+            for request in charged.values():
                 request.output_rate_served_ns = now
-            else:
-                user = request.output_rate_user
-                self.output_rate_limiter.refund(user)
-                reason = "preempted" if req_id in preempted else "not_scheduled"
-                record.refunded.append((req_id, user, reason))
         self.output_rate_last_step = record
         observer = self.output_rate_observer
         if observer is not None:
