@@ -83,8 +83,8 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
-    parser.add_argument("--blocks", type=int, default=7)
-    parser.add_argument("--block-steps", type=int, default=9)
+    parser.add_argument("--blocks", type=int, default=15)
+    parser.add_argument("--block-steps", type=int, default=5)
     args = parser.parse_args()
     sizes = [64, 256] if args.quick else [64, 256, 1024]
     rows = []
