@@ -52,6 +52,7 @@ def test_limited_users_get_their_limit_and_complete(server):
     assert all(r.completion_tokens == r.max_tokens for r in results)
     assert all(r.finish_reason == "length" for r in results)
     summary = {s.user: s for s in summarize(results, {})}
+    print("\nlimited users:", {u: round(s.rate, 2) for u, s in summary.items()})
     for user in ("user-a", "user-b"):
         s, limit = summary[user], LIMITS[user]
         # GCRA bound over the user's first-to-last-token span, one step of slack
@@ -64,6 +65,7 @@ def test_unlimited_user_is_not_slowed_by_limited_load(server):
     alone = summarize(load(server, [("user-c", 1, 900)]), {})[0]
     results = load(server, [("user-a", 4, 60), ("user-b", 2, 200), ("user-c", 1, 900)])
     with_load = {s.user: s for s in summarize(results, {})}["user-c"]
+    print(f"\nuser-c alone {alone.rate:.0f} tok/s, beside limited load {with_load.rate:.0f} tok/s")
     assert with_load.tokens == 900
     # Without the limiter user-a's and user-b's six streams would share every
     # step with user-c and roughly halve its rate on this machine.
@@ -108,5 +110,6 @@ def test_engine_core_does_not_spin_while_all_users_are_throttled(server):
         return busy / (t1 - t0), results
 
     share, results = asyncio.run(measure())
+    print(f"\nengine-core CPU while every user is throttled: {share:.2%} of a core")
     assert all(r.completion_tokens == 5 and r.error is None for r in results)
     assert share < 0.05, f"engine core used {share:.1%} of a core while idle-throttled"
