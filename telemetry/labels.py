@@ -1,0 +1,125 @@
+"""Bounded ``user`` label values for per-user metrics.
+
+Pure logic: imports nothing from vLLM or Prometheus.
+
+A per-user label on an engine that anyone can send requests to is a
+cardinality bomb: a million distinct user ids would be a million series. The
+``user`` label therefore takes at most ``len(pinned) + top_k + 1`` values:
+
+* every *pinned* user (those with a configured limit) keeps its own label;
+* the ``top_k`` most active other users (output tokens, decayed per
+  rebalance) get their own label;
+* everybody else is ``__other__``.
+
+Activity of unlabelled users is tracked with the space-saving heavy-hitter
+algorithm in at most ``4 * top_k`` entries, so memory stays bounded whatever
+the number of distinct ids. Label values are sanitized: control and other non-printable characters
+become ``_`` and values are cut to ``max_len`` characters (a cut value gets a
+short hash suffix so that two long ids do not merge silently).
+
+The hot path is ``label(user)``: one dict lookup. ``observe()`` is meant to be
+called once per user per step with that step's token count, and
+``rebalance()`` off the hot path (at export time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+OTHER = "__other__"
+
+
+def sanitize(user: str, max_len: int = 64) -> str:
+    """A safe label value for ``user``: printable, at most ``max_len`` chars."""
+    clean = user if user.isprintable() else "".join(
+        c if c.isprintable() else "_" for c in user
+    )
+    if len(clean) > max_len:
+        digest = hashlib.blake2s(user.encode("utf-8", "surrogatepass"), digest_size=4).hexdigest()
+        clean = f"{clean[: max_len - 9]}~{digest}"
+    return clean or "_"
+
+
+class UserLabeler:
+    """Maps user ids to a bounded set of label values."""
+
+    def __init__(
+        self,
+        pinned: Iterable[str] = (),
+        top_k: int = 100,
+        max_len: int = 64,
+        decay: float = 0.5,
+    ) -> None:
+        if top_k < 0:
+            raise ValueError(f"top_k must not be negative, got {top_k}")
+        if not 0.0 <= decay <= 1.0:
+            raise ValueError(f"decay must be within [0, 1], got {decay}")
+        self.top_k = top_k
+        self.max_len = max_len
+        self.decay = decay
+        self.capacity = max(4 * top_k, 16)
+        self.pinned = {u: sanitize(u, max_len) for u in pinned}
+        #: user -> label value, for every user with a label of its own
+        self._labels: dict[str, str] = dict(self.pinned)
+        #: unpinned users -> decayed activity (space-saving counters)
+        self._activity: dict[str, float] = {}
+
+    @property
+    def max_values(self) -> int:
+        """Most distinct label values this labeler can ever produce."""
+        return len(set(self.pinned.values())) + self.top_k + 1
+
+    def label(self, user: str) -> str:
+        """The label value of ``user`` now: its own, or ``__other__``."""
+        return self._labels.get(user, OTHER)
+
+    def labelled_users(self) -> dict[str, str]:
+        """user -> label value of every user with a label of its own."""
+        return dict(self._labels)
+
+    def observe(self, user: str, tokens: float) -> None:
+        """Count ``tokens`` of activity for ``user`` (bounded memory)."""
+        if user in self.pinned or tokens <= 0:
+            return
+        activity = self._activity
+        if user in activity:
+            activity[user] += tokens
+        elif len(activity) < self.capacity:
+            activity[user] = tokens
+        else:
+            # space-saving: the new user takes over the smallest counter
+            victim = min(activity, key=activity.__getitem__)
+            floor = activity.pop(victim)
+            activity[user] = floor + tokens
+
+    def rebalance(self) -> tuple[list[str], list[str]]:
+        """Give the ``top_k`` most active unpinned users their own label.
+
+        Returns ``(added, evicted)`` users, so that the exporter can remove
+        the series of evicted users. Decays activity for the next round.
+        """
+        ranked = sorted(self._activity.items(), key=lambda kv: (-kv[1], kv[0]))
+        top = {u for u, a in ranked[: self.top_k] if a > 0}
+        current = {u for u in self._labels if u not in self.pinned}
+        evicted = sorted(current - top)
+        added = sorted(top - current)
+        for user in evicted:
+            del self._labels[user]
+        taken = set(self._labels.values())
+        for user in added:
+            value = sanitize(user, self.max_len)
+            if value in taken or value == OTHER:
+                # Two ids that sanitize alike (or spoof the overflow bucket)
+                # must not share a series: keep the newcomer in __other__.
+                continue
+            self._labels[user] = value
+            taken.add(value)
+        if self.decay < 1.0:
+            for user in list(self._activity):
+                value = self._activity[user] * self.decay
+                if value < 1e-3:
+                    del self._activity[user]
+                else:
+                    self._activity[user] = value
+        return added, evicted

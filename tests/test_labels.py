@@ -1,0 +1,89 @@
+"""Bounded user labels: cap, overflow bucket, sanitizing, exact totals."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from telemetry.labels import OTHER, UserLabeler, sanitize
+
+
+def test_pinned_users_always_have_their_label():
+    lab = UserLabeler(pinned=["gold", "silver"], top_k=2)
+    for i in range(1000):
+        lab.observe(f"noise-{i}", 5)
+    lab.rebalance()
+    assert lab.label("gold") == "gold" and lab.label("silver") == "silver"
+
+
+def test_top_k_most_active_get_labels_others_overflow():
+    lab = UserLabeler(top_k=3)
+    for user, tokens in [("a", 100), ("b", 90), ("c", 80), ("d", 1), ("e", 2)]:
+        lab.observe(user, tokens)
+    added, evicted = lab.rebalance()
+    assert added == ["a", "b", "c"] and evicted == []
+    assert lab.label("d") == OTHER and lab.label("a") == "a"
+    # d becomes the busiest: it replaces the least active, whose series must go
+    for _ in range(3):
+        lab.observe("d", 1000)
+        lab.observe("a", 1)
+        lab.observe("b", 1)
+    added, evicted = lab.rebalance()
+    assert added == ["d"] and evicted == ["c"]
+    assert lab.label("c") == OTHER
+
+
+def test_ten_thousand_users_give_at_most_cap_plus_one_values_and_exact_totals():
+    lab = UserLabeler(pinned=["vip"], top_k=100)
+    per_label: Counter[str] = Counter()
+    total = 0
+    for step in range(50):
+        for i in range(200):
+            user = f"user-{step * 200 + i}" if i else "vip"
+            tokens = 1 + (i % 7)
+            lab.observe(user, tokens)
+            per_label[lab.label(user)] += tokens
+            total += tokens
+        lab.rebalance()
+    assert len(per_label) <= lab.max_values == 102
+    assert sum(per_label.values()) == total
+    assert len(lab._activity) <= lab.capacity
+
+
+def test_sanitize_removes_control_characters_and_caps_length():
+    assert sanitize("a\nb\x00c\x7f") == "a_b_c_"
+    long_a, long_b = "x" * 100 + "a", "x" * 100 + "b"
+    assert len(sanitize(long_a)) == 64
+    assert sanitize(long_a) != sanitize(long_b)
+    assert sanitize("") == "_"
+
+
+def test_spoofing_the_overflow_bucket_does_not_get_a_label():
+    lab = UserLabeler(top_k=5)
+    lab.observe(OTHER, 100)
+    lab.rebalance()
+    assert lab.label(OTHER) == OTHER
+    assert OTHER not in lab.labelled_users()
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    top_k=st.integers(0, 20),
+    events=st.lists(st.tuples(st.text(max_size=80), st.integers(1, 50)), max_size=400),
+    rebalance_every=st.integers(1, 50),
+)
+def test_labels_stay_bounded_and_distinct(top_k, events, rebalance_every):
+    lab = UserLabeler(pinned=["p1", "p2"], top_k=top_k)
+    seen: set[str] = set()
+    for i, (user, tokens) in enumerate(events):
+        lab.observe(user, tokens)
+        seen.add(lab.label(user))
+        if i % rebalance_every == 0:
+            lab.rebalance()
+            values = list(lab.labelled_users().values())
+            assert len(values) == len(set(values))  # no two users share a series
+            assert len(values) <= 2 + top_k
+        assert len(lab._activity) <= lab.capacity
+    assert all(len(v) <= 64 and v.isprintable() for v in lab.labelled_users().values())
