@@ -17,6 +17,7 @@ request runs every step; with it on, throttled requests are skipped.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -73,9 +74,17 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
         for _ in range(5):
             step(*pair)
     on_times, off_times = [], []
-    for _ in range(blocks):
-        on_times.append(statistics.median(step(*on) for _ in range(block_steps)))
-        off_times.append(statistics.median(step(*off) for _ in range(block_steps)))
+    # The cyclic GC would land its pauses on whichever side allocates when
+    # a threshold trips: collect between blocks, not inside them.
+    gc.disable()
+    try:
+        for _ in range(blocks):
+            gc.collect()
+            on_times.append(statistics.median(step(*on) for _ in range(block_steps)))
+            gc.collect()
+            off_times.append(statistics.median(step(*off) for _ in range(block_steps)))
+    finally:
+        gc.enable()
     active = len(on[0].output_rate_last_step.charged)
     return statistics.median(on_times), statistics.median(off_times), active
 
@@ -83,10 +92,11 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
+    parser.add_argument("--sizes", type=int, nargs="*", help="running requests R to measure")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--block-steps", type=int, default=5)
     args = parser.parse_args()
-    sizes = [64, 256] if args.quick else [64, 256, 1024]
+    sizes = args.sizes or ([64, 256] if args.quick else [64, 256, 1024])
     rows = []
     print("| R | users | throttled share | active/step (on) | on ms/step | off ms/step | on/off |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
