@@ -33,6 +33,8 @@ from vllm_patch.plugin import configure_output_rate
 from vllm_patch.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
+# Schedulers built here export no telemetry unless a test asks for it.
+os.environ.setdefault("VLLM_OUTPUT_RATE_TELEMETRY", "0")
 TINY_MODEL_DIR = Path(os.environ.get("TINY_MODEL_DIR", REPO / ".cache" / "tiny-llama"))
 SAMPLED_TOKEN = 7  # never EOS (1)
 EOS_TOKEN = 1

@@ -42,6 +42,14 @@ class StreamResult:
     def last(self) -> float | None:
         return self.chunks[-1][0] if self.chunks else None
 
+    @property
+    def request_rate(self) -> float:
+        """Tokens per second from sending the request to the last token:
+        robust to chunks that arrive bunched (HTTP buffering)."""
+        if not self.chunks or self.last is None or self.last <= self.started:
+            return 0.0
+        return self.completion_tokens / (self.last - self.started)
+
 
 async def stream_chat(
     client: httpx.AsyncClient,
@@ -133,8 +141,10 @@ def free_port() -> int:
 class Server:
     """``vllm-output-rate serve`` in a subprocess, on loopback."""
 
-    def __init__(self, model: str, args: list[str], log_path: str | os.PathLike[str], port: int | None = None):
+    def __init__(self, model: str, args: list[str], log_path: str | os.PathLike[str],
+                 port: int | None = None, extra_env: dict[str, str] | None = None):
         self.model = model
+        self.extra_env = dict(extra_env or {})
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.args = args
@@ -147,6 +157,7 @@ class Server:
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
+        env.update(self.extra_env)
         cmd = [sys.executable, "-m", "vllm_patch.cli", "serve", self.model,
                "--host", "127.0.0.1", "--port", str(self.port),
                "--served-model-name", "tiny", *self.args]

@@ -217,6 +217,7 @@ def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
         )
     sched = vllm_config.scheduler_config
     sched.scheduler_cls = ASYNC_SCHEDULER if sched.async_scheduling else SYNC_SCHEDULER
+    _setup_telemetry()
     # Canonical form, so the engine core parses exactly what we checked.
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = config.to_dict()
     _feature_on = True
@@ -228,6 +229,25 @@ def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
         sched.scheduler_cls,
     )
     return config
+
+
+def _setup_telemetry() -> None:
+    """In the serving process: a directory for engine snapshots (inherited by
+    the engine core through the environment) and the collector that shows
+    them on vLLM's ``/metrics``. ``VLLM_OUTPUT_RATE_TELEMETRY=0`` turns it off."""
+    import os
+    import tempfile
+
+    from telemetry import collector
+    from telemetry.engine import TELEMETRY_DIR_ENV, TELEMETRY_SWITCH_ENV
+
+    if os.environ.get(TELEMETRY_SWITCH_ENV, "1") == "0":
+        return
+    directory = os.environ.get(TELEMETRY_DIR_ENV)
+    if not directory:
+        directory = tempfile.mkdtemp(prefix="vllm-output-rate-telemetry-")
+        os.environ[TELEMETRY_DIR_ENV] = directory
+    collector.install(directory)
 
 
 # -- beam search ----------------------------------------------------------------

@@ -73,6 +73,9 @@ class OutputRateStep:
     cap_deferred: int = 0
     #: throttled requests preempted in place of a request with budget.
     preempted_throttled: list[str] = field(default_factory=list)
+    #: share of this schedule() call spent in the limiter's step-level code
+    #: (ordering, settling; not the per-request charge hook)
+    limiter_share: float | None = None
 
     def charged_users(self) -> dict[str, str]:
         """request id -> user of every token charged and kept in this step."""
@@ -93,6 +96,8 @@ class OutputRateSchedulerMixin:
     output_rate_clock: Clock = staticmethod(monotonic_clock)
     #: Called with each ``OutputRateStep`` when set (telemetry).
     output_rate_observer: Callable[[OutputRateStep], None] | None = None
+    #: Called with the engine outputs of each update_from_output (telemetry).
+    output_rate_token_observer: Callable[[dict], None] | None = None
 
     # Per-step counters read by the ``max_num_active_reqs`` property while
     # vLLM's __init__ runs, before ours has set anything.
@@ -123,6 +128,9 @@ class OutputRateSchedulerMixin:
         from vllm_patch import engine_loop
 
         engine_loop.install()
+        from telemetry.engine import attach
+
+        self.output_rate_telemetry = attach(self)
 
     # -- vLLM's admission cap -------------------------------------------
 
@@ -152,6 +160,7 @@ class OutputRateSchedulerMixin:
     # -- the step --------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any):
+        t0 = time.perf_counter()
         now = self.output_rate_clock()
         # Reordering only matters once some user ran short (a step refused
         # someone: until then every sampling stream was served in running
@@ -169,9 +178,29 @@ class OutputRateSchedulerMixin:
             manager.allocate_slots = self._orl_allocate_slots
         elif "allocate_slots" in manager.__dict__:
             del manager.allocate_slots
+        t1 = time.perf_counter()
         output = super().schedule(*args, **kwargs)
+        t2 = time.perf_counter()
         self._orl_finish(output.num_scheduled_tokens, output.preempted_req_ids)
+        observer = self.output_rate_observer
+        if observer is not None:
+            t3 = time.perf_counter()
+            self._orl_record.limiter_share = ((t1 - t0) + (t3 - t2)) / (t3 - t0)
+            observer(self._orl_record)
         return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        observer = self.output_rate_token_observer
+        if observer is not None:
+            observer(outputs)
+        return outputs
+
+    def shutdown(self) -> None:
+        telemetry = getattr(self, "output_rate_telemetry", None)
+        if telemetry is not None:
+            telemetry.close()
+        super().shutdown()
 
     def _orl_begin(self, now: int) -> None:
         self._orl_step_no += 1
@@ -431,9 +460,6 @@ class OutputRateSchedulerMixin:
             for request in charged.values():
                 request.output_rate_served_ns = now
         self.output_rate_last_step = record
-        observer = self.output_rate_observer
-        if observer is not None:
-            observer(record)
 
     def output_rate_idle_wait_s(self) -> float | None:
         """How long the engine loop may wait after a step that ran nothing.

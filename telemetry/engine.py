@@ -1,0 +1,307 @@
+"""Engine-side telemetry: aggregate in the scheduler thread, export off it.
+
+Lives in the engine-core process. The scheduler hands over plain data once
+per step (``OutputRateStep``), once per ``update_from_output`` (the engine
+outputs, for token timing) and once per idle wait (``IdleWait``); this module
+folds them into plain dicts of counters, gauges and histogram buckets. Nothing
+here touches an mmap, a lock or an exporter on the scheduler's thread.
+
+A daemon thread copies the dicts (``dict.copy`` is atomic under the GIL) every
+``interval_s`` and writes a JSON snapshot atomically (temp file + rename) into
+the telemetry directory; ``telemetry.collector`` in the API-server process
+turns the snapshots into Prometheus metrics on vLLM's own ``/metrics``. A
+failing write is counted in ``telemetry_dropped_total`` and logged once.
+
+Token timing: every output token becomes available in the engine when
+``update_from_output`` returns; tokens of one step share that moment. The
+spacing of a request's tokens is observed per request per step (a request
+with k tokens in a step adds one spacing and k - 1 zeros), never per token
+event.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+from telemetry.labels import OTHER, UserLabeler
+from telemetry.metrics import BY_NAME
+
+logger = logging.getLogger("vllm_output_rate.telemetry")
+
+#: Environment variable naming the directory of engine snapshots; set by the
+#: plugin in the API-server process before the engine core is spawned.
+TELEMETRY_DIR_ENV = "VLLM_OUTPUT_RATE_TELEMETRY_DIR"
+#: "0" turns engine telemetry off (the limiter itself is unaffected).
+TELEMETRY_SWITCH_ENV = "VLLM_OUTPUT_RATE_TELEMETRY"
+#: Top-K most active users with a label of their own (besides configured ones).
+TOP_K_ENV = "VLLM_OUTPUT_RATE_TOP_K_USERS"
+DEFAULT_TOP_K = 100
+EXPORT_INTERVAL_S = 1.0
+
+Labels = tuple[str, ...]
+#: Why a charged token was given back (see the scheduler's refund point).
+REFUND_REASONS = ("not_scheduled", "preempted")
+
+
+_THROTTLED_GAUGES = (
+    "throttled_requests", "throttled_kv_blocks", "engine_throttled_requests",
+    "engine_throttled_kv_blocks", "throttled_kv_cache_share",
+)
+
+
+class Histogram:
+    """Bucket counts (non-cumulative), sum and count, in plain Python."""
+
+    __slots__ = ("bounds", "counts", "sum", "count")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float, n: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += n
+        self.sum += value * n
+        self.count += n
+
+    def snapshot(self) -> list[Any]:
+        return [list(self.counts), self.sum, self.count]
+
+
+class EngineTelemetry:
+    """Per-step aggregation for one engine's scheduler, plus the exporter."""
+
+    def __init__(self, scheduler: Any, out_dir: str, interval_s: float = EXPORT_INTERVAL_S,
+                 top_k: int | None = None, start_thread: bool = True) -> None:
+        cfg = scheduler.output_rate_config
+        vllm_config = scheduler.vllm_config
+        self.scheduler = scheduler
+        self.engine = str(vllm_config.parallel_config.data_parallel_index)
+        names = vllm_config.model_config.served_model_name
+        self.model_name = names[0] if isinstance(names, (list, tuple)) else str(names)
+        if top_k is None:
+            top_k = int(os.environ.get(TOP_K_ENV, DEFAULT_TOP_K))
+        self.labeler = UserLabeler(pinned=cfg.user_rates, top_k=top_k)
+        self.path = os.path.join(out_dir, f"engine-{self.engine}.json")
+        self.interval_s = interval_s
+        self.counters: dict[tuple[str, Labels], float] = defaultdict(float)
+        self.gauges: dict[tuple[str, Labels], float] = {}
+        self.histograms: dict[tuple[str, Labels], Histogram] = {}
+        self._last_token_ns: dict[str, int] = {}
+        self._request_label: dict[str, str] = {}
+        self._num_blocks = max(int(vllm_config.cache_config.num_gpu_blocks or 0), 1)
+        self._export_due = True
+        self._drop_logged = False
+        self._stop = threading.Event()
+        # Limits and zero-valued series exist from the first export on.
+        self._set_limits()
+        for name in ("engine_tokens_charged", "engine_tokens_refunded", "engine_requests_skipped"):
+            self.counters[(name, ())] += 0
+        self.counters[("telemetry_dropped", ("export_failed",))] += 0
+        for label in self.labeler.labelled_users().values():
+            # configured users have their series from the start (rate() works)
+            self.counters[("tokens_charged", (label,))] += 0
+            self.counters[("requests_skipped", (label,))] += 0
+            for reason in REFUND_REASONS:
+                self.counters[("tokens_refunded", (label, reason))] += 0
+        for name in ("engine_inter_token_seconds", "wake_lateness_seconds", "schedule_limiter_share"):
+            self._histogram(name, ())
+        self._update_throttled_gauges([])
+        scheduler.output_rate_observer = self.on_step
+        scheduler.output_rate_token_observer = self.on_outputs
+        from vllm_patch import engine_loop
+
+        engine_loop.idle_wait_observer = self.on_idle_wait
+        self._thread = None
+        if start_thread:
+            self._thread = threading.Thread(target=self._run, name="output-rate-telemetry", daemon=True)
+            self._thread.start()
+
+    # -- helpers ------------------------------------------------------------
+
+    def _histogram(self, name: str, labels: Labels) -> Histogram:
+        key = (name, labels)
+        hist = self.histograms.get(key)
+        if hist is None:
+            hist = self.histograms[key] = Histogram(BY_NAME[name].buckets)
+        return hist
+
+    def _set_limits(self) -> None:
+        cfg = self.scheduler.output_rate_config
+        self.gauges[("default_limit_tokens_per_second", ())] = float(cfg.default_rate)
+        limiter = self.scheduler.output_rate_limiter
+        for user, label in self.labeler.labelled_users().items():
+            self.gauges[("user_limit_tokens_per_second", (label,))] = float(limiter.rate_of(user))
+
+    # -- the scheduler's thread -------------------------------------------------
+
+    def on_step(self, record: Any) -> None:
+        """Fold one ``OutputRateStep`` in."""
+        labeler, counters = self.labeler, self.counters
+        if record.charged:
+            per_user: dict[str, int] = defaultdict(int)
+            for request in record.charged.values():
+                per_user[request.output_rate_user] += 1
+            for user, n in per_user.items():
+                labeler.observe(user, n)
+                counters[("tokens_charged", (labeler.label(user),))] += n
+            counters[("engine_tokens_charged", ())] += len(record.charged)
+        for _req_id, user, reason in record.refunded:
+            counters[("tokens_refunded", (labeler.label(user), reason))] += 1
+            counters[("engine_tokens_refunded", ())] += 1
+        if record.throttled:
+            for request in record.throttled:
+                counters[("requests_skipped", (labeler.label(request.output_rate_user),))] += 1
+            counters[("engine_requests_skipped", ())] += len(record.throttled)
+        if record.limiter_share is not None:
+            self.histograms[("schedule_limiter_share", ())].observe(record.limiter_share)
+        if self._export_due:
+            # Gauges and label changes only when an export is coming: their
+            # cost is per export interval, not per step.
+            self._export_due = False
+            self._update_throttled_gauges(record.throttled)
+            self._rebalance()
+
+    def _update_throttled_gauges(self, throttled: list[Any]) -> None:
+        manager = getattr(self.scheduler, "kv_cache_manager", None)
+        requests: dict[str, int] = defaultdict(int)
+        blocks: dict[str, int] = defaultdict(int)
+        total_blocks = 0
+        for request in throttled:
+            label = self.labeler.label(request.output_rate_user)
+            n = sum(len(group) for group in manager.get_block_ids(request.request_id))
+            requests[label] += 1
+            blocks[label] += n
+            total_blocks += n
+        for key in [k for k in self.gauges if k[0] in ("throttled_requests", "throttled_kv_blocks")]:
+            del self.gauges[key]
+        for label in set(requests) | set(self.labeler.labelled_users().values()):
+            self.gauges[("throttled_requests", (label,))] = requests.get(label, 0)
+            self.gauges[("throttled_kv_blocks", (label,))] = blocks.get(label, 0)
+        self.gauges[("engine_throttled_requests", ())] = len(throttled)
+        self.gauges[("engine_throttled_kv_blocks", ())] = total_blocks
+        self.gauges[("throttled_kv_cache_share", ())] = total_blocks / self._num_blocks
+
+    def _rebalance(self) -> None:
+        added, evicted = self.labeler.rebalance()
+        if not evicted and not added:
+            return
+        gone = set(evicted)  # (the overflow bucket is never evicted)
+        for key in list(self.counters):
+            name, labels = key
+            if labels and labels[0] in gone and name in ("tokens_charged", "tokens_refunded", "requests_skipped"):
+                # The evicted user's series ends; its future counts go to __other__.
+                del self.counters[key]
+        for key in list(self.histograms):
+            if key[1] and key[1][0] in gone:
+                del self.histograms[key]
+        for key in list(self.gauges):
+            if key[1] and key[1][0] in gone:
+                del self.gauges[key]
+        self._set_limits()
+
+    def on_outputs(self, outputs: dict[int, Any]) -> None:
+        """Token timing from the outputs of one ``update_from_output``."""
+        now = time.monotonic_ns()
+        last, labels = self._last_token_ns, self._request_label
+        requests = self.scheduler.requests
+        total = self.histograms[("engine_inter_token_seconds", ())]
+        for eco in outputs.values():
+            for out in eco.outputs:
+                n = len(out.new_token_ids)
+                req_id = out.request_id
+                if n:
+                    prev = last.get(req_id)
+                    if prev is None:
+                        request = requests.get(req_id)
+                        if request is not None:
+                            labels[req_id] = self.labeler.label(request.output_rate_user)
+                    else:
+                        spacing = (now - prev) / 1e9
+                        hist = self._histogram("inter_token_seconds", (labels.get(req_id, OTHER),))
+                        hist.observe(spacing)
+                        total.observe(spacing)
+                        if n > 1:  # tokens of one step share its moment
+                            hist.observe(0.0, n - 1)
+                            total.observe(0.0, n - 1)
+                    last[req_id] = now
+                if out.finish_reason is not None:
+                    last.pop(req_id, None)
+                    labels.pop(req_id, None)
+
+    def on_idle_wait(self, wait: Any) -> None:
+        self._histogram("idle_wait_seconds", (wait.reason,)).observe(
+            (wait.woke_ns - wait.started_ns) / 1e9
+        )
+        lateness = wait.lateness_ns
+        if lateness is not None and wait.reason == "timeout":
+            self.histograms[("wake_lateness_seconds", ())].observe(max(lateness, 0) / 1e9)
+
+    # -- the exporter thread ----------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-able copy of everything (safe from another thread)."""
+        counters = self.counters.copy()
+        gauges = self.gauges.copy()
+        if not self.scheduler.running:
+            # No step runs on an idle engine: nothing can be throttled.
+            for key in gauges:
+                if key[0] in _THROTTLED_GAUGES:
+                    gauges[key] = 0
+        histograms = self.histograms.copy()
+        return {
+            "engine": self.engine,
+            "model_name": self.model_name,
+            "written_unix": time.time(),
+            "counters": [[n, list(l), v] for (n, l), v in counters.items()],
+            "gauges": [[n, list(l), v] for (n, l), v in gauges.items()],
+            "histograms": [[n, list(l), *h.snapshot()] for (n, l), h in histograms.items()],
+        }
+
+    def export(self) -> bool:
+        """Write one snapshot; on failure count a drop and log once."""
+        try:
+            data = json.dumps(self.snapshot())
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+            return True
+        except Exception as exc:  # never let telemetry hurt the engine
+            self.counters[("telemetry_dropped", ("export_failed",))] += 1
+            if not self._drop_logged:
+                self._drop_logged = True
+                logger.warning("output-rate telemetry export to %s failed (%s); "
+                               "further failures are only counted", self.path, exc)
+            return False
+        finally:
+            self._export_due = True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.export()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.export()
+
+
+def attach(scheduler: Any) -> EngineTelemetry | None:
+    """Start telemetry for ``scheduler`` when the plugin set a directory."""
+    out_dir = os.environ.get(TELEMETRY_DIR_ENV)
+    if not out_dir or os.environ.get(TELEMETRY_SWITCH_ENV, "1") == "0":
+        return None
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        return EngineTelemetry(scheduler, out_dir)
+    except Exception:
+        logger.exception("output-rate telemetry could not start; the limiter runs without it")
+        return None

@@ -1,0 +1,109 @@
+"""The one table of every metric this project exports.
+
+Code, dashboards and alert rules read names, types, units, help texts and
+buckets from here; nothing else spells a metric name. The prefix must not
+contain "vllm": vLLM's ``unregister_vllm_metrics()`` removes every collector
+whose name does.
+
+Every metric also carries vLLM's own ``model_name`` and ``engine`` labels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "output_rate_"
+ENGINE_LABELS = ("model_name", "engine")
+
+#: Inter-token spacing: vLLM's own ITL buckets, with finer steps below 10 ms
+#: so that a 100 tok/s limit (10 ms) and a fast CPU step are told apart.
+SPACING_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+    0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+#: How late the engine loop woke after the ready time it waited for.
+LATENESS_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+#: How long one idle wait lasted (capped at 50 ms by design).
+IDLE_WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.1)
+#: The limiter's share of one schedule() call (0..1).
+SHARE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One exported metric."""
+
+    name: str  # without PREFIX; counters without the _total suffix
+    kind: str  # "counter" | "gauge" | "histogram"
+    unit: str
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def full_name(self) -> str:
+        """The name as scraped (counters get ``_total``)."""
+        base = PREFIX + self.name
+        return base + "_total" if self.kind == "counter" else base
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return ENGINE_LABELS + self.labels
+
+
+METRICS: tuple[Metric, ...] = (
+    Metric("tokens_charged", "counter", "tokens",
+           "Output tokens charged to a user when a sampling step was dispatched (net of refunds).",
+           ("user",)),
+    Metric("engine_tokens_charged", "counter", "tokens",
+           "Output tokens charged to all users (exact total, no label cap)."),
+    Metric("tokens_refunded", "counter", "tokens",
+           "Charged tokens given back because the request was not dispatched.",
+           ("user", "reason")),
+    Metric("engine_tokens_refunded", "counter", "tokens",
+           "Tokens refunded for all users (exact total)."),
+    Metric("requests_skipped", "counter", "requests",
+           "Running requests skipped in a step because their user had no budget (one per request per step).",
+           ("user",)),
+    Metric("engine_requests_skipped", "counter", "requests",
+           "Running requests skipped for lack of budget, all users (exact total)."),
+    Metric("throttled_requests", "gauge", "requests",
+           "Requests throttled in the last step (resident, holding KV, not running).",
+           ("user",)),
+    Metric("throttled_kv_blocks", "gauge", "blocks",
+           "KV cache blocks held by requests throttled in the last step.", ("user",)),
+    Metric("engine_throttled_requests", "gauge", "requests",
+           "Requests throttled in the last step, all users."),
+    Metric("engine_throttled_kv_blocks", "gauge", "blocks",
+           "KV cache blocks held by throttled requests, all users."),
+    Metric("throttled_kv_cache_share", "gauge", "ratio",
+           "Share of the KV cache (0..1) held by throttled requests."),
+    Metric("user_limit_tokens_per_second", "gauge", "tokens per second",
+           "Configured output-token limit of each labelled user.", ("user",)),
+    Metric("default_limit_tokens_per_second", "gauge", "tokens per second",
+           "Configured limit of users without an override."),
+    Metric("inter_token_seconds", "histogram", "seconds",
+           "Engine-side spacing between consecutive output tokens of a request, by user.",
+           ("user",), SPACING_BUCKETS),
+    Metric("engine_inter_token_seconds", "histogram", "seconds",
+           "Engine-side spacing between consecutive output tokens of a request, all users.",
+           (), SPACING_BUCKETS),
+    Metric("wake_lateness_seconds", "histogram", "seconds",
+           "How late the engine loop woke after the ready time it waited for.",
+           (), LATENESS_BUCKETS),
+    Metric("idle_wait_seconds", "histogram", "seconds",
+           "Idle waits of the engine loop while only throttled work remained, by what ended them.",
+           ("reason",), IDLE_WAIT_BUCKETS),
+    Metric("schedule_limiter_share", "histogram", "ratio",
+           "Share of each schedule() call spent in the limiter's own code.",
+           (), SHARE_BUCKETS),
+    Metric("telemetry_dropped", "counter", "events",
+           "Telemetry data dropped (export failed, queue full), by reason.", ("reason",)),
+)
+
+BY_NAME = {m.name: m for m in METRICS}
+
+
+def metric(name: str) -> Metric:
+    """Look a metric up by its short name (raises KeyError when unknown)."""
+    return BY_NAME[name]

@@ -1,0 +1,139 @@
+"""Engine-side telemetry driven through the real scheduler (no engine)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from harness import Driver, FakeClock, make_request, make_scheduler
+from telemetry.collector import SnapshotCollector
+from telemetry.engine import EngineTelemetry
+from telemetry.labels import OTHER
+from telemetry.metrics import METRICS
+
+
+def limits(default, **users):
+    return {"default_user_output_tokens_per_second": default,
+            "user_output_tokens_per_second": users}
+
+
+def setup(tmp_path, lim, top_k=100, **kw):
+    clock = FakeClock()
+    sched = make_scheduler(lim, clock=clock, **kw)
+    tel = EngineTelemetry(sched, str(tmp_path), top_k=top_k, start_thread=False)
+    return sched, Driver(sched, clock, step_ms=10.0), tel
+
+
+def counter(tel, name, *labels):
+    return tel.counters.get((name, tuple(labels)), 0)
+
+
+def test_charged_counters_equal_delivered_tokens(tmp_path):
+    sched, drv, tel = setup(tmp_path, limits(1000, a=20, b=50))
+    reqs = [make_request(u, max_tokens=30) for u in ("a", "a", "b", "c")]
+    drv.add(*reqs)
+    drv.run_until_done()
+    for user in ("a", "b"):
+        delivered = sum(drv.count(r.request_id) for r in reqs if r.output_rate_user == user)
+        assert counter(tel, "tokens_charged", user) == delivered == 30 * (2 if user == "a" else 1)
+    assert counter(tel, "engine_tokens_charged") == 120
+    assert counter(tel, "requests_skipped", "a") > 0  # a was throttled
+    assert counter(tel, "requests_skipped", "c") == 0
+
+
+def test_spacing_histogram_matches_token_events(tmp_path, monkeypatch):
+    import telemetry.engine as engine_mod
+
+    sched, drv, tel = setup(tmp_path, limits(20))
+    # engine-side timestamps follow the fake clock here
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    reqs = [make_request("a", max_tokens=20) for _ in range(2)]
+    drv.add(*reqs)
+    drv.run_until_done()
+    spacings = []
+    for r in reqs:
+        times = [t for _, t in drv.tokens[r.request_id]]
+        spacings += [(b - a) / 1e9 for a, b in zip(times, times[1:])]
+    # "a" got a label of its own at the first step (top-K, not configured)
+    hist = tel.histograms[("inter_token_seconds", ("a",))]
+    total = tel.histograms[("engine_inter_token_seconds", ())]
+    assert hist.count == total.count == len(spacings) == 38
+    assert hist.sum == pytest.approx(sum(spacings))
+    # two streams sharing 20 tok/s: each stream's tokens ~0.1 s apart
+    assert sorted(spacings)[len(spacings) // 2] == pytest.approx(0.1, abs=0.011)
+
+
+def test_throttled_gauges_follow_throttling(tmp_path):
+    sched, drv, tel = setup(tmp_path, limits(1000, a=2))
+    drv.add(*[make_request("a", prompt_len=40, max_tokens=6) for _ in range(3)])
+    drv.run(5)
+    tel.export()
+    drv.step()
+    assert tel.gauges[("engine_throttled_requests", ())] == 3
+    assert tel.gauges[("throttled_requests", ("a",))] == 3
+    assert tel.gauges[("throttled_kv_blocks", ("a",))] >= 3 * 3  # 40+ tokens, 16 per block
+    assert 0 < tel.gauges[("throttled_kv_cache_share", ())] < 1
+    drv.run_until_done()
+    tel.export()
+    drv.add(make_request("b", max_tokens=2))
+    drv.step()
+    assert tel.gauges[("engine_throttled_requests", ())] == 0
+    assert tel.gauges[("throttled_requests", ("a",))] == 0
+
+
+def test_ten_thousand_users_stay_under_the_label_cap_with_exact_totals(tmp_path):
+    sched, drv, tel = setup(tmp_path, limits(1000, vip=5), top_k=50, max_num_seqs=256,
+                            num_blocks=20_000)
+    n = 10_000
+    for i in range(0, n, 500):
+        drv.add(*[make_request(f"user-{j}", prompt_len=4, max_tokens=1) for j in range(i, i + 500)])
+        drv.run_until_done()
+        tel.export()
+        drv.step()  # the step after an export rebalances labels
+    users = {labels[0] for (name, labels) in tel.counters if name == "tokens_charged"}
+    assert len(users) <= 1 + 50 + 1  # pinned + top-K + __other__
+    assert OTHER in users
+    assert counter(tel, "engine_tokens_charged") == n
+    assert len(tel.labeler._activity) <= tel.labeler.capacity
+
+
+def test_export_and_collector_show_every_metric(tmp_path):
+    sched, drv, tel = setup(tmp_path, limits(1000, a=5))
+    drv.add(*[make_request("a", max_tokens=10) for _ in range(2)])
+    drv.run(20)
+    assert tel.export()
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(str(tmp_path)))
+    text = generate_latest(registry).decode()
+    for m in METRICS:
+        assert m.full_name in text, m.full_name
+    assert 'output_rate_tokens_charged_total{engine="0",model_name="' in text
+    assert 'user="a"' in text
+
+
+def test_dead_export_target_is_counted_not_raised(tmp_path):
+    sched, drv, tel = setup(tmp_path, limits(1000))
+    tel.path = str(tmp_path / "missing-dir" / "engine-0.json")
+    drv.add(make_request("a", max_tokens=5))
+    drv.run_until_done()
+    assert not tel.export()
+    assert not tel.export()
+    assert counter(tel, "telemetry_dropped", "export_failed") == 2
+
+
+def test_unreadable_snapshot_is_skipped(tmp_path):
+    (tmp_path / "engine-0.json").write_text("{not json")
+    collector = SnapshotCollector(str(tmp_path))
+    families = list(collector.collect())
+    assert families and collector.read_errors == 1
+
+
+def test_snapshot_is_json(tmp_path):
+    sched, drv, tel = setup(tmp_path, limits(1000))
+    tel.export()
+    data = json.loads((tmp_path / "engine-0.json").read_text())
+    assert data["engine"] == "0" and data["counters"]
+    assert not os.path.exists(str(tmp_path / "engine-0.json.tmp"))
