@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any
 
 from vllm_patch.config import (
@@ -40,6 +41,10 @@ BEAM_SEARCH_REFUSAL = (
     "limiting is on, and beam search expands candidates outside the "
     "one-token-per-step path the limiter charges. Use sampling instead."
 )
+
+#: "1": with the feature on, run async scheduling even where the platform
+#: turned it off (vLLM's CPU platform always does). For tests and diagnosis.
+FORCE_ASYNC_ENV = "VLLM_OUTPUT_RATE_FORCE_ASYNC_SCHEDULING"
 
 _registered = False
 #: Whether the feature is on in this process (set by configure_output_rate).
@@ -119,6 +124,11 @@ def _patch_engine_args() -> None:
     @functools.wraps(upstream_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         vllm_config = upstream_create(self, *args, **kwargs)
+        if os.environ.get(FORCE_ASYNC_ENV) == "1" and output_rate_on(vllm_config):
+            # vLLM's CPU platform turns async scheduling off ("not required
+            # on CPU"); the engine runs it fine, and this is how the async
+            # variant is tested end to end on CPU machines.
+            vllm_config.scheduler_config.async_scheduling = True
         configure_output_rate(vllm_config)
         return vllm_config
 
@@ -196,6 +206,12 @@ def _qualname(cls: Any) -> str:
     if isinstance(cls, str):
         return cls
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def output_rate_on(vllm_config: Any) -> bool:
+    """Whether this configuration asks for output-rate limits."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return ADDITIONAL_CONFIG_KEY in extra
 
 
 def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
