@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from harness import REPO, tiny_model
-from vllm_patch.client import Server, run_load, summarize
+from vllm_patch.client import Samples, Server, metric_value, run_load, scrape_metrics, summarize
 
 pytestmark = pytest.mark.e2e
 
@@ -153,20 +153,11 @@ def test_engine_core_does_not_spin_while_all_users_are_throttled(server):
     assert share < 0.05, f"engine core used {share:.1%} of a core while idle-throttled"
 
 
-def scrape(server) -> dict[tuple[str, tuple], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
+def scrape(server) -> Samples:
+    return scrape_metrics(server.base_url)
 
 
-def value(samples, name, **labels):
-    return sum(v for (n, ls), v in samples.items()
-               if n == name and all(dict(ls).get(k) == val for k, val in labels.items()))
+value = metric_value
 
 
 def test_engine_metrics_on_vllm_metrics_endpoint(server):

@@ -132,6 +132,29 @@ def summarize(results: list[StreamResult], limits: dict[str, Fraction | None]) -
     return out
 
 
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape_metrics(base_url: str) -> Samples:
+    """Every sample of the server's ``/metrics``: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{base_url}/metrics", timeout=30).text
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def metric_value(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    return sum(
+        v for (n, ls), v in samples.items()
+        if n == name and all(dict(ls).get(k) == want for k, want in labels.items())
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
