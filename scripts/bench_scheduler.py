@@ -67,9 +67,25 @@ def step(sched, clock) -> float:
     return (t1 - t0) + (t3 - t2)
 
 
-def measure(running: int, users: int, share: float, blocks: int, block_steps: int):
+def with_telemetry(pair, directory: str):
+    """Engine telemetry on a limited scheduler, exported by its thread."""
+    from telemetry.engine import EngineTelemetry
+
+    sched, clock = pair
+    sched.output_rate_telemetry = EngineTelemetry(sched, directory)
+    return pair
+
+
+def measure(running: int, users: int, share: float, blocks: int, block_steps: int,
+            telemetry_dir: str | None = None):
+    """(on, off, active): limiter on vs off, or with ``telemetry_dir``
+    limiter on with telemetry vs limiter on without."""
     on = build(True, running, users, share)
-    off = build(False, running, users, share)
+    if telemetry_dir is None:
+        off = build(False, running, users, share)
+    else:
+        off = on
+        on = with_telemetry(build(True, running, users, share), telemetry_dir)
     for pair in (on, off):  # prefill + a few decode steps: steady state
         for _ in range(5):
             step(*pair)
@@ -93,11 +109,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
     parser.add_argument("--sizes", type=int, nargs="*", help="running requests R to measure")
+    parser.add_argument("--telemetry", action="store_true",
+                        help="compare limiter with telemetry vs limiter without (not limiter on/off)")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--block-steps", type=int, default=5)
     args = parser.parse_args()
     sizes = args.sizes or ([64, 256] if args.quick else [64, 256, 1024])
     rows = []
+    telemetry_dir = None
+    if args.telemetry:
+        import tempfile
+
+        telemetry_dir = tempfile.mkdtemp(prefix="bench-telemetry-")
+        print("on = limiter with engine telemetry (exporting every second), "
+              "off = limiter without telemetry\n")
     print("| R | users | throttled share | active/step (on) | on ms/step | off ms/step | on/off |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for running in sizes:
@@ -105,7 +130,8 @@ def main() -> None:
             for share in (0.0, 0.5, 0.9):
                 if users == 1 and share > 0:
                     continue  # one user is either throttled or not
-                on, off, active = measure(running, users, share, args.blocks, args.block_steps)
+                on, off, active = measure(running, users, share, args.blocks, args.block_steps,
+                                          telemetry_dir)
                 rows.append((running, users, share, active, on, off))
                 print(f"| {running} | {users} | {share:.0%} | {active} | {on * 1e3:.3f} | "
                       f"{off * 1e3:.3f} | {on / off:.3f} |", flush=True)
