@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from telemetry.metrics import BY_NAME, ENGINE_LABELS, METRICS, PREFIX
+from telemetry.metrics import BY_NAME, METRICS, PREFIX
 
 logger = logging.getLogger("vllm_output_rate.telemetry")
 
@@ -91,7 +91,3 @@ def install(directory: str) -> SnapshotCollector | None:
     REGISTRY.register(collector)
     _installed_dirs.add(directory)
     return collector
-
-
-def label_names() -> tuple[str, ...]:
-    return ENGINE_LABELS

@@ -15,7 +15,6 @@ vLLM's method untouched.
 from __future__ import annotations
 
 import queue
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
