@@ -31,7 +31,7 @@ from collections import defaultdict
 from typing import Any
 
 from telemetry.labels import OTHER, UserLabeler
-from telemetry.metrics import BY_NAME
+from telemetry.metrics import BY_NAME, SPACING_BUCKETS
 
 logger = logging.getLogger("vllm_output_rate.telemetry")
 
@@ -72,6 +72,12 @@ class Histogram:
         self.sum += value * n
         self.count += n
 
+    def add(self, other: Histogram) -> None:
+        """Fold ``other`` (same buckets) into this one."""
+        self.counts = [a + b for a, b in zip(self.counts, list(other.counts))]
+        self.sum += other.sum
+        self.count += other.count
+
     def snapshot(self) -> list[Any]:
         return [list(self.counts), self.sum, self.count]
 
@@ -96,6 +102,10 @@ class EngineTelemetry:
         self.gauges: dict[tuple[str, Labels], float] = {}
         self.histograms: dict[tuple[str, Labels], Histogram] = {}
         self._last_token_ns: dict[str, int] = {}
+        #: label -> its inter_token_seconds histogram (same objects as in
+        #: self.histograms), and what evicted labels had observed
+        self._spacing: dict[str, Histogram] = {}
+        self._spacing_evicted = Histogram(SPACING_BUCKETS)
         self._request_label: dict[str, str] = {}
         self._num_blocks = max(int(vllm_config.cache_config.num_gpu_blocks or 0), 1)
         self._export_due = True
@@ -112,7 +122,7 @@ class EngineTelemetry:
             self.counters[("requests_skipped", (label,))] += 0
             for reason in REFUND_REASONS:
                 self.counters[("tokens_refunded", (label, reason))] += 0
-        for name in ("engine_inter_token_seconds", "wake_lateness_seconds", "schedule_limiter_share"):
+        for name in ("wake_lateness_seconds", "schedule_limiter_share"):
             self._histogram(name, ())
         self._update_throttled_gauges([])
         scheduler.output_rate_observer = self.on_step
@@ -202,37 +212,46 @@ class EngineTelemetry:
                 del self.counters[key]
         for key in list(self.histograms):
             if key[1] and key[1][0] in gone:
-                del self.histograms[key]
+                hist = self.histograms.pop(key)
+                if key[0] == "inter_token_seconds":
+                    self._spacing.pop(key[1][0], None)
+                    self._spacing_evicted.add(hist)
         for key in list(self.gauges):
             if key[1] and key[1][0] in gone:
                 del self.gauges[key]
         self._set_limits()
 
     def on_outputs(self, outputs: dict[int, Any]) -> None:
-        """Token timing from the outputs of one ``update_from_output``."""
+        """Token timing from the outputs of one ``update_from_output``.
+
+        One spacing per request per step, straight into the per-user
+        histogram; the all-users histogram is folded from those at export.
+        """
         now = time.monotonic_ns()
-        last, labels = self._last_token_ns, self._request_label
-        requests = self.scheduler.requests
-        total = self.histograms[("engine_inter_token_seconds", ())]
+        last, labels, hists = self._last_token_ns, self._request_label, self._spacing
+        bounds = SPACING_BUCKETS
         for eco in outputs.values():
             for out in eco.outputs:
-                n = len(out.new_token_ids)
                 req_id = out.request_id
+                n = len(out.new_token_ids)
                 if n:
                     prev = last.get(req_id)
+                    last[req_id] = now
                     if prev is None:
-                        request = requests.get(req_id)
+                        request = self.scheduler.requests.get(req_id)
                         if request is not None:
                             labels[req_id] = self.labeler.label(request.output_rate_user)
                     else:
-                        spacing = (now - prev) / 1e9
-                        hist = self._histogram("inter_token_seconds", (labels.get(req_id, OTHER),))
-                        hist.observe(spacing)
-                        total.observe(spacing)
-                        if n > 1:  # tokens of one step share its moment
-                            hist.observe(0.0, n - 1)
-                            total.observe(0.0, n - 1)
-                    last[req_id] = now
+                        label = labels.get(req_id, OTHER)
+                        hist = hists.get(label)
+                        if hist is None:
+                            hist = hists[label] = self._histogram("inter_token_seconds", (label,))
+                        spacing = (now - prev) * 1e-9
+                        hist.counts[bisect.bisect_left(bounds, spacing)] += 1
+                        hist.sum += spacing
+                        hist.count += n
+                        if n > 1:  # tokens of one step share its moment: zeros
+                            hist.counts[0] += n - 1
                 if out.finish_reason is not None:
                     last.pop(req_id, None)
                     labels.pop(req_id, None)
@@ -257,6 +276,11 @@ class EngineTelemetry:
                 if key[0] in _THROTTLED_GAUGES:
                     gauges[key] = 0
         histograms = self.histograms.copy()
+        total = Histogram(SPACING_BUCKETS)
+        total.add(self._spacing_evicted)
+        for hist in list(self._spacing.values()):
+            total.add(hist)
+        histograms[("engine_inter_token_seconds", ())] = total
         return {
             "engine": self.engine,
             "model_name": self.model_name,
