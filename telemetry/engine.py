@@ -86,10 +86,13 @@ class EngineTelemetry:
     """Per-step aggregation for one engine's scheduler, plus the exporter."""
 
     def __init__(self, scheduler: Any, out_dir: str, interval_s: float = EXPORT_INTERVAL_S,
-                 top_k: int | None = None, start_thread: bool = True) -> None:
+                 top_k: int | None = None, start_thread: bool = True,
+                 spans: Any = None) -> None:
         cfg = scheduler.output_rate_config
         vllm_config = scheduler.vllm_config
         self.scheduler = scheduler
+        #: tracing.spans.SpanRecorder when traces are on
+        self.spans = spans
         self.engine = str(vllm_config.parallel_config.data_parallel_index)
         names = vllm_config.model_config.served_model_name
         self.model_name = names[0] if isinstance(names, (list, tuple)) else str(names)
@@ -155,6 +158,8 @@ class EngineTelemetry:
 
     def on_step(self, record: Any) -> None:
         """Fold one ``OutputRateStep`` in."""
+        if self.spans is not None:
+            self.spans.on_step(record)
         labeler, counters = self.labeler, self.counters
         if record.charged:
             per_user: dict[str, int] = defaultdict(int)
@@ -228,6 +233,8 @@ class EngineTelemetry:
         histogram; the all-users histogram is folded from those at export.
         """
         now = time.monotonic_ns()
+        if self.spans is not None:
+            self.spans.on_outputs(outputs, now)
         last, labels, hists = self._last_token_ns, self._request_label, self._spacing
         bounds = SPACING_BUCKETS
         for eco in outputs.values():
@@ -257,6 +264,8 @@ class EngineTelemetry:
                     labels.pop(req_id, None)
 
     def on_idle_wait(self, wait: Any) -> None:
+        if self.spans is not None:
+            self.spans.on_idle_wait(wait)
         self._histogram("idle_wait_seconds", (wait.reason,)).observe(
             (wait.woke_ns - wait.started_ns) / 1e9
         )
@@ -325,7 +334,20 @@ def attach(scheduler: Any) -> EngineTelemetry | None:
         return None
     try:
         os.makedirs(out_dir, exist_ok=True)
-        return EngineTelemetry(scheduler, out_dir)
+        return EngineTelemetry(scheduler, out_dir, spans=_span_recorder(scheduler))
     except Exception:
         logger.exception("output-rate telemetry could not start; the limiter runs without it")
+        return None
+
+
+def _span_recorder(scheduler: Any) -> Any:
+    """Traces when asked for (``OTEL_*`` or ``--otlp-traces-endpoint``)."""
+    try:
+        from tracing.spans import SpanRecorder, tracer_from, tracer_provider_from_env
+
+        endpoint = getattr(scheduler.vllm_config.observability_config, "otlp_traces_endpoint", None)
+        provider = tracer_provider_from_env(endpoint)
+        return None if provider is None else SpanRecorder(tracer_from(provider), scheduler)
+    except Exception:
+        logger.exception("output-rate traces could not start; metrics continue without them")
         return None

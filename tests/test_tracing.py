@@ -1,0 +1,141 @@
+"""Spans with the real OpenTelemetry SDK and an in-memory exporter."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from harness import Driver, FakeClock, make_request, make_scheduler
+from telemetry.engine import EngineTelemetry
+from tracing.spans import SpanRecorder, decode_series, tracer_provider_from_env
+from vllm_patch import engine_loop
+
+
+def limits(default, **users):
+    return {"default_user_output_tokens_per_second": default,
+            "user_output_tokens_per_second": users}
+
+
+@pytest.fixture
+def exporter():
+    return InMemorySpanExporter()
+
+
+def setup(tmp_path, exporter, lim, **kw):
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    clock = FakeClock()
+    sched = make_scheduler(lim, clock=clock, **kw)
+    recorder = SpanRecorder(provider.get_tracer("test"), sched, clock_offset_ns=0)
+    tel = EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
+    return sched, Driver(sched, clock, step_ms=10.0), tel, recorder
+
+
+def spans(exporter, name):
+    return [s for s in exporter.get_finished_spans() if s.name == name]
+
+
+def test_throttle_episodes_are_spans(tmp_path, exporter, monkeypatch):
+    import telemetry.engine as engine_mod
+
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10))
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    reqs = [make_request("a", prompt_len=20, max_tokens=8) for _ in range(2)]
+    drv.add(*reqs)
+    drv.run_until_done()
+    throttles = spans(exporter, "output_rate.throttle")
+    assert throttles
+    first = throttles[0]
+    attrs = first.attributes
+    assert attrs["output_rate.user"] == "a"
+    assert attrs["output_rate.request_id"] in {r.request_id for r in reqs}
+    assert attrs["output_rate.held_kv"] is True and attrs["output_rate.kv_blocks"] >= 2
+    assert attrs["output_rate.tokens_charged"] >= 1
+    assert first.end_time > first.start_time
+    # two streams sharing 10 tok/s: an episode lasts about 0.1-0.2 s
+    assert all(0 < (s.end_time - s.start_time) <= 0.25e9 for s in throttles)
+    assert attrs["output_rate.expected_ready_unix_ns"] <= first.end_time
+
+
+def test_generation_span_carries_the_spacing_series(tmp_path, exporter, monkeypatch):
+    import telemetry.engine as engine_mod
+
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(20))
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    req = make_request("a", max_tokens=12)
+    drv.add(req)
+    drv.run_until_done()
+    (gen,) = spans(exporter, "output_rate.generation")
+    series = decode_series(gen.attributes["output_rate.spacing_series_us_b64u32"])
+    times = [t for _, t in drv.tokens[req.request_id]]
+    assert series == [(b - a) // 1000 for a, b in zip(times, times[1:])]
+    assert gen.attributes["output_rate.tokens"] == 12
+    assert gen.attributes["output_rate.spacing_p50_us"] == pytest.approx(50_000, abs=10_000)
+
+
+def test_refund_is_recorded_on_a_step_span(tmp_path, exporter):
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(10, b=1000), num_blocks=5,
+                                 block_size=16, max_num_batched_tokens=256)
+    drv.add(make_request("b", prompt_len=60, max_tokens=100, block_size=16))
+    drv.step()
+    a = make_request("a", prompt_len=20, max_tokens=5, block_size=16)
+    drv.add(a)
+    drv.step()
+    steps = [s for s in spans(exporter, "output_rate.step") if s.attributes["output_rate.refunded"]]
+    assert steps
+    (event,) = [e for e in steps[0].events if e.name == "refund"]
+    assert event.attributes["output_rate.request_id"] == a.request_id
+    assert event.attributes["output_rate.reason"] == "not_scheduled"
+
+
+class _FakeEngine:
+    def __init__(self, scheduler):
+        self.scheduler = scheduler
+        self.input_queue = queue.Queue()
+        self.batch_queue = None
+        self.handled = []
+
+    def _handle_client_request(self, request_type, payload):
+        self.handled.append((request_type, payload))
+
+
+def test_idle_wait_is_a_span(tmp_path, exporter):
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1))
+    drv.add(make_request("a", max_tokens=5))
+    drv.step()
+    drv.step()  # nothing to run: the user is refused
+    wait = engine_loop.idle_wait(_FakeEngine(sched))
+    assert wait is not None and wait.reason == "timeout"
+    (span,) = spans(exporter, "output_rate.idle_wait")
+    assert span.attributes["output_rate.reason"] == "timeout"
+    assert span.attributes["output_rate.planned_timeout_s"] == pytest.approx(0.05)
+    assert "output_rate.lateness_ns" in span.attributes
+
+
+def test_new_request_wakes_the_idle_wait_at_once(tmp_path, exporter):
+    import enum
+
+    class Kind(enum.Enum):
+        ADD = 1
+
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1))
+    drv.add(make_request("a", max_tokens=5))
+    drv.step()
+    drv.step()
+    engine = _FakeEngine(sched)
+    engine.input_queue.put((Kind.ADD, "payload"))
+    wait = engine_loop.idle_wait(engine)
+    assert wait.reason == "ADD" and engine.handled == [(Kind.ADD, "payload")]
+
+
+def test_no_tracing_without_configuration(monkeypatch):
+    for var in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        monkeypatch.delenv(var, raising=False)
+    assert tracer_provider_from_env(None) is None
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
+    assert tracer_provider_from_env(None) is not None

@@ -1,0 +1,235 @@
+"""OpenTelemetry spans of the limiter, from the engine-core process.
+
+Built from the same plain data the metrics use (``OutputRateStep`` per step,
+``IdleWait`` per idle wait, the engine outputs per ``update_from_output``);
+spans go to a ``BatchSpanProcessor``, whose queue and exporter thread keep
+export off the scheduler's thread (a full queue drops spans, counted by the
+SDK, never blocks).
+
+Spans:
+- ``output_rate.throttle``: one per throttle episode of a request, from the
+  first step it was skipped for lack of budget to the step it was dispatched
+  again (or finished): user, request id, priority, tokens charged so far,
+  expected ready time, KV blocks held, preempted meanwhile.
+- ``output_rate.step``: only for steps in which a token was refunded or a
+  user refused (not for every step): charged / refunded counts and one event
+  per refund with its reason.
+- ``output_rate.idle_wait``: every idle wait of the engine loop: planned
+  timeout, ready time waited for, lateness, what woke it.
+- ``output_rate.generation``: one per finished request: token count,
+  engine-side spacing p50 / p90 / p99 / max, and the spacing series itself in
+  microseconds, base64 of little-endian uint32, at most ``MAX_SERIES`` values
+  (an attribute, not one event per token: span events are capped at 128).
+"""
+
+from __future__ import annotations
+
+import base64
+import struct
+import time
+from array import array
+from typing import Any
+
+MAX_SERIES = 2048
+_TRACER_NAME = "vllm_output_rate"
+
+
+def _epoch_offset_ns() -> int:
+    """Monotonic ns -> epoch ns, for span timestamps."""
+    return time.time_ns() - time.monotonic_ns()
+
+
+def encode_series(spacings_us: array) -> str:
+    """Spacing series as base64 of little-endian uint32 microseconds."""
+    values = spacings_us[:MAX_SERIES]
+    return base64.b64encode(struct.pack(f"<{len(values)}I", *values)).decode()
+
+
+def decode_series(text: str) -> list[int]:
+    raw = base64.b64decode(text)
+    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+
+
+def _quantile(sorted_values: list[int], q: float) -> int:
+    if not sorted_values:
+        return 0
+    index = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
+    return sorted_values[index]
+
+
+class _Episode:
+    __slots__ = ("start_ns", "user", "priority", "ready_ns", "blocks", "preempted", "request_id")
+
+    def __init__(self, request: Any, start_ns: int, ready_ns: int, blocks: int) -> None:
+        self.request_id = request.request_id
+        self.user = request.output_rate_user
+        self.priority = request.priority
+        self.start_ns = start_ns
+        self.ready_ns = ready_ns
+        self.blocks = blocks
+        self.preempted = False
+
+
+class SpanRecorder:
+    """Turns the limiter's plain data into spans on ``tracer``.
+
+    ``clock_offset_ns`` maps the scheduler's monotonic clock to epoch ns.
+    """
+
+    def __init__(self, tracer: Any, scheduler: Any, clock_offset_ns: int | None = None) -> None:
+        self.tracer = tracer
+        self.scheduler = scheduler
+        self.offset = _epoch_offset_ns() if clock_offset_ns is None else clock_offset_ns
+        self._episodes: dict[str, _Episode] = {}
+        self._charged: dict[str, int] = {}
+        self._series: dict[str, array] = {}
+        self._last_token_ns: dict[str, int] = {}
+
+    def _span(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any]) -> None:
+        span = self.tracer.start_span(name, start_time=start_ns + self.offset, attributes=attributes)
+        span.end(end_time=max(end_ns, start_ns) + self.offset)
+
+    # -- per step ---------------------------------------------------------
+
+    def on_step(self, record: Any) -> None:
+        now = record.now_ns
+        charged = self._charged
+        episodes = self._episodes
+        for req_id in record.charged:
+            charged[req_id] = charged.get(req_id, 0) + 1
+            episode = episodes.pop(req_id, None)
+            if episode is not None:
+                self._end_episode(episode, now, "dispatched")
+        if record.throttled:
+            manager = self.scheduler.kv_cache_manager
+            for request in record.throttled:
+                if request.request_id not in episodes:
+                    blocks = sum(len(g) for g in manager.get_block_ids(request.request_id))
+                    episodes[request.request_id] = _Episode(
+                        request, now, record.refused.get(request.output_rate_user, 0), blocks)
+        for req_id in record.preempted_throttled:
+            if req_id in episodes:
+                episodes[req_id].preempted = True
+        if record.refunded or record.refused:
+            span = self.tracer.start_span("output_rate.step", start_time=now + self.offset, attributes={
+                "output_rate.step": record.step,
+                "output_rate.charged": len(record.charged),
+                "output_rate.refunded": len(record.refunded),
+                "output_rate.throttled": len(record.throttled),
+                "output_rate.refused_users": sorted(record.refused)[:32],
+            })
+            for req_id, user, reason in record.refunded:
+                span.add_event("refund", attributes={
+                    "output_rate.request_id": req_id, "output_rate.user": user,
+                    "output_rate.reason": reason})
+            span.end(end_time=now + self.offset)
+
+    def _end_episode(self, episode: _Episode, end_ns: int, outcome: str) -> None:
+        self._span("output_rate.throttle", episode.start_ns, end_ns, {
+            "output_rate.user": episode.user,
+            "output_rate.request_id": episode.request_id,
+            "output_rate.priority": episode.priority,
+            "output_rate.tokens_charged": self._charged.get(episode.request_id, 0),
+            "output_rate.expected_ready_unix_ns": episode.ready_ns + self.offset,
+            "output_rate.held_kv": episode.blocks > 0,
+            "output_rate.kv_blocks": episode.blocks,
+            "output_rate.preempted": episode.preempted,
+            "output_rate.outcome": outcome,
+        })
+
+    # -- per update_from_output -------------------------------------------
+
+    def on_outputs(self, outputs: dict[int, Any], now_ns: int | None = None) -> None:
+        now = time.monotonic_ns() if now_ns is None else now_ns
+        last, series = self._last_token_ns, self._series
+        for eco in outputs.values():
+            for out in eco.outputs:
+                req_id = out.request_id
+                n = len(out.new_token_ids)
+                if n:
+                    prev = last.get(req_id)
+                    s = series.get(req_id)
+                    if s is None:
+                        s = series[req_id] = array("I")
+                    if prev is not None and len(s) < MAX_SERIES:
+                        s.append(min((now - prev) // 1000, 0xFFFFFFFF))
+                    for _ in range(n - 1):
+                        if len(s) < MAX_SERIES:
+                            s.append(0)
+                    last[req_id] = now
+                if out.finish_reason is not None:
+                    self._finish(req_id, out, now)
+
+    def _finish(self, req_id: str, out: Any, now: int) -> None:
+        episode = self._episodes.pop(req_id, None)
+        if episode is not None:
+            self._end_episode(episode, now, "finished")
+        s = self._series.pop(req_id, array("I"))
+        self._last_token_ns.pop(req_id, None)
+        charged = self._charged.pop(req_id, 0)
+        ordered = sorted(s)
+        attributes = {
+            "output_rate.request_id": req_id,
+            "output_rate.tokens": len(s) + 1 if s or charged else 0,
+            "output_rate.tokens_charged": charged,
+            "output_rate.spacing_p50_us": _quantile(ordered, 0.5),
+            "output_rate.spacing_p90_us": _quantile(ordered, 0.9),
+            "output_rate.spacing_p99_us": _quantile(ordered, 0.99),
+            "output_rate.spacing_max_us": ordered[-1] if ordered else 0,
+            "output_rate.spacing_series_us_b64u32": encode_series(s),
+            "output_rate.spacing_series_truncated": len(s) >= MAX_SERIES,
+            "output_rate.finish_reason": str(out.finish_reason),
+        }
+        start = now - sum(s) * 1000
+        self._span("output_rate.generation", start, now, attributes)
+
+    # -- per idle wait --------------------------------------------------------
+
+    def on_idle_wait(self, wait: Any) -> None:
+        attributes = {
+            "output_rate.planned_timeout_s": wait.planned_s,
+            "output_rate.reason": wait.reason,
+        }
+        if wait.target_ns is not None:
+            attributes["output_rate.ready_at_unix_ns"] = wait.target_ns + self.offset
+            attributes["output_rate.lateness_ns"] = wait.lateness_ns
+        self._span("output_rate.idle_wait", wait.started_ns, wait.woke_ns, attributes)
+
+
+def tracer_provider_from_env(otlp_endpoint: str | None = None) -> Any | None:
+    """A TracerProvider from the standard ``OTEL_*`` variables or vLLM's
+    ``--otlp-traces-endpoint``; None when tracing is not asked for.
+
+    ``OTEL_TRACES_EXPORTER``: ``otlp`` (default when an endpoint is set),
+    ``console``, or ``none``; ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` /
+    ``OTEL_EXPORTER_OTLP_PROTOCOL``: ``grpc`` (default) or ``http/protobuf``.
+    """
+    import os
+
+    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    endpoint = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") \
+        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    if exporter_name == "none" or (not exporter_name and not endpoint):
+        return None
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+
+    provider = TracerProvider(resource=Resource.create(
+        {"service.name": os.environ.get("OTEL_SERVICE_NAME", "vllm-output-rate")}))
+    if exporter_name == "console":
+        exporter = ConsoleSpanExporter()
+    else:
+        protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                    or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+        if protocol.startswith("http"):
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
+    provider.add_span_processor(BatchSpanProcessor(exporter))
+    return provider
+
+
+def tracer_from(provider: Any) -> Any:
+    return provider.get_tracer(_TRACER_NAME)
