@@ -139,3 +139,16 @@ def test_no_tracing_without_configuration(monkeypatch):
     assert tracer_provider_from_env(None) is None
     monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console")
     assert tracer_provider_from_env(None) is not None
+
+
+def test_generation_span_links_to_the_request_trace(tmp_path, exporter):
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000))
+    req = make_request("a", max_tokens=3)
+    trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    req.trace_headers = {"traceparent": f"00-{trace_id}-{span_id}-01"}
+    drv.add(req)
+    drv.run_until_done()
+    (gen,) = spans(exporter, "output_rate.generation")
+    (link,) = gen.links
+    assert format(link.context.trace_id, "032x") == trace_id
+    assert format(link.context.span_id, "016x") == span_id

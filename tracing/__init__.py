@@ -1,4 +1,5 @@
-"""OpenTelemetry traces of the output-rate limiter (throttle, charge, refund,
-wake-up and per-request generation spans). Work in progress: see the
-telemetry issue.
+"""OpenTelemetry spans of the output-rate limiter, from the engine core:
+throttle episodes, refund steps, idle waits, per-request generation
+(``tracing.spans``). Fed by ``telemetry.engine`` from the same plain data as
+the metrics.
 """

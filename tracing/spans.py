@@ -19,7 +19,8 @@ Spans:
 - ``output_rate.generation``: one per finished request: token count,
   engine-side spacing p50 / p90 / p99 / max, and the spacing series itself in
   microseconds, base64 of little-endian uint32, at most ``MAX_SERIES`` values
-  (an attribute, not one event per token: span events are capped at 128).
+  (an attribute, not one event per token: span events are capped at 128);
+  linked to vLLM's own request trace when the request carried trace headers.
 """
 
 from __future__ import annotations
@@ -84,10 +85,27 @@ class SpanRecorder:
         self._charged: dict[str, int] = {}
         self._series: dict[str, array] = {}
         self._last_token_ns: dict[str, int] = {}
+        #: request id -> span context of vLLM's own request trace, if any
+        self._parents: dict[str, Any] = {}
 
-    def _span(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any]) -> None:
-        span = self.tracer.start_span(name, start_time=start_ns + self.offset, attributes=attributes)
+    def _span(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any],
+              links: Any = None) -> None:
+        span = self.tracer.start_span(name, start_time=start_ns + self.offset,
+                                      attributes=attributes, links=links)
         span.end(end_time=max(end_ns, start_ns) + self.offset)
+
+    def _remember_parent(self, req_id: str) -> None:
+        """Link to the request's own trace when it carried trace headers."""
+        request = self.scheduler.requests.get(req_id)
+        headers = getattr(request, "trace_headers", None) if request is not None else None
+        if not headers:
+            return
+        from opentelemetry import trace
+        from opentelemetry.propagate import extract
+
+        context = trace.get_current_span(extract(dict(headers))).get_span_context()
+        if context.is_valid:
+            self._parents[req_id] = context
 
     # -- per step ---------------------------------------------------------
 
@@ -151,6 +169,7 @@ class SpanRecorder:
                     s = series.get(req_id)
                     if s is None:
                         s = series[req_id] = array("I")
+                        self._remember_parent(req_id)
                     if prev is not None and len(s) < MAX_SERIES:
                         s.append(min((now - prev) // 1000, 0xFFFFFFFF))
                     for _ in range(n - 1):
@@ -181,7 +200,13 @@ class SpanRecorder:
             "output_rate.finish_reason": str(out.finish_reason),
         }
         start = now - sum(s) * 1000
-        self._span("output_rate.generation", start, now, attributes)
+        parent = self._parents.pop(req_id, None)
+        links = None
+        if parent is not None:
+            from opentelemetry.trace import Link
+
+            links = [Link(parent)]
+        self._span("output_rate.generation", start, now, attributes, links)
 
     # -- per idle wait --------------------------------------------------------
 
