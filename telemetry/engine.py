@@ -233,8 +233,7 @@ class EngineTelemetry:
         histogram; the all-users histogram is folded from those at export.
         """
         now = time.monotonic_ns()
-        if self.spans is not None:
-            self.spans.on_outputs(outputs, now)
+        spans = self.spans
         last, labels, hists = self._last_token_ns, self._request_label, self._spacing
         bounds = SPACING_BUCKETS
         for eco in outputs.values():
@@ -244,6 +243,8 @@ class EngineTelemetry:
                 if n:
                     prev = last.get(req_id)
                     last[req_id] = now
+                    if spans is not None:
+                        spans.on_tokens(req_id, n, prev, now)
                     if prev is None:
                         request = self.scheduler.requests.get(req_id)
                         if request is not None:
@@ -262,6 +263,8 @@ class EngineTelemetry:
                 if out.finish_reason is not None:
                     last.pop(req_id, None)
                     labels.pop(req_id, None)
+                    if spans is not None:
+                        spans.on_finished(req_id, out, now)
 
     def on_idle_wait(self, wait: Any) -> None:
         if self.spans is not None:

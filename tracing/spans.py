@@ -84,7 +84,6 @@ class SpanRecorder:
         self._episodes: dict[str, _Episode] = {}
         self._charged: dict[str, int] = {}
         self._series: dict[str, array] = {}
-        self._last_token_ns: dict[str, int] = {}
         #: request id -> span context of vLLM's own request trace, if any
         self._parents: dict[str, Any] = {}
 
@@ -157,34 +156,29 @@ class SpanRecorder:
 
     # -- per update_from_output -------------------------------------------
 
-    def on_outputs(self, outputs: dict[int, Any], now_ns: int | None = None) -> None:
-        now = time.monotonic_ns() if now_ns is None else now_ns
-        last, series = self._last_token_ns, self._series
-        for eco in outputs.values():
-            for out in eco.outputs:
-                req_id = out.request_id
-                n = len(out.new_token_ids)
-                if n:
-                    prev = last.get(req_id)
-                    s = series.get(req_id)
-                    if s is None:
-                        s = series[req_id] = array("I")
-                        self._remember_parent(req_id)
-                    if prev is not None and len(s) < MAX_SERIES:
-                        s.append(min((now - prev) // 1000, 0xFFFFFFFF))
-                    for _ in range(n - 1):
-                        if len(s) < MAX_SERIES:
-                            s.append(0)
-                    last[req_id] = now
-                if out.finish_reason is not None:
-                    self._finish(req_id, out, now)
+    def on_tokens(self, req_id: str, n: int, prev_ns: int | None, now_ns: int) -> None:
+        """``n`` tokens of ``req_id`` became available at ``now_ns``; its
+        previous token at ``prev_ns`` (None: these are its first). Called by
+        ``telemetry.engine``, which walks the outputs once for both."""
+        s = self._series.get(req_id)
+        if s is None:
+            s = self._series[req_id] = array("I")
+            self._remember_parent(req_id)
+        if prev_ns is not None and len(s) < MAX_SERIES:
+            s.append(min((now_ns - prev_ns) // 1000, 0xFFFFFFFF))
+        for _ in range(n - 1):
+            if len(s) < MAX_SERIES:
+                s.append(0)
+
+    def on_finished(self, req_id: str, out: Any, now: int) -> None:
+        """The request finished (``out`` is its last engine output)."""
+        self._finish(req_id, out, now)
 
     def _finish(self, req_id: str, out: Any, now: int) -> None:
         episode = self._episodes.pop(req_id, None)
         if episode is not None:
             self._end_episode(episode, now, "finished")
         s = self._series.pop(req_id, array("I"))
-        self._last_token_ns.pop(req_id, None)
         charged = self._charged.pop(req_id, 0)
         ordered = sorted(s)
         attributes = {
