@@ -3,15 +3,19 @@
 #   make test   - the whole test suite (what CI runs)
 PY := .venv/bin/python
 
-.PHONY: venv demo test bench clean
+.PHONY: venv tools demo test bench clean
 
 venv:
 	@scripts/bootstrap.sh
 
+# Debian's prometheus/promtool for the rule tests and the dashboard integration test
+tools:
+	@scripts/ensure_prometheus.sh
+
 demo: venv
 	$(PY) scripts/demo.py
 
-test: venv
+test: venv tools
 	$(PY) -m pytest -q tests
 
 bench: venv

@@ -14,8 +14,13 @@ USAGE = """usage: vllm-output-rate <command> [args]
 
 commands:
   serve <model> [vllm serve flags]   run vLLM's OpenAI server with output-rate limits
-  demo                               run the demo (tiny local model, three users)
 """
+
+#: Further subcommands: name -> (module with ``main(argv) -> int``, one-line help).
+#: Each module is imported only when its command runs.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "demo": ("vllm_patch.demo", "run the demo (tiny local model, three users)"),
+}
 
 
 def serve(argv: list[str]) -> None:
@@ -28,20 +33,28 @@ def serve(argv: list[str]) -> None:
     api_server_main()
 
 
+def usage() -> str:
+    lines = [USAGE.rstrip("\n")]
+    for name, (_module, text) in COMMANDS.items():
+        lines.append(f"  {name:<35}{text}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         sys.exit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
     if command == "serve":
         serve(rest)
-    elif command == "demo":
-        from vllm_patch.demo import main as demo_main
+    elif command in COMMANDS:
+        import importlib
 
-        sys.exit(demo_main(rest))
+        module = importlib.import_module(COMMANDS[command][0])
+        sys.exit(module.main(rest))
     else:
-        print(f"vllm-output-rate: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+        print(f"vllm-output-rate: unknown command {command!r}\n\n{usage()}", file=sys.stderr)
         sys.exit(2)
 
 
