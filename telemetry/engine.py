@@ -27,11 +27,11 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Any
 
 from telemetry.labels import OTHER, UserLabeler
-from telemetry.metrics import BY_NAME, SPACING_BUCKETS
+from telemetry.metrics import BY_NAME, EPISODE_BUCKETS, SPACING_BUCKETS
 
 logger = logging.getLogger("vllm_output_rate.telemetry")
 
@@ -43,6 +43,10 @@ TELEMETRY_SWITCH_ENV = "VLLM_OUTPUT_RATE_TELEMETRY"
 #: Top-K most active users with a label of their own (besides configured ones).
 TOP_K_ENV = "VLLM_OUTPUT_RATE_TOP_K_USERS"
 DEFAULT_TOP_K = 100
+#: A file path: append the engine-side per-step token events there (JSONL).
+EVENTS_ENV = "VLLM_OUTPUT_RATE_EVENTS"
+#: Event records queued between two exports before new ones are dropped.
+EVENTS_QUEUE_CAP = 500_000
 EXPORT_INTERVAL_S = 1.0
 
 Labels = tuple[str, ...]
@@ -87,7 +91,7 @@ class EngineTelemetry:
 
     def __init__(self, scheduler: Any, out_dir: str, interval_s: float = EXPORT_INTERVAL_S,
                  top_k: int | None = None, start_thread: bool = True,
-                 spans: Any = None) -> None:
+                 spans: Any = None, events_path: str | None = None) -> None:
         cfg = scheduler.output_rate_config
         vllm_config = scheduler.vllm_config
         self.scheduler = scheduler
@@ -110,6 +114,15 @@ class EngineTelemetry:
         self._spacing: dict[str, Histogram] = {}
         self._spacing_evicted = Histogram(SPACING_BUCKETS)
         self._request_label: dict[str, str] = {}
+        #: request id -> (first skipped step's ns, user label) of open throttle episodes
+        self._episodes: dict[str, tuple[int, str]] = {}
+        #: the opt-in event log: plain tuples queued here, written by the exporter
+        self._events_path = events_path
+        self._events: deque[tuple] | None = deque() if events_path else None
+        #: request id -> [user, tokens so far], while the event log is on
+        self._event_tokens: dict[str, list] = {}
+        self._events_started = False
+        self._events_idle = False
         self._num_blocks = max(int(vllm_config.cache_config.num_gpu_blocks or 0), 1)
         self._export_due = True
         self._drop_logged = False
@@ -119,17 +132,22 @@ class EngineTelemetry:
         for name in ("engine_tokens_charged", "engine_tokens_refunded", "engine_requests_skipped"):
             self.counters[(name, ())] += 0
         self.counters[("telemetry_dropped", ("export_failed",))] += 0
+        if events_path:
+            for reason in ("events_write_failed", "events_queue_full"):
+                self.counters[("telemetry_dropped", (reason,))] += 0
         for label in self.labeler.labelled_users().values():
             # configured users have their series from the start (rate() works)
             self.counters[("tokens_charged", (label,))] += 0
             self.counters[("requests_skipped", (label,))] += 0
             for reason in REFUND_REASONS:
                 self.counters[("tokens_refunded", (label, reason))] += 0
+            self._histogram("throttle_episode_seconds", (label,))
         for name in ("wake_lateness_seconds", "schedule_limiter_share"):
             self._histogram(name, ())
         self._update_throttled_gauges([])
         scheduler.output_rate_observer = self.on_step
         scheduler.output_rate_token_observer = self.on_outputs
+        scheduler.output_rate_finish_observer = self.on_aborted
         from vllm_patch import engine_loop
 
         engine_loop.idle_wait_observer = self.on_idle_wait
@@ -172,9 +190,16 @@ class EngineTelemetry:
         for _req_id, user, reason in record.refunded:
             counters[("tokens_refunded", (labeler.label(user), reason))] += 1
             counters[("engine_tokens_refunded", ())] += 1
+        episodes = self._episodes
+        if episodes and record.charged:
+            self._end_episodes(record.charged, record.now_ns)
         if record.throttled:
+            now = record.now_ns
             for request in record.throttled:
-                counters[("requests_skipped", (labeler.label(request.output_rate_user),))] += 1
+                label = labeler.label(request.output_rate_user)
+                counters[("requests_skipped", (label,))] += 1
+                if request.request_id not in episodes:
+                    episodes[request.request_id] = (now, label)
             counters[("engine_requests_skipped", ())] += len(record.throttled)
         if record.limiter_share is not None:
             self.histograms[("schedule_limiter_share", ())].observe(record.limiter_share)
@@ -184,6 +209,40 @@ class EngineTelemetry:
             self._export_due = False
             self._update_throttled_gauges(record.throttled)
             self._rebalance()
+
+    def _end_episodes(self, dispatched: Any, now_ns: int) -> None:
+        """Close the open throttle episodes of the ``dispatched`` request ids."""
+        episodes = self._episodes
+        if len(episodes) < len(dispatched):
+            ended = [rid for rid in episodes if rid in dispatched]
+        else:
+            ended = [rid for rid in dispatched if rid in episodes]
+        for req_id in ended:
+            start_ns, label = episodes.pop(req_id)
+            self._histogram("throttle_episode_seconds", (label,)).observe((now_ns - start_ns) / 1e9)
+
+    def on_aborted(self, requests: list[Any]) -> None:
+        """Requests finished from outside the scheduler (client aborts)."""
+        now = time.monotonic_ns()
+        if self._episodes:
+            self._end_episodes({r.request_id for r in requests}, now)
+        for request in requests:
+            req_id = request.request_id
+            self._last_token_ns.pop(req_id, None)
+            self._request_label.pop(req_id, None)
+            if self._events is not None:
+                seen = self._event_tokens.pop(req_id, None)
+                self._queue_event(("finished", now, req_id, request.output_rate_user,
+                                   "abort", seen[1] if seen else 0))
+        if self.spans is not None:
+            self.spans.on_aborted(requests, now)
+
+    def _queue_event(self, event: tuple) -> None:
+        events = self._events
+        if len(events) >= EVENTS_QUEUE_CAP:
+            self.counters[("telemetry_dropped", ("events_queue_full",))] += 1
+        else:
+            events.append(event)
 
     def _update_throttled_gauges(self, throttled: list[Any]) -> None:
         manager = getattr(self.scheduler, "kv_cache_manager", None)
@@ -204,6 +263,16 @@ class EngineTelemetry:
         self.gauges[("engine_throttled_requests", ())] = len(throttled)
         self.gauges[("engine_throttled_kv_blocks", ())] = total_blocks
         self.gauges[("throttled_kv_cache_share", ())] = total_blocks / self._num_blocks
+        if self._events is not None and (throttled or not self._events_idle):
+            by_user: dict[str, int] = defaultdict(int)
+            blocks_by_user: dict[str, int] = defaultdict(int)
+            for request in throttled:
+                by_user[request.output_rate_user] += 1
+                blocks_by_user[request.output_rate_user] += sum(
+                    len(group) for group in manager.get_block_ids(request.request_id))
+            self._events_idle = not throttled
+            self._queue_event(("throttled", time.monotonic_ns(), dict(by_user),
+                               dict(blocks_by_user), total_blocks / self._num_blocks))
 
     def _rebalance(self) -> None:
         added, evicted = self.labeler.rebalance()
@@ -236,10 +305,15 @@ class EngineTelemetry:
         spans = self.spans
         last, labels, hists = self._last_token_ns, self._request_label, self._spacing
         bounds = SPACING_BUCKETS
+        events = self._events
+        step_tokens: list[tuple[str, str, int]] | None = [] if events is not None else None
+        step_finished: list[tuple] = []
         for eco in outputs.values():
             for out in eco.outputs:
                 req_id = out.request_id
                 n = len(out.new_token_ids)
+                if step_tokens is not None:
+                    self._event_outputs(step_tokens, step_finished, out, n, now)
                 if n:
                     prev = last.get(req_id)
                     last[req_id] = now
@@ -263,8 +337,30 @@ class EngineTelemetry:
                 if out.finish_reason is not None:
                     last.pop(req_id, None)
                     labels.pop(req_id, None)
+                    if self._episodes:
+                        self._episodes.pop(req_id, None)
                     if spans is not None:
                         spans.on_finished(req_id, out, now)
+        if step_tokens:
+            self._queue_event(("tokens", now, step_tokens))
+        for event in step_finished:
+            self._queue_event(event)
+
+    def _event_outputs(self, step_tokens: list[tuple[str, str, int]],
+                       step_finished: list[tuple], out: Any, n: int, now: int) -> None:
+        """The event log's view of one request's output (only when it is on)."""
+        req_id = out.request_id
+        seen = self._event_tokens.get(req_id)
+        if seen is None:
+            request = self.scheduler.requests.get(req_id)
+            user = request.output_rate_user if request is not None else "__unknown__"
+            seen = self._event_tokens[req_id] = [user, 0]
+        if n:
+            step_tokens.append((req_id, seen[0], n))
+            seen[1] += n
+        if out.finish_reason is not None:
+            del self._event_tokens[req_id]
+            step_finished.append(("finished", now, req_id, seen[0], str(out.finish_reason), seen[1]))
 
     def on_idle_wait(self, wait: Any) -> None:
         if self.spans is not None:
@@ -302,8 +398,41 @@ class EngineTelemetry:
             "histograms": [[n, list(l), *h.snapshot()] for (n, l), h in histograms.items()],
         }
 
+    def _write_events(self) -> None:
+        """Append the queued event records to the event log (exporter thread)."""
+        events = self._events
+        if not self._events_started:
+            self._events_started = True
+            limiter = self.scheduler.output_rate_limiter
+            cfg = self.scheduler.output_rate_config
+            events.appendleft(("start", time.monotonic_ns(), time.time_ns(), {
+                user: float(limiter.rate_of(user)) for user in cfg.user_rates
+            }, float(cfg.default_rate)))
+        if not self.scheduler.running and not self._events_idle:
+            self._events_idle = True  # the engine went idle: nothing throttled
+            events.append(("throttled", time.monotonic_ns(), {}, {}, 0.0))
+        lines = []
+        while events:
+            lines.append(_event_json(events.popleft(), self.engine))
+        if not lines:
+            return
+        try:
+            with open(self._events_path, "a") as f:
+                f.write("".join(lines))
+        except Exception as exc:
+            self.counters[("telemetry_dropped", ("events_write_failed",))] += len(lines)
+            self._log_drop_once(f"event log {self._events_path}", exc)
+
+    def _log_drop_once(self, what: str, exc: BaseException) -> None:
+        if not self._drop_logged:
+            self._drop_logged = True
+            logger.warning("output-rate telemetry: writing %s failed (%s); "
+                           "further failures are only counted", what, exc)
+
     def export(self) -> bool:
         """Write one snapshot; on failure count a drop and log once."""
+        if self._events is not None:
+            self._write_events()
         try:
             data = json.dumps(self.snapshot())
             tmp = f"{self.path}.tmp"
@@ -313,10 +442,7 @@ class EngineTelemetry:
             return True
         except Exception as exc:  # never let telemetry hurt the engine
             self.counters[("telemetry_dropped", ("export_failed",))] += 1
-            if not self._drop_logged:
-                self._drop_logged = True
-                logger.warning("output-rate telemetry export to %s failed (%s); "
-                               "further failures are only counted", self.path, exc)
+            self._log_drop_once(f"the snapshot {self.path}", exc)
             return False
         finally:
             self._export_due = True
@@ -330,6 +456,22 @@ class EngineTelemetry:
         self.export()
 
 
+def _event_json(event: tuple, engine: str) -> str:
+    kind, t_ns = event[0], event[1]
+    if kind == "tokens":
+        data: dict[str, Any] = {"kind": kind, "t_ns": t_ns, "tokens": event[2]}
+    elif kind == "finished":
+        data = {"kind": kind, "t_ns": t_ns, "request_id": event[2], "user": event[3],
+                "reason": event[4], "output_tokens": event[5]}
+    elif kind == "throttled":
+        data = {"kind": kind, "t_ns": t_ns, "requests": event[2], "kv_blocks": event[3],
+                "kv_share": event[4]}
+    else:  # start
+        data = {"kind": kind, "t_ns": t_ns, "unix_ns": event[2], "engine": engine,
+                "limits": event[3], "default_limit": event[4]}
+    return json.dumps(data) + "\n"
+
+
 def attach(scheduler: Any) -> EngineTelemetry | None:
     """Start telemetry for ``scheduler`` when the plugin set a directory."""
     out_dir = os.environ.get(TELEMETRY_DIR_ENV)
@@ -337,7 +479,8 @@ def attach(scheduler: Any) -> EngineTelemetry | None:
         return None
     try:
         os.makedirs(out_dir, exist_ok=True)
-        return EngineTelemetry(scheduler, out_dir, spans=_span_recorder(scheduler))
+        return EngineTelemetry(scheduler, out_dir, spans=_span_recorder(scheduler),
+                               events_path=os.environ.get(EVENTS_ENV) or None)
     except Exception:
         logger.exception("output-rate telemetry could not start; the limiter runs without it")
         return None

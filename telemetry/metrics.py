@@ -25,6 +25,8 @@ SPACING_BUCKETS = (
 LATENESS_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
 #: How long one idle wait lasted (capped at 50 ms by design).
 IDLE_WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.1)
+#: How long one request stayed throttled (skipped step after step).
+EPISODE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 #: The limiter's share of one schedule() call (0..1).
 SHARE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 
@@ -88,6 +90,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("engine_inter_token_seconds", "histogram", "seconds",
            "Engine-side spacing between consecutive output tokens of a request, all users.",
            (), SPACING_BUCKETS),
+    Metric("throttle_episode_seconds", "histogram", "seconds",
+           "Duration of one throttle episode of a request: from the first step it was skipped "
+           "to the step it was dispatched again (or aborted), by user.",
+           ("user",), EPISODE_BUCKETS),
     Metric("wake_lateness_seconds", "histogram", "seconds",
            "How late the engine loop woke after the ready time it waited for.",
            (), LATENESS_BUCKETS),
@@ -98,7 +104,7 @@ METRICS: tuple[Metric, ...] = (
            "Share of each schedule() call spent in the limiter's own code.",
            (), SHARE_BUCKETS),
     Metric("telemetry_dropped", "counter", "events",
-           "Telemetry data dropped (export failed, queue full), by reason.", ("reason",)),
+           "Telemetry data dropped (export failed, event log write failed, event queue full), by reason.", ("reason",)),
 )
 
 BY_NAME = {m.name: m for m in METRICS}

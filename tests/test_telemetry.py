@@ -138,3 +138,106 @@ def test_snapshot_is_json(tmp_path):
     data = json.loads((tmp_path / "engine-0.json").read_text())
     assert data["engine"] == "0" and data["counters"]
     assert not os.path.exists(str(tmp_path / "engine-0.json.tmp"))
+
+
+def events_setup(tmp_path, lim, monkeypatch, **kw):
+    import telemetry.engine as engine_mod
+
+    clock = FakeClock()
+    sched = make_scheduler(lim, clock=clock, **kw)
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", clock)
+    path = tmp_path / "events.jsonl"
+    tel = EngineTelemetry(sched, str(tmp_path), start_thread=False, events_path=str(path))
+    return sched, Driver(sched, clock, step_ms=10.0), tel, path
+
+
+def read_events(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_throttle_episodes_are_timed_per_user(tmp_path, monkeypatch):
+    # 3 streams of "a" at 10 tok/s, 10 ms steps: after the burst each stream
+    # waits 3 tokens * 100 ms - its own step = about 0.3 s between dispatches
+    sched, drv, tel, _ = events_setup(tmp_path, limits(1000, a=10), monkeypatch)
+    drv.add(*[make_request("a", max_tokens=8) for _ in range(3)])
+    drv.add(make_request("b", max_tokens=8))
+    drv.run_until_done()
+    hist = tel.histograms[("throttle_episode_seconds", ("a",))]
+    assert hist.count > 0
+    mean = hist.sum / hist.count
+    assert 0.15 <= mean <= 0.31
+    assert ("throttle_episode_seconds", ("b",)) not in tel.histograms or \
+        tel.histograms[("throttle_episode_seconds", ("b",))].count == 0
+    assert not tel._episodes  # every episode ended
+
+
+def test_event_log_matches_what_the_engine_delivered(tmp_path, monkeypatch):
+    sched, drv, tel, path = events_setup(tmp_path, limits(1000, a=20), monkeypatch)
+    reqs = [make_request("a", max_tokens=12) for _ in range(2)] + [make_request("b", max_tokens=9)]
+    drv.add(*reqs)
+    drv.run(5)
+    tel.export()  # the throttled line of an export-due step comes at the next step
+    drv.run_until_done()
+    tel.export()
+    events = read_events(path)
+    assert events[0]["kind"] == "start"
+    assert events[0]["limits"] == {"a": 20.0} and events[0]["default_limit"] == 1000.0
+    per_request: dict[str, int] = {}
+    times: dict[str, list[int]] = {}
+    for e in events:
+        if e["kind"] == "tokens":
+            for req_id, user, n in e["tokens"]:
+                per_request[req_id] = per_request.get(req_id, 0) + n
+                times.setdefault(req_id, []).append(e["t_ns"])
+    for r in reqs:
+        assert per_request[r.request_id] == drv.count(r.request_id)
+        assert times[r.request_id] == [t for _, t in drv.tokens[r.request_id]]
+    finished = {e["request_id"]: e for e in events if e["kind"] == "finished"}
+    assert {r.request_id for r in reqs} == set(finished)
+    for r in reqs:
+        assert finished[r.request_id]["output_tokens"] == r.max_tokens
+        assert finished[r.request_id]["reason"] == "length"
+        assert finished[r.request_id]["user"] == r.output_rate_user
+    throttled = [e for e in events if e["kind"] == "throttled"]
+    assert any(e["requests"].get("a", 0) >= 1 and e["kv_blocks"]["a"] > 0 for e in throttled)
+    assert throttled[-1]["requests"] == {} and throttled[-1]["kv_share"] == 0.0
+
+
+def test_abort_mid_throttle_ends_episode_and_is_logged(tmp_path, monkeypatch):
+    from vllm.v1.request import RequestStatus
+
+    sched, drv, tel, path = events_setup(tmp_path, limits(1000, a=5), monkeypatch)
+    reqs = [make_request("a", max_tokens=50) for _ in range(2)]
+    drv.add(*reqs)
+    drv.run(20)
+    assert tel._episodes  # both are throttled now
+    sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ABORTED)
+    assert not tel._episodes and not tel._last_token_ns
+    assert tel.histograms[("throttle_episode_seconds", ("a",))].count >= 2
+    tel.export()
+    finished = [e for e in read_events(path) if e["kind"] == "finished"]
+    assert sorted(e["request_id"] for e in finished) == sorted(r.request_id for r in reqs)
+    assert all(e["reason"] == "abort" and 0 < e["output_tokens"] < 50 for e in finished)
+    assert not tel._event_tokens
+
+
+def test_event_queue_overflow_is_counted(tmp_path, monkeypatch):
+    import telemetry.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "EVENTS_QUEUE_CAP", 3)
+    sched, drv, tel, path = events_setup(tmp_path, limits(1000), monkeypatch)
+    drv.add(make_request("a", max_tokens=10))
+    drv.run_until_done()  # 1 throttled (none) + 10 token lines + 1 finish line, 3 kept
+    assert counter(tel, "telemetry_dropped", "events_queue_full") == 9
+    tel.export()
+    kinds = [e["kind"] for e in read_events(path)]
+    assert kinds == ["start", "throttled", "tokens", "tokens"]
+
+
+def test_unwritable_event_log_is_counted_not_raised(tmp_path, monkeypatch):
+    sched, drv, tel, path = events_setup(tmp_path, limits(1000), monkeypatch)
+    tel._events_path = str(tmp_path / "missing-dir" / "events.jsonl")
+    drv.add(make_request("a", max_tokens=4))
+    drv.run_until_done()
+    assert tel.export()  # the snapshot still goes out
+    assert counter(tel, "telemetry_dropped", "events_write_failed") >= 5

@@ -152,3 +152,26 @@ def test_generation_span_links_to_the_request_trace(tmp_path, exporter):
     (link,) = gen.links
     assert format(link.context.trace_id, "032x") == trace_id
     assert format(link.context.span_id, "016x") == span_id
+
+
+def test_client_abort_mid_throttle_ends_the_episode_and_the_generation(tmp_path, exporter,
+                                                                      monkeypatch):
+    import telemetry.engine as engine_mod
+    from vllm.v1.request import RequestStatus
+
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=5))
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    reqs = [make_request("a", max_tokens=50) for _ in range(2)]
+    drv.add(*reqs)
+    drv.run(20)
+    assert not spans(exporter, "output_rate.generation")
+    sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ABORTED)
+    gens = spans(exporter, "output_rate.generation")
+    assert sorted(s.attributes["output_rate.request_id"] for s in gens) == sorted(
+        r.request_id for r in reqs)
+    assert all(s.attributes["output_rate.finish_reason"] == "abort" for s in gens)
+    assert all(0 < s.attributes["output_rate.tokens"] < 50 for s in gens)
+    aborted = [s for s in spans(exporter, "output_rate.throttle")
+               if s.attributes["output_rate.outcome"] == "aborted"]
+    assert len(aborted) == 2
+    assert not rec._episodes and not rec._series and not rec._charged

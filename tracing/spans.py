@@ -172,12 +172,18 @@ class SpanRecorder:
 
     def on_finished(self, req_id: str, out: Any, now: int) -> None:
         """The request finished (``out`` is its last engine output)."""
-        self._finish(req_id, out, now)
+        self._finish(req_id, str(out.finish_reason), now)
 
-    def _finish(self, req_id: str, out: Any, now: int) -> None:
+    def on_aborted(self, requests: list[Any], now: int) -> None:
+        """Requests finished from outside (client aborts): their open
+        episodes end and their generation spans are emitted."""
+        for request in requests:
+            self._finish(request.request_id, "abort", now)
+
+    def _finish(self, req_id: str, reason: str, now: int) -> None:
         episode = self._episodes.pop(req_id, None)
         if episode is not None:
-            self._end_episode(episode, now, "finished")
+            self._end_episode(episode, now, "aborted" if reason == "abort" else "finished")
         s = self._series.pop(req_id, array("I"))
         charged = self._charged.pop(req_id, 0)
         ordered = sorted(s)
@@ -191,7 +197,7 @@ class SpanRecorder:
             "output_rate.spacing_max_us": ordered[-1] if ordered else 0,
             "output_rate.spacing_series_us_b64u32": encode_series(s),
             "output_rate.spacing_series_truncated": len(s) >= MAX_SERIES,
-            "output_rate.finish_reason": str(out.finish_reason),
+            "output_rate.finish_reason": reason,
         }
         start = now - sum(s) * 1000
         parent = self._parents.pop(req_id, None)

@@ -16,6 +16,8 @@ Overridden by subclassing (``vllm_patch.scheduler``):
   - ``Scheduler.max_num_active_reqs``: read by the waiting loop as the
     admission cap; turned into a property so throttled requests do not count.
   - ``Scheduler.add_request``: resolves the request's user once.
+  - ``Scheduler.finish_requests(request_ids, finished_status)``: returns the
+    requests it finished (client aborts); telemetry ends their records.
   - ``Scheduler._preempt_request``: called to preempt throttled victims.
   - ``vllm.v1.core.sched.async_scheduler.AsyncScheduler``: same mixin.
   - ``KVCacheManager.allocate_slots``: wrapped on the scheduler's own

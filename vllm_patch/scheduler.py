@@ -98,6 +98,8 @@ class OutputRateSchedulerMixin:
     output_rate_observer: Callable[[OutputRateStep], None] | None = None
     #: Called with the engine outputs of each update_from_output (telemetry).
     output_rate_token_observer: Callable[[dict], None] | None = None
+    #: Called with the requests finished from outside (aborts) when set.
+    output_rate_finish_observer: Callable[[list], None] | None = None
 
     # Per-step counters read by the ``max_num_active_reqs`` property while
     # vLLM's __init__ runs, before ours has set anything.
@@ -195,6 +197,13 @@ class OutputRateSchedulerMixin:
         if observer is not None:
             observer(outputs)
         return outputs
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> list[Request]:
+        finished = super().finish_requests(request_ids, finished_status)
+        observer = self.output_rate_finish_observer
+        if observer is not None and finished:
+            observer(finished)
+        return finished
 
     def shutdown(self) -> None:
         telemetry = getattr(self, "output_rate_telemetry", None)
