@@ -20,6 +20,12 @@ commands:
 #: Each module is imported only when its command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("vllm_patch.demo", "run the demo (tiny local model, three users)"),
+    "loadgen": ("vllm_patch.loadgen",
+                "drive a server with a scenario file, client-side timing"),
+    "verify": ("vllm_patch.verify",
+               "engine-side ITL verification of a scenario run, Markdown report"),
+    "profile": ("vllm_patch.profile",
+                "py-spy schedule-cost report of the engine core (limiter on vs off)"),
 }
 
 
