@@ -1,0 +1,1 @@
+"""Grafana dashboards, Prometheus rules and their generator (see README.md here)."""
