@@ -70,7 +70,7 @@ DEFAULT_LIMITS = {"user-a": 20}
 #: user-a (20 tok/s, 4 streams) is throttled; user-b (the default, far above
 #: what a CPU engine does) is not
 DEFAULT_DEFAULT_LIMIT = 100_000
-DEFAULT_LOAD = [("user-a", 4, 200), ("user-b", 4, 400)]
+DEFAULT_LOAD = [("user-a", 4, 200), ("user-b", 4, 900)]
 DEFAULT_SERVE_ARGS = ["--max-num-seqs", "16", "--max-num-active-seqs", "8",
                       "--max-model-len", "1024"]
 
