@@ -123,10 +123,12 @@ def cases() -> list[dict[str, Any]]:
             ],
         },
         {
-            "name": "throttled continuously: throttled half the time does not fire",
+            "name": "throttled continuously: half the time, or only since a few minutes, does not fire",
             "interval": "1m",
             "input_series": [
                 series("throttled_requests", " ".join(["2 0"] * 30), user="user-a"),
+                # a new user throttled from its first minute: 15 of the last 30 minutes
+                series("throttled_requests", "_x40 4x15", user="user-new"),
             ],
             "alert_rule_test": [_alert(cont, "55m", [])],
         },
