@@ -246,7 +246,7 @@ def users_dashboard() -> Dashboard:
             f"{100 * LONG['share']:.0f}% for long the 'throttled continuously' alert fires "
             "(capacity or tier problem).",
             "percentunit",
-            [Target(throttled_share_expr(dashboard=True), "{{user}}", "throttled")]),
+            [Target(throttled_share_expr(dashboard=True), "{{user}}", "throttled")], w=24),
         Row("Engine-side inter-token spacing (per user)"),
         Panel(
             "Inter-token spacing quantiles (engine-side): $user",
@@ -260,18 +260,18 @@ def users_dashboard() -> Dashboard:
              Target(quantile(0.9, spacing, "user"), "{{user}} p90", "users"),
              Target(quantile(0.99, spacing, "user"), "{{user}} p99", "users"),
              Target(f"1 / max by (user) ({limit})", "{{user}} 1/limit", "users")],
-            repeat_user=True, overrides=[dashed(".*1/limit$")], log_scale=True, key="spacing"),
+            repeat_user=True, overrides=[dashed(".*1/limit$")], log_scale=True, key="spacing", w=24),
         Panel(
             "Inter-token spacing heatmap (engine-side): $user",
             "Distribution of engine-side inter-token spacing over time (spacings per second in "
             "each bucket). The user's configured 1/limit is the dashed line on the quantile "
-            "panel beside this one. Healthy: one tight band; for a throttled user the band sits "
+            "panel above. Healthy: one tight band; for a throttled user the band sits "
             "at about (active streams)/limit, never below 1/limit except zero-spacing tokens of "
             "one step.",
             "s",
             [Target(f"sum by (le) (rate({spacing}[$__rate_interval]))", "{{le}}", "data",
                     format="heatmap")],
-            kind="heatmap", repeat_user=True),
+            kind="heatmap", repeat_user=True, w=24),
         Row("Throttled requests holding KV cache"),
         Panel(
             "Throttled requests per user (resident, holding KV)",

@@ -1,0 +1,288 @@
+#!/usr/bin/env python
+"""Pictures of the key dashboard panels without Grafana.
+
+Queries a Prometheus that scraped the engine(s) for the dashboards' own
+expressions (per-user engine-side token spacing, output rate vs limit,
+throttled requests holding KV) over a time range, and writes PNG charts and
+a short Markdown summary:
+
+    python scripts/prom_pictures.py --prometheus http://127.0.0.1:9090 --last 15m --out report/
+    python scripts/prom_pictures.py --prometheus URL --start 2026-11-30T14:00:00Z \\
+        --end 2026-11-30T14:20:00Z --user 'user-a|user-b' --out report/
+
+Writes ``spacing.png``, ``rate_vs_limit.png``, ``throttled_kv.png`` and
+``summary.md`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import httpx  # noqa: E402
+
+from dashboards import generate  # noqa: E402
+from dashboards.promql import render  # noqa: E402
+
+Series = dict[str, list[tuple[float, float]]]
+
+
+def parse_time(text: str) -> float:
+    """Unix seconds or ISO 8601 (a trailing Z means UTC)."""
+    try:
+        return float(text)
+    except ValueError:
+        stamp = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        if stamp.tzinfo is None:
+            stamp = stamp.replace(tzinfo=timezone.utc)
+        return stamp.timestamp()
+
+
+class Prom:
+    def __init__(self, url: str, variables: dict[str, str], rate_interval: str) -> None:
+        self.url = url.rstrip("/")
+        self.variables = variables
+        self.rate_interval = rate_interval
+        self.client = httpx.Client(timeout=60)
+
+    def _get(self, path: str, **params: Any) -> list[dict[str, Any]]:
+        resp = self.client.get(f"{self.url}/api/v1/{path}", params=params)
+        body = resp.json()
+        if body.get("status") != "success":
+            raise RuntimeError(f"{params.get('query')}: {body.get('error', body)}")
+        return body["data"]["result"]
+
+    def expr(self, expr: str, range_s: float = 0) -> str:
+        return render(expr, self.variables, rate_interval=self.rate_interval,
+                      range_=f"{max(int(range_s), 1)}s")
+
+    def range(self, expr: str, start: float, end: float, step: str, label: str = "user") -> Series:
+        out: Series = {}
+        for s in self._get("query_range", query=self.expr(expr), start=start, end=end, step=step):
+            key = s["metric"].get(label, "")
+            points = [(float(t), float(v)) for t, v in s["values"]]
+            out.setdefault(key, []).extend(p for p in points if not math.isnan(p[1]))
+        return {k: sorted(v) for k, v in out.items() if v}
+
+    def instant(self, expr: str, at: float, label: str = "user", range_s: float = 0) -> dict[str, float]:
+        out = {}
+        for s in self._get("query", query=self.expr(expr, range_s), time=at):
+            value = float(s["value"][1])
+            if not math.isnan(value):
+                out[s["metric"].get(label, "")] = value
+        return out
+
+
+def _xs(points: list[tuple[float, float]], t0: float) -> tuple[list[float], list[float]]:
+    return [t - t0 for t, _ in points], [v for _, v in points]
+
+
+def draw(prom: Prom, start: float, end: float, step: str, out: Path) -> dict[str, Any]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = generate.key_panels()
+    data: dict[str, Any] = {}
+    when = datetime.fromtimestamp(start, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    xlabel = f"seconds since {when}"
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+
+    # per-user spacing quantiles with 1/limit
+    spacing = panels["spacing"]
+    quantiles = {t.legend.split()[-1]: prom.range(t.expr, start, end, step) for t in spacing.targets}
+    users = sorted({u for series in quantiles.values() for u in series})
+    data["spacing"] = quantiles
+    n = max(len(users), 1)
+    cols = min(n, 2)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 3.6 * rows), squeeze=False)
+    for i, user in enumerate(users):
+        ax = axes[i // cols][i % cols]
+        for j, (name, series) in enumerate(quantiles.items()):
+            if user not in series:
+                continue
+            xs, ys = _xs(series[user], start)
+            style = dict(linestyle="--", color="red", linewidth=2) if name == "1/limit" else dict(color=colors[j])
+            ax.plot(xs, ys, label=name, **style)
+        ax.set_yscale("log")
+        ax.set_title(f"engine-side inter-token spacing: {user}")
+        ax.set_ylabel("seconds")
+        ax.set_xlabel(xlabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    for k in range(len(users), rows * cols):
+        axes[k // cols][k % cols].axis("off")
+    fig.tight_layout()
+    fig.savefig(out / "spacing.png", dpi=100)
+    plt.close(fig)
+
+    # output rate vs limit
+    rate_panel = panels["rate"]
+    rate = prom.range(rate_panel.targets[0].expr, start, end, step)
+    limit = prom.range(rate_panel.targets[1].expr, start, end, step)
+    data["rate"], data["limit"] = rate, limit
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for i, user in enumerate(sorted(set(rate) | set(limit))):
+        color = colors[i % len(colors)]
+        if user in rate:
+            ax.plot(*_xs(rate[user], start), color=color, label=f"{user} tok/s")
+        if user in limit:
+            ax.plot(*_xs(limit[user], start), color=color, linestyle="--", linewidth=2, label=f"{user} limit")
+    ax.set_yscale("log")
+    ax.set_title("output tokens/s per user (charged, engine-side) vs configured limit")
+    ax.set_ylabel("tokens / s")
+    ax.set_xlabel(xlabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "rate_vs_limit.png", dpi=100)
+    plt.close(fig)
+
+    # throttled requests holding KV
+    throttled = prom.range(panels["throttled"].targets[0].expr, start, end, step)
+    blocks = prom.range(panels["kv_blocks"].targets[0].expr, start, end, step)
+    share_panel = panels["kv_share"]
+    share = prom.range(share_panel.targets[0].expr, start, end, step, label="engine")
+    usage = prom.range(share_panel.targets[1].expr, start, end, step, label="engine")
+    data.update(throttled=throttled, blocks=blocks, share=share, usage=usage)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    for ax, series, title, unit in ((axes[0], throttled, "throttled requests per user (resident, holding KV)", "requests"),
+                                    (axes[1], blocks, "KV blocks held by throttled requests, per user", "blocks")):
+        for i, user in enumerate(sorted(series)):
+            ax.plot(*_xs(series[user], start), color=colors[i % len(colors)], label=user)
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    for engine, points in sorted(share.items()):
+        axes[2].plot(*_xs(points, start), label=f"held by throttled requests, engine {engine}")
+    for engine, points in sorted(usage.items()):
+        axes[2].plot(*_xs(points, start), linestyle="--", label=f"vLLM KV usage, engine {engine}")
+    axes[2].set_title("share of the KV cache")
+    axes[2].set_ylabel("share (0..1)")
+    axes[2].set_xlabel(xlabel)
+    axes[2].grid(True, alpha=0.3)
+    axes[2].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "throttled_kv.png", dpi=100)
+    plt.close(fig)
+    return data
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    if value is None or math.isnan(value):
+        return "-"
+    return f"{value:.{digits}g}"
+
+
+def summary(prom: Prom, start: float, end: float, data: dict[str, Any]) -> str:
+    """Per user over the whole range: limit, rate, spacing quantiles, throttling."""
+    span = end - start
+    spacing = generate.sel("inter_token_seconds", "_bucket")
+    exact_q = {q: prom.instant(f"histogram_quantile({q}, sum by (user, le) (increase({spacing}[$__range])))",
+                               end, range_s=span) for q in (0.5, 0.99)}
+    tokens = prom.instant(f"sum by (user) (increase({generate.sel('tokens_charged')}[$__range]))",
+                          end, range_s=span)
+    rate, limit = data["rate"], data["limit"]
+    users = sorted(set(rate) | set(limit) | set(tokens))
+    factor = generate.over_limit_factor()
+    lines = [
+        "# Output-rate pictures",
+        "",
+        f"Prometheus `{prom.url}`, {datetime.fromtimestamp(start, timezone.utc):%Y-%m-%d %H:%M:%S} to "
+        f"{datetime.fromtimestamp(end, timezone.utc):%H:%M:%S} UTC ({span:.0f} s); filters "
+        + ", ".join(f"`{k}=~\"{v}\"`" for k, v in prom.variables.items())
+        + f"; rates over {prom.rate_interval}.",
+        "",
+        "Charts: `spacing.png` (engine-side inter-token spacing per user, dashed: 1/limit), "
+        "`rate_vs_limit.png` (output tokens/s vs limit), `throttled_kv.png` (throttled requests, "
+        "their KV blocks, share of the KV cache).",
+        "",
+        "| user | limit tok/s | tokens | mean tok/s | max tok/s | max rate/limit | spacing p50 | spacing p99 | time throttled | max throttled req. | max KV blocks |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    over = []
+    for user in users:
+        lim = max((v for _, v in limit.get(user, [])), default=None)
+        rates = [v for _, v in rate.get(user, [])]
+        ratio = max(rates) / lim if rates and lim else None
+        if ratio is not None and ratio > factor:
+            over.append(user)
+        thr = [v for _, v in data["throttled"].get(user, [])]
+        lines.append("| " + " | ".join([
+            user, _fmt(lim), _fmt(tokens.get(user), 6), _fmt(tokens.get(user, 0) / span if span else None),
+            _fmt(max(rates, default=None)), f"{100 * ratio:.0f}%" if ratio is not None else "-",
+            _fmt(exact_q[0.5].get(user)) + " s" if user in exact_q[0.5] else "-",
+            _fmt(exact_q[0.99].get(user)) + " s" if user in exact_q[0.99] else "-",
+            f"{100 * sum(v > 0 for v in thr) / len(thr):.0f}%" if thr else "-",
+            _fmt(max(thr, default=None)),
+            _fmt(max((v for _, v in data["blocks"].get(user, [])), default=None)),
+        ]) + " |")
+    share = max((v for points in data["share"].values() for _, v in points), default=None)
+    usage = max((v for points in data["usage"].values() for _, v in points), default=None)
+    lines += [
+        "",
+        f"- Max share of the KV cache held by throttled requests: {_fmt(share)} "
+        f"(vLLM's own KV usage peaked at {_fmt(usage)}).",
+        f"- Users whose {prom.rate_interval} rate exceeded {100 * factor:.1f}% of their limit: "
+        + (", ".join(over) if over else "none") + " (the over-limit alert judges over "
+        f"{generate.OVER['window']} and allows one token more).",
+        "- Spacing quantiles are exact over the whole range (from the engine-side histogram); "
+        "a throttled user with n active streams spaces each stream's tokens about n/limit apart.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--prometheus", required=True, help="Prometheus base URL")
+    parser.add_argument("--start", help="unix seconds or ISO 8601")
+    parser.add_argument("--end", help="unix seconds or ISO 8601 (default: now)")
+    parser.add_argument("--last", help="instead of --start: the last N (e.g. 15m, 1h)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--model-name", default=".*", help="regex on model_name")
+    parser.add_argument("--engine", default=".*", help="regex on engine")
+    parser.add_argument("--user", default=".*", help="regex on user")
+    parser.add_argument("--step", default=None, help="query resolution (default: range / 300)")
+    parser.add_argument("--rate-interval", default="1m",
+                        help="rate() window (Grafana's $__rate_interval; at least 4 scrape intervals)")
+    args = parser.parse_args(argv)
+
+    end = parse_time(args.end) if args.end else time.time()
+    if args.last:
+        start = end - generate.seconds(args.last)
+    elif args.start:
+        start = parse_time(args.start)
+    else:
+        parser.error("give --start or --last")
+    if start >= end:
+        parser.error("the range is empty")
+    step = args.step or f"{max((end - start) / 300, 1):.0f}s"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prom = Prom(args.prometheus, {"model_name": args.model_name, "engine": args.engine, "user": args.user},
+                args.rate_interval)
+    data = draw(prom, start, end, step, out)
+    text = summary(prom, start, end, data)
+    (out / "summary.md").write_text(text)
+    print(text)
+    print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} in {out}{os.sep}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
