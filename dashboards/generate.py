@@ -804,7 +804,30 @@ def outputs() -> dict[str, str]:
         out[path] = _yaml(data)
     out["prometheus/alerts.test.yaml"] = _yaml(rule_tests.test_file())
     out["provisioning/dashboards.yaml"] = _yaml(provisioning())
+    out["provisioning/alerting.yaml"] = _yaml(alerting_provisioning())
     return out
+
+
+#: environment variable Grafana expands in the alerting provisioning file
+DATASOURCE_ENV = "OUTPUT_RATE_PROMETHEUS_UID"
+
+
+def alerting_provisioning() -> dict[str, Any]:
+    """Grafana file provisioning of the alert rules (copy into
+    ``/etc/grafana/provisioning/alerting/``; set ``OUTPUT_RATE_PROMETHEUS_UID``
+    to the uid of the Prometheus datasource). The same rules as
+    ``scripts/grafana_provision.py`` creates; use one or the other. Annotations
+    are not expanded by Grafana's provisioning, so their templates stay as is."""
+    from dashboards import grafana
+
+    rules = []
+    for rule in grafana.alert_rules(FOLDER_UID, "${" + DATASOURCE_ENV + "}",
+                                    path=HERE / "prometheus" / "alerts.rules.yaml"):
+        rule = {k: v for k, v in rule.items() if k not in ("ruleGroup", "folderUID", "orgID")}
+        rules.append(rule)
+    return {"apiVersion": 1, "groups": [{
+        "orgId": 1, "name": grafana.RULE_GROUP, "folder": FOLDER_TITLE,
+        "interval": T["evaluation_interval"], "rules": rules}]}
 
 
 def provisioning() -> dict[str, Any]:

@@ -277,3 +277,20 @@ def test_grafana_rules_mirror_the_prometheus_alerts():
     for section in ("throttled_long", "throttled_kv", "wake_lateness", "telemetry_dropped"):
         values = [v for k, v in generate.T[section].items() if k in {"share", "seconds", "max_drops"}]
         assert values and all(v >= 0 for v in values)
+
+
+def test_alerting_file_provisioning_matches_the_api_rules():
+    import yaml
+
+    data = yaml.safe_load((REPO / "dashboards" / "provisioning" / "alerting.yaml").read_text())
+    (group,) = data["groups"]
+    assert group["folder"] == generate.FOLDER_TITLE and group["name"] == g.RULE_GROUP
+    api_rules = {r["uid"]: r for r in g.alert_rules(generate.FOLDER_UID, "ds")}
+    assert [r["uid"] for r in group["rules"]] == list(api_rules)
+    for rule in group["rules"]:
+        # Grafana expands $VARS in provisioned labels and queries (not annotations):
+        # the only $ outside the annotations is the datasource variable
+        outside = json.dumps({k: v for k, v in rule.items() if k != "annotations"})
+        assert re.findall(r"\$\{?\w+", outside) == ["${" + generate.DATASOURCE_ENV]
+        assert rule["annotations"] == api_rules[rule["uid"]]["annotations"]
+        assert rule["data"][0]["model"]["expr"] == api_rules[rule["uid"]]["data"][0]["model"]["expr"]
