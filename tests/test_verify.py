@@ -382,6 +382,14 @@ def test_events_missing_or_unreadable_fail(good):
     assert {"events[all]", "gcra_bound[a]", "complete[a]", "freed[all]"} <= set(failed(checks))
 
 
+def test_events_dropped_by_the_engine_fail(good):
+    sc, run, log, metrics = copy.deepcopy(good)
+    metrics.after[("output_rate_telemetry_dropped_total", (("reason", "events_queue_full"),))] = 3
+    checks, _ = checks_of(sc, run, log, metrics)
+    assert failed(checks) == ["events[all]"]
+    assert "dropped 3" in " ".join(checks["events[all]"].details)
+
+
 def test_the_log_reader_skips_a_half_written_last_line_only():
     lines = [json.dumps({"kind": "start", "t_ns": 1, "limits": {}, "default_limit": 5}),
              json.dumps({"kind": "tokens", "t_ns": 9, "tokens": [["chatcmpl-x-0123abcd", "u", 2]]}),

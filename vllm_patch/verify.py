@@ -396,6 +396,10 @@ def phase_spacing_ms(a: Analysis, user: str, phase: str) -> list[float]:
 # --------------------------------------------------------------------------- checks
 
 
+#: output_rate_telemetry_dropped_total reasons that mean the event log has gaps
+EVENT_DROP_REASONS = ("events_queue_full", "events_write_failed")
+
+
 def check_events(a: Analysis) -> list[Check]:
     details = []
     if not a.log.starts:
@@ -406,6 +410,13 @@ def check_events(a: Analysis) -> list[Check]:
     if silent:
         details.append(f"{len(silent)} request(s) with no engine event at all: "
                        + ", ".join(silent[:8]))
+    m = a.metrics
+    if m.before is not None and m.after is not None:
+        for reason in EVENT_DROP_REASONS:
+            n = (_metric(m.after, "output_rate_telemetry_dropped_total", reason=reason) or 0.0) \
+                - (_metric(m.before, "output_rate_telemetry_dropped_total", reason=reason) or 0.0)
+            if n > 0:
+                details.append(f"the engine dropped {n:.0f} event(s) ({reason}): the log is incomplete")
     if a.log.bad_lines:
         details.append(f"{len(a.log.bad_lines)} unreadable line(s), e.g. line {a.log.bad_lines[0]}")
     n_tok = sum(rd.engine_count for rd in a.reqs.values())
