@@ -210,7 +210,7 @@ def summary(prom: Prom, start: float, end: float, data: dict[str, Any]) -> str:
         "`rate_vs_limit.png` (output tokens/s vs limit), `throttled_kv.png` (throttled requests, "
         "their KV blocks, share of the KV cache).",
         "",
-        "| user | limit tok/s | tokens | mean tok/s | max tok/s | max rate/limit | spacing p50 | spacing p99 | time throttled | max throttled req. | max KV blocks |",
+        "| user | limit tok/s | tokens (≈) | mean tok/s | max tok/s | max rate/limit | spacing p50 | spacing p99 | time throttled | max throttled req. | max KV blocks |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     over = []
@@ -222,7 +222,7 @@ def summary(prom: Prom, start: float, end: float, data: dict[str, Any]) -> str:
             over.append(user)
         thr = [v for _, v in data["throttled"].get(user, [])]
         lines.append("| " + " | ".join([
-            user, _fmt(lim), _fmt(tokens.get(user), 6), _fmt(tokens.get(user, 0) / span if span else None),
+            user, _fmt(lim), f"{tokens[user]:.0f}" if user in tokens else "-", _fmt(tokens.get(user, 0) / span if span else None),
             _fmt(max(rates, default=None)), f"{100 * ratio:.0f}%" if ratio is not None else "-",
             _fmt(exact_q[0.5].get(user)) + " s" if user in exact_q[0.5] else "-",
             _fmt(exact_q[0.99].get(user)) + " s" if user in exact_q[0.99] else "-",
@@ -239,6 +239,8 @@ def summary(prom: Prom, start: float, end: float, data: dict[str, Any]) -> str:
         f"- Users whose {prom.rate_interval} rate exceeded {100 * factor:.1f}% of their limit: "
         + (", ".join(over) if over else "none") + " (the over-limit alert judges over "
         f"{generate.OVER['window']} and allows one token more).",
+        "- Tokens are Prometheus' increase() over the range (extrapolated to its edges, so "
+        "approximate); rates are over the rate window, limits the highest configured.",
         "- Spacing quantiles are exact over the whole range (from the engine-side histogram); "
         "a throttled user with n active streams spaces each stream's tokens about n/limit apart.",
         "",
