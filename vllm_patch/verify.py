@@ -930,9 +930,10 @@ def write_report(a: Analysis, checks: list[Check], stats: dict[str, UserStats], 
               f"`output_tokens`; `ignore_eos` answers have all `max_tokens`.",
               f"- **Freed**: every cancelled request has a `finished` event; after the run the "
               f"last throttled-state line is all zero and {', '.join(IDLE_GAUGES)} are 0 on "
-              f"/metrics. vLLM refreshes its gauges only when a step runs (an abort handled "
-              f"while idle leaves them stale), so the verifier sends one 1-token probe request "
-              f"after the run and scrapes after it.",
+              f"/metrics. vLLM publishes its scheduler gauges with a step's output, so an abort "
+              f"handled while the engine is idle can leave them stale: the verifier sends one "
+              f"1-token probe request after the run and scrapes after it (a request left "
+              f"behind would still show as running then).",
               f"- **Resumed**: the user was throttled (requests skipped on /metrics or in the "
               f"engine log), every request it did not cancel finished, and no request waited "
               f"longer than {STALL_FACTOR:g} x streams/limit + {STALL_EXTRA_S:g} s between two "
