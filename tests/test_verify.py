@@ -435,3 +435,18 @@ def test_the_cli_refuses_bad_input(tmp_path, capsys):
         verify.main(["--server", "http://127.0.0.1:9", "--report", str(tmp_path / "r")])
     assert exc.value.code == 2
     assert "--events" in capsys.readouterr().err
+
+
+def test_the_log_is_read_once_every_request_finished_and_the_engine_went_idle(good, tmp_path):
+    sc, run, log, metrics = good
+    path = tmp_path / "events.jsonl"
+    fin = [{"kind": "finished", "t_ns": 10 + i, "request_id": f"chatcmpl-{r.rid}-0000abcd",
+            "user": r.user, "reason": "length", "output_tokens": 1}
+           for i, r in enumerate(run.requests)]
+    idle = {"kind": "throttled", "t_ns": 10_000, "requests": {}, "kv_blocks": {}, "kv_share": 0}
+    path.write_text("".join(json.dumps(e) + "\n" for e in fin[:-1]))
+    partial = verify._wait_for_engine_log(path, run, timeout_s=0.2)  # gives up: one missing
+    assert len(partial.finished) == len(run.requests) - 1
+    path.write_text("".join(json.dumps(e) + "\n" for e in fin + [idle]))
+    done = verify._wait_for_engine_log(path, run, timeout_s=60)
+    assert len(done.finished) == len(run.requests) and done.throttled[-1]["t_ns"] == 10_000
