@@ -23,8 +23,8 @@ scheduler) and ``limiter, async`` (the limit flags and
    (from the per-user spacing histogram) and client-side.
 
 The flooding and saturating load runs in a separate client process, as
-non-streaming requests, so the
-measuring client's event loop only carries B's stream. Prints a Markdown
+non-streaming requests, so the measuring client's event loop only carries
+B's stream and the load on the engine stays steady. Prints a Markdown
 report and writes it (and the raw figures as JSON) to ``--out``.
 
     flock /tmp/orl-engine.lock .venv/bin/python scripts/compare_upstream.py
