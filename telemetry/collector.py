@@ -82,7 +82,9 @@ class SnapshotCollector:
 
 def install(directory: str) -> SnapshotCollector | None:
     """Register the collector for ``directory`` in prometheus_client's
-    default registry (what vLLM's single API server serves), once."""
+    default registry (what vLLM's single API server serves), once; and in
+    the registry vLLM builds for ``/metrics`` when several API-server
+    processes share prometheus_client's multiprocess mode."""
     if directory in _installed_dirs:
         return None
     from prometheus_client import REGISTRY
@@ -90,4 +92,32 @@ def install(directory: str) -> SnapshotCollector | None:
     collector = SnapshotCollector(directory)
     REGISTRY.register(collector)
     _installed_dirs.add(directory)
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        _hook_multiprocess_registry(collector)
     return collector
+
+
+def _hook_multiprocess_registry(collector: SnapshotCollector) -> None:
+    """With ``--api-server-count N > 1`` vLLM sets PROMETHEUS_MULTIPROC_DIR,
+    and each API server's ``/metrics`` (prometheus-fastapi-instrumentator's
+    handler, and vLLM's ``get_prometheus_registry``) builds a fresh registry
+    per scrape holding only prometheus_client's ``MultiProcessCollector``,
+    looked up on its module at call time. Replace that class by a subclass
+    that also yields the engine snapshots: they are files every API server
+    can read, so whichever one answers a scrape shows each engine's series
+    once, and the counters are not summed over API servers."""
+    from prometheus_client import multiprocess
+
+    upstream = multiprocess.MultiProcessCollector
+    if getattr(upstream, "_output_rate_snapshots", None) is not None:
+        upstream._output_rate_snapshots = collector
+        return
+
+    class MultiProcessCollector(upstream):  # type: ignore[misc, valid-type]
+        _output_rate_snapshots = collector
+
+        def collect(self):  # type: ignore[no-untyped-def]
+            yield from super().collect()
+            yield from type(self)._output_rate_snapshots.collect()
+
+    multiprocess.MultiProcessCollector = MultiProcessCollector

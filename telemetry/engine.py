@@ -294,6 +294,12 @@ class EngineTelemetry:
             if key[1] and key[1][0] in gone:
                 del self.gauges[key]
         self._set_limits()
+        # Requests keep the label of their first token until labels change.
+        requests, labels = self.scheduler.requests, self._request_label
+        for req_id in list(labels):
+            request = requests.get(req_id)
+            if request is not None:
+                labels[req_id] = self.labeler.label(request.output_rate_user)
 
     def on_outputs(self, outputs: dict[int, Any]) -> None:
         """Token timing from the outputs of one ``update_from_output``.

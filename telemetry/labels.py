@@ -11,6 +11,10 @@ cardinality bomb: a million distinct user ids would be a million series. The
   rebalance) get their own label;
 * everybody else is ``__other__``.
 
+While fewer than ``top_k`` unpinned users hold a label, a new user gets one
+at its first observation (no wait for the next rebalance), so a small
+deployment sees every user under its own name from its first token.
+
 Activity of unlabelled users is tracked with the space-saving heavy-hitter
 algorithm in at most ``4 * top_k`` entries, so memory stays bounded whatever
 the number of distinct ids. Label values are sanitized: control and other non-printable characters
@@ -64,6 +68,9 @@ class UserLabeler:
         self._labels: dict[str, str] = dict(self.pinned)
         #: unpinned users -> decayed activity (space-saving counters)
         self._activity: dict[str, float] = {}
+        #: unpinned users labelled by observe() since the last rebalance
+        self._promoted: list[str] = []
+        self._unpinned_labels = 0
 
     @property
     def max_values(self) -> int:
@@ -82,6 +89,12 @@ class UserLabeler:
         """Count ``tokens`` of activity for ``user`` (bounded memory)."""
         if user in self.pinned or tokens <= 0:
             return
+        if self._unpinned_labels < self.top_k and user not in self._labels:
+            value = sanitize(user, self.max_len)
+            if value != OTHER and value not in self._labels.values():
+                self._labels[user] = value
+                self._unpinned_labels += 1
+                self._promoted.append(user)
         activity = self._activity
         if user in activity:
             activity[user] += tokens
@@ -103,6 +116,8 @@ class UserLabeler:
         top = {u for u, a in ranked[: self.top_k] if a > 0}
         current = {u for u in self._labels if u not in self.pinned}
         evicted = sorted(current - top)
+        promoted = [u for u in self._promoted if u in top]
+        self._promoted = []
         added = sorted(top - current)
         for user in evicted:
             del self._labels[user]
@@ -115,6 +130,8 @@ class UserLabeler:
                 continue
             self._labels[user] = value
             taken.add(value)
+        self._unpinned_labels = len(self._labels) - len(self.pinned)
+        added = sorted(set(added) | set(promoted))
         if self.decay < 1.0:
             for user in list(self._activity):
                 value = self._activity[user] * self.decay

@@ -87,3 +87,23 @@ def test_labels_stay_bounded_and_distinct(top_k, events, rebalance_every):
             assert len(values) <= 2 + top_k
         assert len(lab._activity) <= lab.capacity
     assert all(len(v) <= 64 and v.isprintable() for v in lab.labelled_users().values())
+
+
+def test_free_seats_label_new_users_at_once_and_rebalance_reports_them():
+    labeler = UserLabeler(pinned=["vip"], top_k=2)
+    labeler.observe("a", 1)
+    assert labeler.label("a") == "a"  # no wait for a rebalance
+    labeler.observe("b", 1)
+    labeler.observe("c", 5)  # no seat left: __other__ until a rebalance
+    assert labeler.label("b") == "b" and labeler.label("c") == OTHER
+    added, evicted = labeler.rebalance()
+    assert added == ["a", "c"] and evicted == ["b"]  # a and c are the top 2
+    assert labeler.label("c") == "c" and labeler.label("b") == OTHER
+    assert len({labeler.label(u) for u in ("vip", "a", "b", "c", "d")}) <= labeler.max_values
+
+
+def test_a_spoofed_overflow_label_never_takes_a_free_seat():
+    labeler = UserLabeler(top_k=5)
+    labeler.observe(OTHER, 3)
+    assert labeler.label(OTHER) == OTHER
+    assert labeler.labelled_users() == {}

@@ -30,13 +30,29 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def serve(argv: list[str]) -> None:
-    """Run vLLM's OpenAI-compatible server; ``argv`` as for ``vllm serve``."""
+    """Run vLLM's OpenAI-compatible server; ``argv`` as for ``vllm serve``.
+
+    Goes through ``vllm serve``'s own command (``ServeSubcommand.cmd``), so
+    ``--api-server-count N`` and the data-parallel launch modes work as
+    upstream; only the entry script differs.
+    """
     if argv and not argv[0].startswith("-"):
         argv = ["--model", argv[0], *argv[1:]]
     sys.argv = ["vllm-output-rate serve", *argv]
-    from vllm.entrypoints.launchers.api_server.entry import main as api_server_main
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    api_server_main()
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(
+        prog="vllm-output-rate serve",
+        description="vLLM's OpenAI-compatible server with per-user output-rate limits."))
+    args = parser.parse_args(argv)
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    ServeSubcommand.cmd(args)
 
 
 def usage() -> str:

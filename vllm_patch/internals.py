@@ -31,6 +31,14 @@ a process where the feature is on (engine loop) or to add options (CLI):
   - ``vllm.engine.arg_utils.EngineArgs.add_cli_args`` / ``from_cli_args`` /
     ``create_engine_config``: the two CLI options, carried to the engine core
     in ``VllmConfig.additional_config["output_rate"]``.
+  - ``prometheus_client.multiprocess.MultiProcessCollector`` (not vLLM, but
+    how vLLM's ``/metrics`` works with several API servers): replaced, in
+    API-server processes in multiprocess mode only, by a subclass that also
+    yields the engine snapshots (``telemetry.collector``). vLLM 0.32's
+    ``/metrics`` is prometheus-fastapi-instrumentator's handler, which builds
+    a registry with that class per scrape.
+  - ``vllm.entrypoints.cli.serve.ServeSubcommand.cmd``: called (not
+    changed) by ``vllm-output-rate serve``, with ``make_arg_parser``.
   - ``ChatCompletionRequest.to_beam_search_params`` /
     ``CompletionRequest.to_beam_search_params``: refuse beam search (HTTP 400).
 

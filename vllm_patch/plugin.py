@@ -17,6 +17,7 @@ it is idempotent and does nothing costly. It
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 from typing import Any
@@ -45,6 +46,12 @@ BEAM_SEARCH_REFUSAL = (
 #: "1": with the feature on, run async scheduling even where the platform
 #: turned it off (vLLM's CPU platform always does). For tests and diagnosis.
 FORCE_ASYNC_ENV = "VLLM_OUTPUT_RATE_FORCE_ASYNC_SCHEDULING"
+
+#: Set by configure_output_rate() in the process that parsed the options, to
+#: the checked configuration (JSON); processes it spawns that build their own
+#: config without the options (the API servers of ``--api-server-count N``)
+#: take it from there.
+ACTIVE_CONFIG_ENV = "VLLM_OUTPUT_RATE_ACTIVE_CONFIG"
 
 _registered = False
 #: Whether the feature is on in this process (set by configure_output_rate).
@@ -124,6 +131,13 @@ def _patch_engine_args() -> None:
     @functools.wraps(upstream_create)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         vllm_config = upstream_create(self, *args, **kwargs)
+        inherited = _inherited_config()
+        if inherited is not None and ADDITIONAL_CONFIG_KEY not in (vllm_config.additional_config or {}):
+            # An API-server process spawned by `serve --api-server-count N`:
+            # it never parsed our options, its parent did.
+            if vllm_config.additional_config is None:
+                vllm_config.additional_config = {}
+            vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = inherited
         if os.environ.get(FORCE_ASYNC_ENV) == "1" and output_rate_on(vllm_config):
             # vLLM's CPU platform turns async scheduling off ("not required
             # on CPU"); the engine runs it fine, and this is how the async
@@ -139,6 +153,21 @@ def _patch_engine_args() -> None:
 
 
 # -- configuration ------------------------------------------------------------
+
+
+def _inherited_config() -> dict[str, Any] | None:
+    """The configuration a parent process checked, when this process was
+    spawned by it (never the one this process set itself)."""
+    raw = os.environ.get(ACTIVE_CONFIG_ENV)
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+        if data["pid"] == os.getpid():
+            return None
+        return dict(data["config"])
+    except (ValueError, KeyError, TypeError):
+        raise OutputRateConfigError(f"{ACTIVE_CONFIG_ENV} is malformed: {raw[:200]!r}") from None
 
 
 def unsupported_reasons(vllm_config: Any) -> list[str]:
@@ -236,6 +265,7 @@ def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
     _setup_telemetry()
     # Canonical form, so the engine core parses exactly what we checked.
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = config.to_dict()
+    os.environ[ACTIVE_CONFIG_ENV] = json.dumps({"pid": os.getpid(), "config": config.to_dict()})
     _feature_on = True
     logger.info(
         "output-rate limits on: default %s tok/s per user, %d override(s), "

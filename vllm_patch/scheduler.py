@@ -126,6 +126,8 @@ class OutputRateSchedulerMixin:
         self._orl_begin(self.output_rate_clock())
         self.output_rate_last_step = self._orl_record
         self._orl_upstream_allocate = self.kv_cache_manager.allocate_slots
+        # The lean charge hook (see _orl_lean_hook) needs no MTP look-ahead.
+        self._orl_lean_ok = not self.num_prefill_lookahead
 
         from vllm_patch import engine_loop
 
@@ -180,6 +182,11 @@ class OutputRateSchedulerMixin:
             manager.allocate_slots = self._orl_allocate_slots
         elif "allocate_slots" in manager.__dict__:
             del manager.allocate_slots
+        # The charge hook: the lean one when the active cap cannot bind.
+        if self._orl_lean_ok and running <= self._orl_base_active:
+            self._reserve_prefill_lookahead = self._orl_lean_hook()
+        elif "_reserve_prefill_lookahead" in self.__dict__:
+            del self._reserve_prefill_lookahead
         t1 = time.perf_counter()
         output = super().schedule(*args, **kwargs)
         t2 = time.perf_counter()
@@ -337,6 +344,37 @@ class OutputRateSchedulerMixin:
         if running:
             self._orl_active += 1
         return num_new_tokens
+
+    def _orl_lean_hook(self) -> Callable[[Request, int, int], int]:
+        """The charge point of one step as a closure (set on the instance,
+        so vLLM calls it unbound), for steps where the active cap cannot
+        bind: no running request can exceed it, since no more are resident,
+        so the per-request cap accounting of the method above is skipped.
+        Otherwise the same rules, with the step's state in local cells
+        rather than behind attribute lookups (this runs once per request)."""
+        charged, allow = self._orl_charged, self._orl_allow
+        budget, refuse = self._orl_budget, self._orl_refuse
+        running_status = _RUNNING
+
+        def charge(request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+            if num_new_tokens <= 0:
+                return 0
+            if (request.status == running_status and not request.is_prefill_chunk) or (
+                num_computed_tokens + num_new_tokens >= request.num_tokens
+            ):
+                req_id = request.request_id
+                if req_id not in charged:
+                    user = request.output_rate_user
+                    left = allow.get(user)
+                    if left is None:
+                        left = budget(user)
+                    if left <= 0:
+                        return refuse(request, user, num_computed_tokens)
+                    allow[user] = left - 1
+                    charged[req_id] = request
+            return num_new_tokens
+
+        return charge
 
     def _orl_budget(self, user: str) -> int:
         """First look at ``user`` in this step: how many tokens it may take."""
