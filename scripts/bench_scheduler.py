@@ -67,17 +67,51 @@ def step(sched, clock) -> float:
     return (t1 - t0) + (t3 - t2)
 
 
-def with_telemetry(pair, directory: str):
-    """Engine telemetry on a limited scheduler, exported by its thread."""
-    from telemetry.engine import EngineTelemetry
+#: An OTLP/HTTP trace receiver in its own process: accepts and counts spans.
+RECEIVER = r"""
+import sys
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class H(BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200); self.send_header("Content-Type", "application/x-protobuf"); self.end_headers()
+    def log_message(self, *a): pass
+s = ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(s.server_port, flush=True)
+s.serve_forever()
+"""
+
+
+def start_receiver():
+    """(process, OTLP/HTTP traces URL) of a receiver on loopback."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
+    port = int(proc.stdout.readline())
+    return proc, f"http://127.0.0.1:{port}/v1/traces"
+
+
+def with_telemetry(pair, directory: str, traces_url: str | None = None):
+    """All engine telemetry on a limited scheduler: metrics exported by
+    their thread, and (with ``traces_url``) spans through the real OTLP/HTTP
+    exporter and batch processor, as the engine core builds them."""
+    import os
+
+    from telemetry.engine import EngineTelemetry, _span_recorder
 
     sched, clock = pair
-    sched.output_rate_telemetry = EngineTelemetry(sched, directory)
+    spans = None
+    if traces_url is not None:
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = traces_url
+        os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+        spans = _span_recorder(sched)
+        assert spans is not None and spans.drops is not None
+    sched.output_rate_telemetry = EngineTelemetry(sched, directory, spans=spans)
     return pair
 
 
 def measure(running: int, users: int, share: float, blocks: int, block_steps: int,
-            telemetry_dir: str | None = None):
+            telemetry_dir: str | None = None, traces_url: str | None = None):
     """(on, off, active): limiter on vs off, or with ``telemetry_dir``
     limiter on with telemetry vs limiter on without."""
     on = build(True, running, users, share)
@@ -85,7 +119,7 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
         off = build(False, running, users, share)
     else:
         off = on
-        on = with_telemetry(build(True, running, users, share), telemetry_dir)
+        on = with_telemetry(build(True, running, users, share), telemetry_dir, traces_url)
     for pair in (on, off):  # prefill + a few decode steps: steady state
         for _ in range(5):
             step(*pair)
@@ -102,6 +136,11 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
     finally:
         gc.enable()
     active = len(on[0].output_rate_last_step.charged)
+    telemetry = getattr(on[0], "output_rate_telemetry", None)
+    if telemetry is not None:
+        telemetry.close()
+        if telemetry.spans is not None and any(telemetry.spans.drops.counts.values()):
+            print(f"  (spans dropped: {telemetry.spans.drops.counts})", flush=True)
     return statistics.median(on_times), statistics.median(off_times), active
 
 
@@ -111,30 +150,39 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="*", help="running requests R to measure")
     parser.add_argument("--telemetry", action="store_true",
                         help="compare limiter with telemetry vs limiter without (not limiter on/off)")
+    parser.add_argument("--no-traces", action="store_true",
+                        help="with --telemetry: metrics only, no spans to the OTLP receiver")
+    parser.add_argument("--users", type=int, nargs="*", help="user counts (default 1 16 256)")
+    parser.add_argument("--shares", type=float, nargs="*", help="throttled shares (default 0 0.5 0.9)")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--block-steps", type=int, default=5)
     args = parser.parse_args()
     sizes = args.sizes or ([64, 256] if args.quick else [64, 256, 1024])
     rows = []
-    telemetry_dir = None
+    telemetry_dir = traces_url = receiver = None
     if args.telemetry:
         import tempfile
 
         telemetry_dir = tempfile.mkdtemp(prefix="bench-telemetry-")
-        print("on = limiter with engine telemetry (exporting every second), "
-              "off = limiter without telemetry\n")
+        if not args.no_traces:
+            receiver, traces_url = start_receiver()
+        print("on = limiter with engine telemetry (metrics exported every second"
+              + ("" if args.no_traces else "; spans through the OTLP/HTTP exporter to a receiver "
+                 "process") + "), off = limiter without telemetry\n")
     print("| R | users | throttled share | active/step (on) | on ms/step | off ms/step | on/off |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for running in sizes:
-        for users in (1, 16, 256):
-            for share in (0.0, 0.5, 0.9):
+        for users in args.users or (1, 16, 256):
+            for share in (0.0, 0.5, 0.9) if args.shares is None else args.shares:
                 if users == 1 and share > 0:
                     continue  # one user is either throttled or not
                 on, off, active = measure(running, users, share, args.blocks, args.block_steps,
-                                          telemetry_dir)
+                                          telemetry_dir, traces_url)
                 rows.append((running, users, share, active, on, off))
                 print(f"| {running} | {users} | {share:.0%} | {active} | {on * 1e3:.3f} | "
                       f"{off * 1e3:.3f} | {on / off:.3f} |", flush=True)
+    if receiver is not None:
+        receiver.terminate()
 
 
 if __name__ == "__main__":

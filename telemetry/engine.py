@@ -383,6 +383,10 @@ class EngineTelemetry:
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able copy of everything (safe from another thread)."""
         counters = self.counters.copy()
+        drops = getattr(self.spans, "drops", None)
+        if drops is not None:
+            for reason, n in list(drops.counts.items()):
+                counters[("telemetry_dropped", (reason,))] = n
         gauges = self.gauges.copy()
         if not self.scheduler.running:
             # No step runs on an idle engine: nothing can be throttled.
@@ -459,6 +463,8 @@ class EngineTelemetry:
 
     def close(self) -> None:
         self._stop.set()
+        if self.spans is not None:
+            self.spans.shutdown()
         self.export()
 
 
@@ -495,11 +501,23 @@ def attach(scheduler: Any) -> EngineTelemetry | None:
 def _span_recorder(scheduler: Any) -> Any:
     """Traces when asked for (``OTEL_*`` or ``--otlp-traces-endpoint``)."""
     try:
-        from tracing.spans import SpanRecorder, tracer_from, tracer_provider_from_env
+        from tracing.spans import (
+            SpanRecorder,
+            TraceDrops,
+            max_queue_from_env,
+            tracer_from,
+            tracer_provider_from_env,
+        )
 
         endpoint = getattr(scheduler.vllm_config.observability_config, "otlp_traces_endpoint", None)
-        provider = tracer_provider_from_env(endpoint)
-        return None if provider is None else SpanRecorder(tracer_from(provider), scheduler)
+        drops = TraceDrops(max_queue_from_env())
+        provider = tracer_provider_from_env(endpoint, drops)
+        if provider is None:
+            return None
+        recorder = SpanRecorder(tracer_from(provider), scheduler)
+        recorder.drops = drops
+        recorder.provider = provider
+        return recorder
     except Exception:
         logger.exception("output-rate traces could not start; metrics continue without them")
         return None

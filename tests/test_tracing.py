@@ -175,3 +175,139 @@ def test_client_abort_mid_throttle_ends_the_episode_and_the_generation(tmp_path,
                if s.attributes["output_rate.outcome"] == "aborted"]
     assert len(aborted) == 2
     assert not rec._episodes and not rec._series and not rec._charged
+
+
+class _FailingExporter:
+    """An exporter whose endpoint is down (the OTLP exporter returns FAILURE)."""
+
+    def __init__(self, raise_instead=False):
+        self.calls = 0
+        self.raise_instead = raise_instead
+
+    def export(self, spans):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        self.calls += 1
+        if self.raise_instead:
+            raise ConnectionError("endpoint down")
+        return SpanExportResult.FAILURE
+
+    def shutdown(self):
+        pass
+
+    def force_flush(self, timeout_millis=30000):
+        return True
+
+
+def _counting_provider(exporter, max_queue=2048):
+    from tracing.spans import TraceDrops, _counting_processor
+
+    drops = TraceDrops(max_queue)
+    provider = TracerProvider()
+    provider.add_span_processor(_counting_processor(exporter, drops))
+    return provider, drops
+
+
+@pytest.mark.parametrize("raise_instead", [False, True])
+def test_failed_exports_are_counted_and_reach_the_metrics(tmp_path, raise_instead):
+    provider, drops = _counting_provider(_FailingExporter(raise_instead))
+    clock = FakeClock()
+    sched = make_scheduler(limits(1000, a=10), clock=clock)
+    recorder = SpanRecorder(provider.get_tracer("test"), sched, clock_offset_ns=0)
+    recorder.drops, recorder.provider = drops, provider
+    tel = EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
+    drv = Driver(sched, clock, step_ms=10.0)
+    drv.add(*[make_request("a", max_tokens=8) for _ in range(3)])
+    drv.run_until_done()
+    provider.force_flush()
+    assert drops.counts["trace_export_failed"] > 0
+    assert drops.counts["trace_queue_full"] == 0
+    assert not drops.pending  # nothing left counted as queued
+    counters = {(n, tuple(l)): v for n, l, v in tel.snapshot()["counters"]}
+    assert counters[("telemetry_dropped", ("trace_export_failed",))] == drops.counts[
+        "trace_export_failed"]
+    recorder.shutdown()
+
+
+def test_a_full_span_queue_drops_and_counts_without_blocking():
+    import threading
+
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    gate = threading.Event()
+
+    class Stuck(_FailingExporter):
+        received = 0
+
+        def export(self, spans):
+            Stuck.received += len(spans)
+            gate.wait(10)  # an exporter stuck on a dead endpoint
+            return SpanExportResult.SUCCESS
+
+    provider, drops = _counting_provider(Stuck(), max_queue=8)
+    tracer = provider.get_tracer("test")
+    for i in range(100):  # returns at once although nothing is exported
+        tracer.start_span(f"s{i}").end()
+    # at most 8 queued, at most one batch (8) in the stuck exporter, the rest
+    # dropped; every span accounted for
+    assert len(drops.pending) <= 8 and Stuck.received <= 8
+    assert drops.counts["trace_queue_full"] == 100 - len(drops.pending) - Stuck.received >= 84
+    gate.set()
+    provider.shutdown()
+
+
+def test_spans_reach_a_real_otlp_http_receiver(tmp_path, monkeypatch):
+    """The real OTLP/HTTP exporter, configured by OTEL_* variables, against a
+    receiver on loopback that decodes the protobuf requests."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    received: list[tuple[str, dict]] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            req = ExportTraceServiceRequest()
+            req.ParseFromString(body)
+            for rs in req.resource_spans:
+                for ss in rs.scope_spans:
+                    for span in ss.spans:
+                        attrs = {a.key: a.value for a in span.attributes}
+                        received.append((span.name, attrs))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/x-protobuf")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                           f"http://127.0.0.1:{httpd.server_port}/v1/traces")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+        from tracing.spans import TraceDrops, tracer_from
+
+        drops = TraceDrops(2048)
+        provider = tracer_provider_from_env(None, drops)
+        clock = FakeClock()
+        sched = make_scheduler(limits(1000, a=10), clock=clock)
+        recorder = SpanRecorder(tracer_from(provider), sched, clock_offset_ns=0)
+        recorder.drops, recorder.provider = drops, provider
+        EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
+        drv = Driver(sched, clock, step_ms=10.0)
+        reqs = [make_request("a", max_tokens=8) for _ in range(3)]
+        drv.add(*reqs)
+        drv.run_until_done()
+        recorder.shutdown(timeout_s=10)
+    finally:
+        httpd.shutdown()
+    names = [n for n, _ in received]
+    assert names.count("output_rate.generation") == 3
+    assert "output_rate.throttle" in names
+    gen = next(a for n, a in received if n == "output_rate.generation")
+    assert gen["output_rate.tokens"].int_value == 8
+    assert drops.counts == {"trace_queue_full": 0, "trace_export_failed": 0}

@@ -3,8 +3,9 @@
 Built from the same plain data the metrics use (``OutputRateStep`` per step,
 ``IdleWait`` per idle wait, the engine outputs per ``update_from_output``);
 spans go to a ``BatchSpanProcessor``, whose queue and exporter thread keep
-export off the scheduler's thread (a full queue drops spans, counted by the
-SDK, never blocks).
+export off the scheduler's thread; a full queue drops spans and a failing
+exporter loses them, both counted (``TraceDrops``, exported as
+``output_rate_telemetry_dropped_total``) and logged once, never blocking.
 
 Spans:
 - ``output_rate.throttle``: one per throttle episode of a request, from the
@@ -26,13 +27,17 @@ Spans:
 from __future__ import annotations
 
 import base64
+import logging
 import struct
 import time
 from array import array
+from collections import deque
 from typing import Any
 
 MAX_SERIES = 2048
 _TRACER_NAME = "vllm_output_rate"
+
+logger = logging.getLogger("vllm_output_rate.tracing")
 
 
 def _epoch_offset_ns() -> int:
@@ -81,6 +86,10 @@ class SpanRecorder:
         self.tracer = tracer
         self.scheduler = scheduler
         self.offset = _epoch_offset_ns() if clock_offset_ns is None else clock_offset_ns
+        #: TraceDrops of the provider's processor, when built by the engine
+        self.drops: TraceDrops | None = None
+        #: the TracerProvider (flushed and shut down with the engine)
+        self.provider: Any = None
         self._episodes: dict[str, _Episode] = {}
         self._charged: dict[str, int] = {}
         self._series: dict[str, array] = {}
@@ -210,6 +219,25 @@ class SpanRecorder:
 
     # -- per idle wait --------------------------------------------------------
 
+    def shutdown(self, timeout_s: float = 2.0) -> None:
+        """Flush what is queued, waiting at most ``timeout_s``: an
+        unreachable endpoint must not hold the engine's shutdown (the SDK
+        would wait for its export retries)."""
+        provider = self.provider
+        if provider is None:
+            return
+        import threading
+
+        def run() -> None:
+            try:
+                provider.shutdown()
+            except Exception:  # never let telemetry hurt the engine's shutdown
+                logger.exception("output-rate traces: shutdown failed")
+
+        thread = threading.Thread(target=run, name="output-rate-trace-shutdown", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+
     def on_idle_wait(self, wait: Any) -> None:
         attributes = {
             "output_rate.planned_timeout_s": wait.planned_s,
@@ -221,7 +249,89 @@ class SpanRecorder:
         self._span("output_rate.idle_wait", wait.started_ns, wait.woke_ns, attributes)
 
 
-def tracer_provider_from_env(otlp_endpoint: str | None = None) -> Any | None:
+class TraceDrops:
+    """Spans that never reached the exporter's far end, by reason.
+
+    ``trace_queue_full``: more spans waiting for export than the batch
+    queue holds (``OTEL_BSP_MAX_QUEUE_SIZE``, default 2048); the span is
+    dropped before the SDK sees it (the SDK would log a warning per span).
+    ``trace_export_failed``: the exporter reported failure or raised (an
+    unreachable OTLP endpoint, say). Each reason is logged once; the
+    counts go to ``output_rate_telemetry_dropped_total``.
+
+    Thread-safety without locks: ``pending`` is a deque whose append and
+    popleft are atomic; each count has a single writer thread (queue-full
+    on the scheduler's thread, export failures on the exporter's).
+    """
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        self.pending: deque[None] = deque()
+        self.counts: dict[str, int] = {"trace_queue_full": 0, "trace_export_failed": 0}
+        self._logged: set[str] = set()
+
+    def drop(self, reason: str, n: int, detail: str = "") -> None:
+        self.counts[reason] += n
+        if reason not in self._logged:
+            self._logged.add(reason)
+            logger.warning("output-rate traces: %d span(s) dropped (%s)%s; further drops are "
+                           "only counted in output_rate_telemetry_dropped_total",
+                           n, reason, f": {detail}" if detail else "")
+
+
+def _counting_processor(exporter: Any, drops: TraceDrops) -> Any:
+    """A BatchSpanProcessor behind a bounded, counted queue, exporting
+    through ``exporter`` with failures counted."""
+    from opentelemetry.sdk.trace import SpanProcessor
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+
+    class CountingExporter(SpanExporter):
+        def export(self, spans: Any) -> Any:
+            for _ in spans:
+                try:
+                    drops.pending.popleft()
+                except IndexError:
+                    break
+            try:
+                result = exporter.export(spans)
+            except Exception as exc:  # a broken exporter must not stop the thread
+                drops.drop("trace_export_failed", len(spans), f"{type(exc).__name__}: {exc}")
+                return SpanExportResult.FAILURE
+            if result is not SpanExportResult.SUCCESS:
+                drops.drop("trace_export_failed", len(spans), str(result))
+            return result
+
+        def shutdown(self) -> None:
+            exporter.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return exporter.force_flush(timeout_millis)
+
+    batch = BatchSpanProcessor(CountingExporter(), max_queue_size=drops.max_queue,
+                               max_export_batch_size=min(512, drops.max_queue))
+
+    class BoundedProcessor(SpanProcessor):
+        def on_start(self, span: Any, parent_context: Any = None) -> None:
+            pass
+
+        def on_end(self, span: Any) -> None:
+            if len(drops.pending) >= drops.max_queue:
+                drops.drop("trace_queue_full", 1)
+                return
+            drops.pending.append(None)
+            batch.on_end(span)
+
+        def shutdown(self) -> None:
+            batch.shutdown()
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return batch.force_flush(timeout_millis)
+
+    return BoundedProcessor()
+
+
+def tracer_provider_from_env(otlp_endpoint: str | None = None,
+                             drops: TraceDrops | None = None) -> Any | None:
     """A TracerProvider from the standard ``OTEL_*`` variables or vLLM's
     ``--otlp-traces-endpoint``; None when tracing is not asked for.
 
@@ -252,8 +362,21 @@ def tracer_provider_from_env(otlp_endpoint: str | None = None) -> Any | None:
         else:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+    if drops is None:
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    else:
+        provider.add_span_processor(_counting_processor(exporter, drops))
     return provider
+
+
+def max_queue_from_env() -> int:
+    """``OTEL_BSP_MAX_QUEUE_SIZE`` (default 2048), as the SDK reads it."""
+    import os
+
+    try:
+        return max(int(os.environ.get("OTEL_BSP_MAX_QUEUE_SIZE", "2048")), 1)
+    except ValueError:
+        return 2048
 
 
 def tracer_from(provider: Any) -> Any:
