@@ -27,7 +27,8 @@ import logging
 import os
 import threading
 import time
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
+from operator import attrgetter
 from typing import Any
 
 from telemetry.labels import OTHER, UserLabeler
@@ -50,6 +51,8 @@ EVENTS_QUEUE_CAP = 500_000
 EXPORT_INTERVAL_S = 1.0
 
 Labels = tuple[str, ...]
+_USER = attrgetter("output_rate_user")
+_REQUEST_ID = attrgetter("request_id")
 #: Why a charged token was given back (see the scheduler's refund point).
 REFUND_REASONS = ("not_scheduled", "preempted")
 
@@ -108,7 +111,17 @@ class EngineTelemetry:
         self.counters: dict[tuple[str, Labels], float] = defaultdict(float)
         self.gauges: dict[tuple[str, Labels], float] = {}
         self.histograms: dict[tuple[str, Labels], Histogram] = {}
+        #: request id -> when its last token came, for requests that had
+        #: none at the previous update (the others: ``_prev_now``)
         self._last_token_ns: dict[str, int] = {}
+        #: tokens charged per user since the last export (labeler activity)
+        self._activity: Counter[str] = Counter()
+        #: user -> counter key (bounded; cleared when labels change)
+        self._charged_keys: dict[str, tuple] = {}
+        self._skipped_keys: dict[str, tuple] = {}
+        #: request ids that had tokens at the previous update, and when
+        self._prev_ids: set[str] = set()
+        self._prev_now = 0
         #: label -> its inter_token_seconds histogram (same objects as in
         #: self.histograms), and what evicted labels had observed
         self._spacing: dict[str, Histogram] = {}
@@ -176,31 +189,50 @@ class EngineTelemetry:
 
     def on_step(self, record: Any) -> None:
         """Fold one ``OutputRateStep`` in."""
-        if self.spans is not None:
-            self.spans.on_step(record)
         labeler, counters = self.labeler, self.counters
-        if record.charged:
-            per_user: dict[str, int] = defaultdict(int)
-            for request in record.charged.values():
-                per_user[request.output_rate_user] += 1
+        charged = record.charged
+        if charged:
+            # Per user, counted in C (a Counter over a map), not per request;
+            # activity is folded into the labeler at export time. Counter keys
+            # of labelled users are cached until labels change.
+            per_user = Counter(map(_USER, charged.values()))
+            self._activity.update(per_user)
+            keys = self._charged_keys
             for user, n in per_user.items():
-                labeler.observe(user, n)
-                counters[("tokens_charged", (labeler.label(user),))] += n
-            counters[("engine_tokens_charged", ())] += len(record.charged)
+                key = keys.get(user)
+                if key is None:
+                    key = self._user_key(keys, "tokens_charged", user)
+                counters[key] += n
+            counters[("engine_tokens_charged", ())] += len(charged)
         for _req_id, user, reason in record.refunded:
             counters[("tokens_refunded", (labeler.label(user), reason))] += 1
             counters[("engine_tokens_refunded", ())] += 1
+        # Throttle episodes: which close (dispatched again) and which open
+        # (throttled now, not before), by set operations in C; a Python loop
+        # only over the requests whose state changed. Spans get the same sets.
         episodes = self._episodes
-        if episodes and record.charged:
-            self._end_episodes(record.charged, record.now_ns)
-        if record.throttled:
+        ended = episodes.keys() & charged.keys() if episodes and charged else ()
+        opened: list[Any] = []
+        throttled = record.throttled
+        if throttled:
+            keys = self._skipped_keys
+            for user, n in Counter(map(_USER, throttled)).items():
+                key = keys.get(user)
+                if key is None:
+                    key = self._user_key(keys, "requests_skipped", user)
+                counters[key] += n
+            counters[("engine_requests_skipped", ())] += len(throttled)
+            new = set(map(_REQUEST_ID, throttled)).difference(episodes)
+            if new:
+                opened = [r for r in throttled if r.request_id in new]
+        if ended:
+            self._end_episodes(ended, record.now_ns)
+        if opened:
             now = record.now_ns
-            for request in record.throttled:
-                label = labeler.label(request.output_rate_user)
-                counters[("requests_skipped", (label,))] += 1
-                if request.request_id not in episodes:
-                    episodes[request.request_id] = (now, label)
-            counters[("engine_requests_skipped", ())] += len(record.throttled)
+            for request in opened:
+                episodes[request.request_id] = (now, labeler.label(request.output_rate_user))
+        if self.spans is not None:
+            self.spans.on_step(record, opened, ended)
         if record.limiter_share is not None:
             self.histograms[("schedule_limiter_share", ())].observe(record.limiter_share)
         if self._export_due:
@@ -210,14 +242,21 @@ class EngineTelemetry:
             self._update_throttled_gauges(record.throttled)
             self._rebalance()
 
-    def _end_episodes(self, dispatched: Any, now_ns: int) -> None:
-        """Close the open throttle episodes of the ``dispatched`` request ids."""
+    def _user_key(self, cache: dict[str, tuple], name: str, user: str) -> tuple:
+        """The counter key of ``user`` for ``name``, cached until labels
+        change; the cache holds at most ``labeler.capacity`` users, so a
+        flood of distinct ids cannot grow it."""
+        label = self.labeler.promote(user)
+        key = (name, (label,))
+        if len(cache) < self.labeler.capacity:
+            cache[user] = key
+        return key
+
+    def _end_episodes(self, req_ids: Any, now_ns: int) -> None:
+        """Close the open throttle episodes of ``req_ids`` (a few ids: the
+        intersection with the open episodes is taken by the caller or here)."""
         episodes = self._episodes
-        if len(episodes) < len(dispatched):
-            ended = [rid for rid in episodes if rid in dispatched]
-        else:
-            ended = [rid for rid in dispatched if rid in episodes]
-        for req_id in ended:
+        for req_id in [r for r in req_ids if r in episodes]:
             start_ns, label = episodes.pop(req_id)
             self._histogram("throttle_episode_seconds", (label,)).observe((now_ns - start_ns) / 1e9)
 
@@ -229,6 +268,7 @@ class EngineTelemetry:
         for request in requests:
             req_id = request.request_id
             self._last_token_ns.pop(req_id, None)
+            self._prev_ids.discard(req_id)
             self._request_label.pop(req_id, None)
             if self._events is not None:
                 seen = self._event_tokens.pop(req_id, None)
@@ -275,6 +315,9 @@ class EngineTelemetry:
                                dict(blocks_by_user), total_blocks / self._num_blocks))
 
     def _rebalance(self) -> None:
+        activity, self._activity = self._activity, Counter()
+        for user, n in activity.items():
+            self.labeler.observe(user, n)
         added, evicted = self.labeler.rebalance()
         if not evicted and not added:
             return
@@ -294,6 +337,8 @@ class EngineTelemetry:
             if key[1] and key[1][0] in gone:
                 del self.gauges[key]
         self._set_limits()
+        self._charged_keys.clear()
+        self._skipped_keys.clear()
         # Requests keep the label of their first token until labels change.
         requests, labels = self.scheduler.requests, self._request_label
         for req_id in list(labels):
@@ -304,49 +349,88 @@ class EngineTelemetry:
     def on_outputs(self, outputs: dict[int, Any]) -> None:
         """Token timing from the outputs of one ``update_from_output``.
 
-        One spacing per request per step, straight into the per-user
-        histogram; the all-users histogram is folded from those at export.
+        One spacing per request per step into the per-user histogram (the
+        all-users histogram is folded from those at export). Most requests
+        with a token now also had one at the previous update: their spacing
+        is the same for all of them, so they are counted per user label
+        with set operations and a Counter (in C), and only requests that
+        start, resume after a throttle, or finish take the per-request path.
         """
         now = time.monotonic_ns()
         spans = self.spans
-        last, labels, hists = self._last_token_ns, self._request_label, self._spacing
-        bounds = SPACING_BUCKETS
+        labels = self._request_label
         events = self._events
-        step_tokens: list[tuple[str, str, int]] | None = [] if events is not None else None
+        if events is not None:
+            self._events_for(outputs, now)
+        ids = [o.request_id for eco in outputs.values() for o in eco.outputs if o.new_token_ids]
+        special = [o for eco in outputs.values() for o in eco.outputs
+                   if o.finish_reason is not None or len(o.new_token_ids) > 1]
+        prev_ids, prev_now = self._prev_ids, self._prev_now
+        cur = set(ids)
+        steady = cur & prev_ids
+        last = self._last_token_ns
+        for req_id in prev_ids - cur:  # had a token last time, none now
+            last[req_id] = prev_now
+        if steady:
+            spacing = (now - prev_now) * 1e-9
+            index = bisect.bisect_left(SPACING_BUCKETS, spacing)
+            for label, k in Counter(map(labels.get, steady)).items():
+                hist = self._spacing_hist(label or OTHER)
+                hist.counts[index] += k
+                hist.sum += spacing * k
+                hist.count += k
+            if spans is not None:
+                spans.on_steady(steady, prev_now, now)
+        for req_id in cur - prev_ids:  # first tokens, or back after a throttle
+            prev = last.pop(req_id, None)
+            if spans is not None:
+                spans.on_tokens(req_id, 1, prev, now)
+            if prev is None:
+                request = self.scheduler.requests.get(req_id)
+                if request is not None:
+                    labels[req_id] = self.labeler.label(request.output_rate_user)
+            else:
+                spacing = (now - prev) * 1e-9
+                hist = self._spacing_hist(labels.get(req_id, OTHER))
+                hist.counts[bisect.bisect_left(SPACING_BUCKETS, spacing)] += 1
+                hist.sum += spacing
+                hist.count += 1
+        finished = None
+        for out in special:
+            req_id = out.request_id
+            extra = len(out.new_token_ids) - 1
+            if extra > 0:  # tokens of one step share its moment: zeros
+                hist = self._spacing_hist(labels.get(req_id, OTHER))
+                hist.counts[0] += extra
+                hist.count += extra
+                if spans is not None:
+                    spans.on_zeros(req_id, extra)
+            if out.finish_reason is not None:
+                if finished is None:
+                    finished = set()
+                finished.add(req_id)
+                last.pop(req_id, None)
+                labels.pop(req_id, None)
+                if self._episodes:
+                    self._episodes.pop(req_id, None)
+                if spans is not None:
+                    spans.on_finished(req_id, out, now)
+        self._prev_ids = cur - finished if finished else cur
+        self._prev_now = now
+
+    def _spacing_hist(self, label: str) -> Histogram:
+        hist = self._spacing.get(label)
+        if hist is None:
+            hist = self._spacing[label] = self._histogram("inter_token_seconds", (label,))
+        return hist
+
+    def _events_for(self, outputs: dict[int, Any], now: int) -> None:
+        """The event log's records of one update (only when it is on)."""
+        step_tokens: list[tuple[str, str, int]] = []
         step_finished: list[tuple] = []
         for eco in outputs.values():
             for out in eco.outputs:
-                req_id = out.request_id
-                n = len(out.new_token_ids)
-                if step_tokens is not None:
-                    self._event_outputs(step_tokens, step_finished, out, n, now)
-                if n:
-                    prev = last.get(req_id)
-                    last[req_id] = now
-                    if spans is not None:
-                        spans.on_tokens(req_id, n, prev, now)
-                    if prev is None:
-                        request = self.scheduler.requests.get(req_id)
-                        if request is not None:
-                            labels[req_id] = self.labeler.label(request.output_rate_user)
-                    else:
-                        label = labels.get(req_id, OTHER)
-                        hist = hists.get(label)
-                        if hist is None:
-                            hist = hists[label] = self._histogram("inter_token_seconds", (label,))
-                        spacing = (now - prev) * 1e-9
-                        hist.counts[bisect.bisect_left(bounds, spacing)] += 1
-                        hist.sum += spacing
-                        hist.count += n
-                        if n > 1:  # tokens of one step share its moment: zeros
-                            hist.counts[0] += n - 1
-                if out.finish_reason is not None:
-                    last.pop(req_id, None)
-                    labels.pop(req_id, None)
-                    if self._episodes:
-                        self._episodes.pop(req_id, None)
-                    if spans is not None:
-                        spans.on_finished(req_id, out, now)
+                self._event_outputs(step_tokens, step_finished, out, len(out.new_token_ids), now)
         if step_tokens:
             self._queue_event(("tokens", now, step_tokens))
         for event in step_finished:

@@ -89,12 +89,7 @@ class UserLabeler:
         """Count ``tokens`` of activity for ``user`` (bounded memory)."""
         if user in self.pinned or tokens <= 0:
             return
-        if self._unpinned_labels < self.top_k and user not in self._labels:
-            value = sanitize(user, self.max_len)
-            if value != OTHER and value not in self._labels.values():
-                self._labels[user] = value
-                self._unpinned_labels += 1
-                self._promoted.append(user)
+        self.promote(user)
         activity = self._activity
         if user in activity:
             activity[user] += tokens
@@ -105,6 +100,21 @@ class UserLabeler:
             victim = min(activity, key=activity.__getitem__)
             floor = activity.pop(victim)
             activity[user] = floor + tokens
+
+    def promote(self, user: str) -> str:
+        """Give ``user`` a label at once when a top-K seat is free; returns
+        its label now (its own, or ``__other__``)."""
+        label = self._labels.get(user)
+        if label is not None:
+            return label
+        if self._unpinned_labels < self.top_k:
+            value = sanitize(user, self.max_len)
+            if value != OTHER and value not in self._labels.values():
+                self._labels[user] = value
+                self._unpinned_labels += 1
+                self._promoted.append(user)
+                return value
+        return OTHER
 
     def rebalance(self) -> tuple[list[str], list[str]]:
         """Give the ``top_k`` most active unpinned users their own label.

@@ -241,3 +241,20 @@ def test_unwritable_event_log_is_counted_not_raised(tmp_path, monkeypatch):
     drv.run_until_done()
     assert tel.export()  # the snapshot still goes out
     assert counter(tel, "telemetry_dropped", "events_write_failed") >= 5
+
+
+def test_no_per_request_state_outlives_its_request(tmp_path, monkeypatch):
+    from vllm.v1.request import RequestStatus
+
+    sched, drv, tel, _ = events_setup(tmp_path, limits(1000, a=15), monkeypatch)
+    reqs = [make_request(u, max_tokens=12) for u in ("a", "a", "a", "b", "c")]
+    drv.add(*reqs)
+    drv.run(10)
+    sched.finish_requests([reqs[0].request_id], RequestStatus.FINISHED_ABORTED)
+    drv.run_until_done()
+    assert not tel._last_token_ns and not tel._prev_ids and not tel._request_label
+    assert not tel._episodes and not tel._event_tokens
+    # every delivered token but the first of each request is one spacing
+    delivered = sum(drv.count(r.request_id) for r in reqs)
+    total = sum(h.count for h in tel._spacing.values())
+    assert total == delivered - len(reqs)

@@ -174,7 +174,7 @@ def test_client_abort_mid_throttle_ends_the_episode_and_the_generation(tmp_path,
     aborted = [s for s in spans(exporter, "output_rate.throttle")
                if s.attributes["output_rate.outcome"] == "aborted"]
     assert len(aborted) == 2
-    assert not rec._episodes and not rec._series and not rec._charged
+    assert not rec._episodes and not rec._series and not rec._overflow
 
 
 class _FailingExporter:
@@ -311,3 +311,34 @@ def test_spans_reach_a_real_otlp_http_receiver(tmp_path, monkeypatch):
     gen = next(a for n, a in received if n == "output_rate.generation")
     assert gen["output_rate.tokens"].int_value == 8
     assert drops.counts == {"trace_queue_full": 0, "trace_export_failed": 0}
+
+
+def test_refusal_only_steps_are_sampled_refund_steps_are_not(tmp_path, exporter, monkeypatch):
+    from tracing import spans as spans_mod
+
+    monkeypatch.setenv(spans_mod.STEP_SAMPLE_ENV, "10")
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=1))
+    assert rec.step_sample_every == 10
+    drv.add(*[make_request("a", max_tokens=3) for _ in range(2)])
+    drv.run(100)  # "a" is refused in nearly every step
+    steps = spans(exporter, "output_rate.step")
+    refusal_steps = rec._refusal_steps
+    assert refusal_steps >= 90
+    assert len(steps) == -(-refusal_steps // 10)  # the 1st, 11th, 21st, ...
+    assert all(s.attributes["output_rate.refusal_steps_per_span"] == 10 for s in steps)
+
+
+def test_generation_series_is_capped_and_the_token_count_is_not(tmp_path, exporter, monkeypatch):
+    import telemetry.engine as engine_mod
+    from tracing import spans as spans_mod
+
+    monkeypatch.setattr(spans_mod, "MAX_SERIES", 16)
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(100_000))
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    drv.add(make_request("a", max_tokens=40))
+    drv.run_until_done()
+    (gen,) = spans(exporter, "output_rate.generation")
+    assert gen.attributes["output_rate.tokens"] == 40
+    assert gen.attributes["output_rate.spacing_series_truncated"] is True
+    assert len(decode_series(gen.attributes["output_rate.spacing_series_us_b64u32"])) == 16
+    assert not rec._overflow

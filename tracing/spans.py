@@ -32,12 +32,29 @@ import struct
 import time
 from array import array
 from collections import deque
+from operator import attrgetter
 from typing import Any
 
 MAX_SERIES = 2048
+#: One ``output_rate.step`` span per this many steps that only refused users
+#: (steps with refunds always get one). Environment variable, default 50.
+STEP_SAMPLE_ENV = "VLLM_OUTPUT_RATE_TRACE_REFUSAL_STEP_EVERY"
+DEFAULT_STEP_SAMPLE = 50
 _TRACER_NAME = "vllm_output_rate"
+_REQUEST_ID = attrgetter("request_id")
 
 logger = logging.getLogger("vllm_output_rate.tracing")
+
+
+def _step_sample_every() -> int:
+    import os
+
+    raw = os.environ.get(STEP_SAMPLE_ENV, "")
+    try:
+        return max(int(raw), 1) if raw else DEFAULT_STEP_SAMPLE
+    except ValueError:
+        logger.warning("%s=%r is not an integer; using %d", STEP_SAMPLE_ENV, raw, DEFAULT_STEP_SAMPLE)
+        return DEFAULT_STEP_SAMPLE
 
 
 def _epoch_offset_ns() -> int:
@@ -91,7 +108,11 @@ class SpanRecorder:
         #: the TracerProvider (flushed and shut down with the engine)
         self.provider: Any = None
         self._episodes: dict[str, _Episode] = {}
-        self._charged: dict[str, int] = {}
+        #: request id -> spacings past MAX_SERIES (counted, not kept)
+        self._overflow: dict[str, int] = {}
+        #: refusal-only steps get one step span in this many (refund steps: always)
+        self.step_sample_every = _step_sample_every()
+        self._refusal_steps = 0
         self._series: dict[str, array] = {}
         #: request id -> span context of vLLM's own request trace, if any
         self._parents: dict[str, Any] = {}
@@ -117,18 +138,25 @@ class SpanRecorder:
 
     # -- per step ---------------------------------------------------------
 
-    def on_step(self, record: Any) -> None:
+    def on_step(self, record: Any, opened: Any = None, ended: Any = None) -> None:
+        """Per step. ``opened``: the requests throttled now and not in the
+        step before; ``ended``: the ids of throttled requests dispatched
+        again; both computed once by ``telemetry.engine`` with set
+        operations (computed here when not given)."""
         now = record.now_ns
-        charged = self._charged
         episodes = self._episodes
-        for req_id in record.charged:
-            charged[req_id] = charged.get(req_id, 0) + 1
+        if ended is None:
+            ended = episodes.keys() & record.charged.keys() if episodes and record.charged else ()
+        for req_id in ended:
             episode = episodes.pop(req_id, None)
             if episode is not None:
                 self._end_episode(episode, now, "dispatched")
-        if record.throttled:
+        if opened is None:
+            new = set(map(_REQUEST_ID, record.throttled)).difference(episodes)
+            opened = [r for r in record.throttled if r.request_id in new] if new else ()
+        if opened:
             manager = self.scheduler.kv_cache_manager
-            for request in record.throttled:
+            for request in opened:
                 if request.request_id not in episodes:
                     blocks = sum(len(g) for g in manager.get_block_ids(request.request_id))
                     episodes[request.request_id] = _Episode(
@@ -136,13 +164,14 @@ class SpanRecorder:
         for req_id in record.preempted_throttled:
             if req_id in episodes:
                 episodes[req_id].preempted = True
-        if record.refunded or record.refused:
+        if record.refunded or (record.refused and self._sample_refusal()):
             span = self.tracer.start_span("output_rate.step", start_time=now + self.offset, attributes={
                 "output_rate.step": record.step,
                 "output_rate.charged": len(record.charged),
                 "output_rate.refunded": len(record.refunded),
                 "output_rate.throttled": len(record.throttled),
                 "output_rate.refused_users": sorted(record.refused)[:32],
+                "output_rate.refusal_steps_per_span": 1 if record.refunded else self.step_sample_every,
             })
             for req_id, user, reason in record.refunded:
                 span.add_event("refund", attributes={
@@ -150,18 +179,30 @@ class SpanRecorder:
                     "output_rate.reason": reason})
             span.end(end_time=now + self.offset)
 
+    def _sample_refusal(self) -> bool:
+        self._refusal_steps += 1
+        return self._refusal_steps % self.step_sample_every == 1 or self.step_sample_every == 1
+
     def _end_episode(self, episode: _Episode, end_ns: int, outcome: str) -> None:
         self._span("output_rate.throttle", episode.start_ns, end_ns, {
             "output_rate.user": episode.user,
             "output_rate.request_id": episode.request_id,
             "output_rate.priority": episode.priority,
-            "output_rate.tokens_charged": self._charged.get(episode.request_id, 0),
+            "output_rate.tokens_charged": self._tokens_charged(episode.request_id, outcome),
             "output_rate.expected_ready_unix_ns": episode.ready_ns + self.offset,
             "output_rate.held_kv": episode.blocks > 0,
             "output_rate.kv_blocks": episode.blocks,
             "output_rate.preempted": episode.preempted,
             "output_rate.outcome": outcome,
         })
+
+    def _tokens_charged(self, req_id: str, outcome: str) -> int:
+        """Tokens charged to the request so far: its output tokens, plus the
+        one charged by the dispatch that ended the episode."""
+        request = self.scheduler.requests.get(req_id)
+        if request is None:
+            return len(self._series.get(req_id, ())) + 1 if req_id in self._series else 0
+        return request.num_output_tokens + (1 if outcome == "dispatched" else 0)
 
     # -- per update_from_output -------------------------------------------
 
@@ -173,11 +214,42 @@ class SpanRecorder:
         if s is None:
             s = self._series[req_id] = array("I")
             self._remember_parent(req_id)
-        if prev_ns is not None and len(s) < MAX_SERIES:
-            s.append(min((now_ns - prev_ns) // 1000, 0xFFFFFFFF))
-        for _ in range(n - 1):
+        want = n if prev_ns is not None else n - 1  # spacings these tokens add
+        room = MAX_SERIES - len(s)
+        if want <= room:
+            if prev_ns is not None:
+                s.append(min((now_ns - prev_ns) // 1000, 0xFFFFFFFF))
+            if n > 1:
+                s.extend([0] * (n - 1))
+        else:  # past the cap: keep what fits, count the rest
+            values = [min((now_ns - prev_ns) // 1000, 0xFFFFFFFF)] if prev_ns is not None else []
+            values += [0] * (n - 1)
+            s.extend(values[:max(room, 0)])
+            self._overflow[req_id] = self._overflow.get(req_id, 0) + want - max(room, 0)
+
+    def on_steady(self, req_ids: Any, prev_ns: int, now_ns: int) -> None:
+        """One token each for ``req_ids``, whose previous tokens all came at
+        ``prev_ns`` (the previous update): one spacing for all of them."""
+        us = min((now_ns - prev_ns) // 1000, 0xFFFFFFFF)
+        series = self._series
+        for req_id in req_ids:
+            s = series.get(req_id)
+            if s is None:
+                continue
             if len(s) < MAX_SERIES:
-                s.append(0)
+                s.append(us)
+            else:
+                self._overflow[req_id] = self._overflow.get(req_id, 0) + 1
+
+    def on_zeros(self, req_id: str, k: int) -> None:
+        """``k`` more tokens of ``req_id`` at the moment of its last one."""
+        s = self._series.get(req_id)
+        if s is None:
+            return
+        room = max(MAX_SERIES - len(s), 0)
+        s.extend([0] * min(room, k))
+        if k > room:
+            self._overflow[req_id] = self._overflow.get(req_id, 0) + k - room
 
     def on_finished(self, req_id: str, out: Any, now: int) -> None:
         """The request finished (``out`` is its last engine output)."""
@@ -193,13 +265,17 @@ class SpanRecorder:
         episode = self._episodes.pop(req_id, None)
         if episode is not None:
             self._end_episode(episode, now, "aborted" if reason == "abort" else "finished")
+        had_tokens = req_id in self._series
         s = self._series.pop(req_id, array("I"))
-        charged = self._charged.pop(req_id, 0)
+        tokens = len(s) + 1 + self._overflow.pop(req_id, 0) if had_tokens else 0
         ordered = sorted(s)
         attributes = {
             "output_rate.request_id": req_id,
-            "output_rate.tokens": len(s) + 1 if s or charged else 0,
-            "output_rate.tokens_charged": charged,
+            "output_rate.tokens": tokens,
+            # charged at dispatch, one per token: equal to the tokens with
+            # synchronous scheduling (async may charge one more, refunded
+            # only if the request is not dispatched again)
+            "output_rate.tokens_charged": tokens,
             "output_rate.spacing_p50_us": _quantile(ordered, 0.5),
             "output_rate.spacing_p90_us": _quantile(ordered, 0.9),
             "output_rate.spacing_p99_us": _quantile(ordered, 0.99),
