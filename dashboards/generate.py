@@ -469,6 +469,14 @@ def engine_dashboard() -> Dashboard:
                     f'"user", "(default)", "", "")', "", "data", instant=True, format="table")],
             kind="table"),
         Panel(
+            "Telemetry snapshot age",
+            "Seconds since the engine core wrote the snapshot that /metrics shows (written every "
+            "second by its exporter thread). Healthy: 1-2 s plus the scrape interval; a steady "
+            "climb means the exporter or the engine core is stuck.",
+            "s",
+            [Target(f"time() - max by (engine) ({sel('telemetry_snapshot_timestamp_seconds')})",
+                    "engine {{engine}}", "data")]),
+        Panel(
             "Telemetry dropped",
             "Engine snapshots that failed to export, by reason (the output_rate_ metrics are "
             "stale while this grows). Healthy: always 0.",
@@ -718,6 +726,7 @@ def recording_rules() -> list[dict[str, str]]:
 def alerts() -> list[Alert]:
     w = OVER["window"]
     kv, late, drop = T["throttled_kv"], T["wake_lateness"], T["telemetry_dropped"]
+    stale = T["telemetry_stale"]
     lateness = m("wake_lateness_seconds").full_name
     dropped = m("telemetry_dropped").full_name
     return [
@@ -761,6 +770,16 @@ def alerts() -> list[Alert]:
             f"{{{{ $value | humanizeDuration }}}} after the budget time it waited for, at the "
             f"{100 * late['quantile']:g}th percentile over the last {late['window']} (alert above "
             f"{1000 * late['seconds']:g}ms): throttled users get less than their limit."),
+        Alert(
+            "OutputRateTelemetryStale",
+            f"time() - max by (model_name, engine) ({m('telemetry_snapshot_timestamp_seconds').full_name})"
+            f" > {stale['seconds']}",
+            stale["for"], stale["severity"],
+            "Output-rate telemetry of engine {{ $labels.engine }} of model {{ $labels.model_name }} is stale",
+            "The newest output-rate snapshot of engine {{ $labels.engine }} (model "
+            "{{ $labels.model_name }}) is {{ $value | humanizeDuration }} old (alert above "
+            f"{stale['seconds']}s; it is written every second): the engine core's exporter or the "
+            "engine core itself is stuck, and the output_rate_ metrics show old values."),
         Alert(
             "OutputRateTelemetryDropping",
             f"sum by (model_name, engine, reason) (increase({dropped}[{drop['window']}])) > {drop['max_drops']}",

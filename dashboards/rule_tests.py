@@ -57,6 +57,7 @@ def cases() -> list[dict[str, Any]]:
     kv = "OutputRateThrottledKVCacheHigh"
     late = "OutputRateEngineWakesLate"
     drop = "OutputRateTelemetryDropping"
+    stale = "OutputRateTelemetryStale"
     return [
         {
             "name": "over limit: one user served by two engines gets twice its limit",
@@ -233,6 +234,32 @@ def cases() -> list[dict[str, Any]]:
                 series("telemetry_dropped", "0 1 1x40", reason="export_failed", engine="1"),
             ],
             "alert_rule_test": [_alert(drop, "30m", [])],
+        },
+        {
+            "name": "telemetry stale: snapshots stop moving at minute 5",
+            "interval": "1m",
+            # the snapshot time follows time() (value = seconds since 0) until
+            # minute 5, then stays there
+            "input_series": [series("telemetry_snapshot_timestamp_seconds", "0+60x5 300x30")],
+            "alert_rule_test": [
+                _alert(stale, "8m", []),  # stale, but not yet for 5m
+                _alert(stale, "20m", [{
+                    "exp_labels": {"severity": "ticket", "model_name": MODEL, "engine": "0"},
+                    "exp_annotations": {
+                        "summary": "Output-rate telemetry of engine 0 of model tiny is stale",
+                        "description": "The newest output-rate snapshot of engine 0 (model tiny) "
+                                       "is 15m 0s old (alert above 60s; it is written every "
+                                       "second): the engine core's exporter or the engine core "
+                                       "itself is stuck, and the output_rate_ metrics show old "
+                                       "values.",
+                        "runbook_url": _runbook(stale)}}]),
+            ],
+        },
+        {
+            "name": "telemetry stale: snapshots that keep up do not fire",
+            "interval": "1m",
+            "input_series": [series("telemetry_snapshot_timestamp_seconds", "0+60x40")],
+            "alert_rule_test": [_alert(stale, "30m", [])],
         },
     ]
 

@@ -483,10 +483,12 @@ class EngineTelemetry:
         for hist in list(self._spacing.values()):
             total.add(hist)
         histograms[("engine_inter_token_seconds", ())] = total
+        written = time.time()
+        gauges[("telemetry_snapshot_timestamp_seconds", ())] = written
         return {
             "engine": self.engine,
             "model_name": self.model_name,
-            "written_unix": time.time(),
+            "written_unix": written,
             "counters": [[n, list(l), v] for (n, l), v in counters.items()],
             "gauges": [[n, list(l), v] for (n, l), v in gauges.items()],
             "histograms": [[n, list(l), *h.snapshot()] for (n, l), h in histograms.items()],

@@ -103,6 +103,9 @@ METRICS: tuple[Metric, ...] = (
     Metric("schedule_limiter_share", "histogram", "ratio",
            "Share of each schedule() call spent in the limiter's own code.",
            (), SHARE_BUCKETS),
+    Metric("telemetry_snapshot_timestamp_seconds", "gauge", "seconds",
+           "Unix time at which the engine core wrote the snapshot this scrape shows "
+           "(falls behind time() when the engine's exporter stops)."),
     Metric("telemetry_dropped", "counter", "events",
            "Telemetry data dropped (export failed, event log write failed, event queue full), by reason.", ("reason",)),
 )

@@ -259,3 +259,42 @@ class Driver:
 
 def scheduled_ids(out: SchedulerOutput) -> set[str]:
     return set(out.num_scheduled_tokens)
+
+
+class OtlpHttpReceiver:
+    """An OTLP/HTTP trace receiver on loopback: decodes every export request
+    (protobuf, with the OpenTelemetry proto classes) into (name, attributes)."""
+
+    def __init__(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, HTTPServer
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        self.spans: list[tuple[str, dict]] = []
+        spans = self.spans
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                for rs in req.resource_spans:
+                    for ss in rs.scope_spans:
+                        for span in ss.spans:
+                            spans.append((span.name, {a.key: a.value for a in span.attributes}))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_port}/v1/traces"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from harness import REPO, tiny_model
+from harness import REPO, OtlpHttpReceiver, tiny_model
 from vllm_patch.client import Server, free_port, metric_value, run_load, scrape_metrics, summarize
 
 pytestmark = pytest.mark.e2e
@@ -28,47 +26,12 @@ ARGS = ["--max-num-seqs", "16", "--max-model-len", "1024",
         "--user-output-tokens-per-second", json.dumps({"user-a": LIMIT, "user-b": 100000})]
 
 
-class Receiver:
-    """An OTLP/HTTP trace receiver: decodes every export request."""
-
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
-
-        self.spans: list[tuple[str, dict]] = []
-        spans = self.spans
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                req = ExportTraceServiceRequest()
-                req.ParseFromString(body)
-                for rs in req.resource_spans:
-                    for ss in rs.scope_spans:
-                        for span in ss.spans:
-                            spans.append((span.name, {a.key: a.value for a in span.attributes}))
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.end_headers()
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}/v1/traces"
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-
-
 def _string(value) -> str:
     return value.string_value
 
 
 def test_spans_of_a_real_engine_reach_an_otlp_receiver():
-    receiver = Receiver()
+    receiver = OtlpHttpReceiver()
     env = {"VLLM_OUTPUT_RATE_TELEMETRY": "1",
            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url,
            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",

@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from harness import Driver, FakeClock, make_request, make_scheduler
+from harness import Driver, FakeClock, OtlpHttpReceiver, make_request, make_scheduler
 from telemetry.engine import EngineTelemetry
 from tracing.spans import SpanRecorder, decode_series, tracer_provider_from_env
 from vllm_patch import engine_loop
@@ -259,35 +259,9 @@ def test_a_full_span_queue_drops_and_counts_without_blocking():
 def test_spans_reach_a_real_otlp_http_receiver(tmp_path, monkeypatch):
     """The real OTLP/HTTP exporter, configured by OTEL_* variables, against a
     receiver on loopback that decodes the protobuf requests."""
-    import threading
-    from http.server import BaseHTTPRequestHandler, HTTPServer
-
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
-
-    received: list[tuple[str, dict]] = []
-
-    class Receiver(BaseHTTPRequestHandler):
-        def do_POST(self):  # noqa: N802
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            req = ExportTraceServiceRequest()
-            req.ParseFromString(body)
-            for rs in req.resource_spans:
-                for ss in rs.scope_spans:
-                    for span in ss.spans:
-                        attrs = {a.key: a.value for a in span.attributes}
-                        received.append((span.name, attrs))
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    httpd = HTTPServer(("127.0.0.1", 0), Receiver)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    receiver = OtlpHttpReceiver()
     try:
-        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
-                           f"http://127.0.0.1:{httpd.server_port}/v1/traces")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
         from tracing.spans import TraceDrops, tracer_from
 
@@ -304,7 +278,8 @@ def test_spans_reach_a_real_otlp_http_receiver(tmp_path, monkeypatch):
         drv.run_until_done()
         recorder.shutdown(timeout_s=10)
     finally:
-        httpd.shutdown()
+        receiver.close()
+    received = receiver.spans
     names = [n for n, _ in received]
     assert names.count("output_rate.generation") == 3
     assert "output_rate.throttle" in names

@@ -293,6 +293,12 @@ def _setup_telemetry() -> None:
     if not directory:
         directory = tempfile.mkdtemp(prefix="vllm-output-rate-telemetry-")
         os.environ[TELEMETRY_DIR_ENV] = directory
+        # Ours to remove when this process (the server's top process, which
+        # outlives its engine core and API servers) exits.
+        import atexit
+        import shutil
+
+        atexit.register(shutil.rmtree, directory, True)
     collector.install(directory)
 
 
