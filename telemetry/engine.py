@@ -135,7 +135,12 @@ class EngineTelemetry:
         #: request id -> [user, tokens so far], while the event log is on
         self._event_tokens: dict[str, list] = {}
         self._events_started = False
+        #: the last throttled line queued was all zero
         self._events_idle = False
+        #: an all-zero line was queued since the engine last ran a step
+        self._events_idle_written = False
+        #: consecutive exports that found the engine with nothing running
+        self._idle_exports = 0
         self._num_blocks = max(int(vllm_config.cache_config.num_gpu_blocks or 0), 1)
         self._export_due = True
         self._drop_logged = False
@@ -303,6 +308,8 @@ class EngineTelemetry:
         self.gauges[("engine_throttled_requests", ())] = len(throttled)
         self.gauges[("engine_throttled_kv_blocks", ())] = total_blocks
         self.gauges[("throttled_kv_cache_share", ())] = total_blocks / self._num_blocks
+        if self._events is not None:
+            self._events_idle_written = False  # a step ran: the engine is busy
         if self._events is not None and (throttled or not self._events_idle):
             by_user: dict[str, int] = defaultdict(int)
             blocks_by_user: dict[str, int] = defaultdict(int)
@@ -504,8 +511,13 @@ class EngineTelemetry:
             events.appendleft(("start", time.monotonic_ns(), time.time_ns(), {
                 user: float(limiter.rate_of(user)) for user in cfg.user_rates
             }, float(cfg.default_rate)))
-        if not self.scheduler.running and not self._events_idle:
-            self._events_idle = True  # the engine went idle: nothing throttled
+        self._idle_exports = 0 if self.scheduler.running else self._idle_exports + 1
+        if self._idle_exports >= 2 and not self._events_idle_written:
+            # The engine went idle: nothing throttled, stated once, after the
+            # last step's events whatever the last export-due step said. Idle
+            # at two exports in a row: the last step's outputs (queued after
+            # `running` empties) are surely in the queue by then.
+            self._events_idle = self._events_idle_written = True
             events.append(("throttled", time.monotonic_ns(), {}, {}, 0.0))
         lines = []
         while events:

@@ -179,6 +179,7 @@ def test_event_log_matches_what_the_engine_delivered(tmp_path, monkeypatch):
     tel.export()  # the throttled line of an export-due step comes at the next step
     drv.run_until_done()
     tel.export()
+    tel.export()  # idle at two exports in a row: the all-zero line
     events = read_events(path)
     assert events[0]["kind"] == "start"
     assert events[0]["limits"] == {"a": 20.0} and events[0]["default_limit"] == 1000.0
@@ -201,6 +202,34 @@ def test_event_log_matches_what_the_engine_delivered(tmp_path, monkeypatch):
     throttled = [e for e in events if e["kind"] == "throttled"]
     assert any(e["requests"].get("a", 0) >= 1 and e["kv_blocks"]["a"] > 0 for e in throttled)
     assert throttled[-1]["requests"] == {} and throttled[-1]["kv_share"] == 0.0
+    last_tokens = max(e["t_ns"] for e in events if e["kind"] == "tokens")
+    assert throttled[-1]["t_ns"] >= last_tokens
+
+
+def test_idle_line_follows_the_last_tokens_even_after_an_unthrottled_busy_export(
+        tmp_path, monkeypatch):
+    # the last export-due step has work but nothing throttled (an all-zero
+    # line is queued then); the engine must still say "idle, nothing
+    # throttled" after its last tokens
+    sched, drv, tel, path = events_setup(tmp_path, limits(1000, a=20), monkeypatch)
+    drv.add(*[make_request("a", max_tokens=6) for _ in range(2)])
+    drv.add(make_request("b", max_tokens=80))
+    while sched.requests:  # exports now and then: the last busy one sees only "b"
+        drv.run(10)
+        tel.export()
+    throttled = [e for e in read_events(path) if e["kind"] == "throttled"]
+    assert any(e["requests"] for e in throttled)  # "a" was throttled at some point
+    assert throttled[-1]["requests"] == {}  # the last busy export-due step: nothing
+    before = read_events(path)
+    tel.export()
+    tel.export()
+    events = read_events(path)
+    assert len(events) > len(before)
+    last_tokens = max(e["t_ns"] for e in events if e["kind"] == "tokens")
+    idle = [e for e in events if e["kind"] == "throttled" and e["t_ns"] >= last_tokens]
+    assert len(idle) == 1 and idle[0]["requests"] == {}
+    tel.export()
+    assert len(read_events(path)) == len(events)  # said once
 
 
 def test_abort_mid_throttle_ends_episode_and_is_logged(tmp_path, monkeypatch):
