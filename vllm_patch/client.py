@@ -9,6 +9,7 @@ chunk carries no text.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -51,6 +52,19 @@ class StreamResult:
         return self.completion_tokens / (self.last - self.started)
 
 
+def parse_chunk(line: str) -> tuple[dict[str, Any], str | None] | None:
+    """One server-sent-events line of a streamed completion: (usage, the
+    last finish reason in it), or None for lines that carry no chunk."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return None
+    data = json.loads(line[6:])
+    finish = None
+    for choice in data.get("choices") or ():
+        if choice.get("finish_reason"):
+            finish = choice["finish_reason"]
+    return data.get("usage") or {}, finish
+
+
 async def stream_chat(
     client: httpx.AsyncClient,
     base_url: str,
@@ -73,23 +87,20 @@ async def stream_chat(
     if user is not None:
         body["vllm_xargs"] = {"output_rate_user": user}
     result = StreamResult(user or "__anonymous__", max_tokens, started=time.monotonic())
-    import json
-
     try:
         async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
                 return result
             async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+                chunk = parse_chunk(line)
+                if chunk is None:
                     continue
                 now = time.monotonic()
-                data = json.loads(line[6:])
-                usage = data.get("usage") or {}
+                usage, finish = chunk
                 count = usage.get("completion_tokens", result.completion_tokens)
-                for choice in data.get("choices") or ():
-                    if choice.get("finish_reason"):
-                        result.finish_reason = choice["finish_reason"]
+                if finish:
+                    result.finish_reason = finish
                 if count > result.completion_tokens or not result.chunks:
                     result.chunks.append((now, count))
                 if on_tokens is not None and count > result.completion_tokens:

@@ -33,6 +33,8 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+from vllm_patch.client import parse_chunk
+
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 DEFAULT_SCENARIO = SCENARIO_DIR / "default.yaml"
 
@@ -503,16 +505,15 @@ async def _stream_one(client: Any, base_url: str, rec: RequestRecord, body: dict
                     rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
                     return
                 async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
+                    chunk = parse_chunk(line)
+                    if chunk is None:
                         continue
                     now = time.monotonic()
-                    data = json.loads(line[6:])
-                    usage = data.get("usage") or {}
+                    usage, finish = chunk
                     count = usage.get("completion_tokens", rec.completion_tokens)
                     rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
-                    for choice in data.get("choices") or ():
-                        if choice.get("finish_reason"):
-                            rec.finish_reason = choice["finish_reason"]
+                    if finish:
+                        rec.finish_reason = finish
                     if count > rec.completion_tokens:
                         rec.chunks.append((now, count))
                         if on_tokens is not None:
