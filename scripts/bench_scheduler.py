@@ -46,7 +46,7 @@ def build(limited: bool, running: int, users: int, throttled_share: float):
         }
     clock = FakeClock()
     sched = make_scheduler(
-        limits, clock=clock, num_blocks=running * 16, max_num_seqs=running,
+        limits, clock=clock, num_blocks=running * 64, max_num_seqs=running,
         max_num_batched_tokens=max(2048, running * PROMPT), max_model_len=4096,
         enable_prefix_caching=False,
     )
@@ -110,16 +110,26 @@ def with_telemetry(pair, directory: str, traces_url: str | None = None):
     return pair
 
 
-def measure(running: int, users: int, share: float, blocks: int, block_steps: int,
-            telemetry_dir: str | None = None, traces_url: str | None = None):
-    """(on, off, active): limiter on vs off, or with ``telemetry_dir``
-    limiter on with telemetry vs limiter on without."""
-    on = build(True, running, users, share)
-    if telemetry_dir is None:
-        off = build(False, running, users, share)
+def measure_pair(running: int, users: int, share: float, blocks: int, block_steps: int,
+                 telemetry_dir: str | None, traces_url: str | None, on_first: bool,
+                 control: bool = False):
+    """(on, off, active) medians of one freshly built pair of schedulers."""
+    def build_on():
+        pair = build(True, running, users, share)
+        if telemetry_dir is not None:
+            pair = with_telemetry(pair, telemetry_dir, traces_url)
+        return pair
+
+    # "off" is vLLM's own scheduler, or with telemetry_dir the limited
+    # scheduler without telemetry.
+    # With ``control`` both arms are the same (the method's noise floor).
+    limited_off = telemetry_dir is not None or control
+    if on_first:
+        on = build_on()
+        off = build(limited_off, running, users, share)
     else:
-        off = on
-        on = with_telemetry(build(True, running, users, share), telemetry_dir, traces_url)
+        off = build(limited_off, running, users, share)
+        on = build_on()
     for pair in (on, off):  # prefill + a few decode steps: steady state
         for _ in range(5):
             step(*pair)
@@ -144,6 +154,106 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
     return statistics.median(on_times), statistics.median(off_times), active
 
 
+def measure_same(running: int, users: int, share: float, blocks: int, block_steps: int,
+                 telemetry_dir: str | None, traces_url: str | None, control: bool = False):
+    """(on, off, active) on ONE limited scheduler whose steps alternate
+    between the two arms, so both arms see the same requests in the same
+    memory (no build-to-build difference at all).
+
+    Limiter on/off: an "off" step runs vLLM's own ``schedule()`` and
+    ``update_from_output()`` (the classes under the mixin) on the instance,
+    with vLLM's own ``_reserve_prefill_lookahead`` and ``allocate_slots``:
+    upstream code on the same state. Telemetry: an "off" step is the same
+    scheduler with its telemetry observers unset. With ``control`` both
+    arms run the same code (the method's noise floor).
+    """
+    from vllm_patch.scheduler import OutputRateSchedulerMixin
+
+    sched, clock = pair = build(True, running, users, share)
+    if telemetry_dir is not None:
+        with_telemetry(pair, telemetry_dir, traces_url)
+    upstream = super(OutputRateSchedulerMixin, sched)
+    names = ("output_rate_observer", "output_rate_token_observer", "output_rate_finish_observer")
+    observers = {name: getattr(sched, name) for name in names}
+
+    def step_off() -> float:
+        if control:
+            return step(sched, clock)
+        if telemetry_dir is not None:
+            for name in names:
+                setattr(sched, name, None)
+            took = step(sched, clock)
+            for name, fn in observers.items():
+                setattr(sched, name, fn)
+            return took
+        sched._reserve_prefill_lookahead = upstream._reserve_prefill_lookahead
+        sched.kv_cache_manager.__dict__.pop("allocate_slots", None)
+        t0 = time.perf_counter()
+        out = upstream.schedule()
+        t1 = time.perf_counter()
+        mro = model_output_for(sched, out)
+        t2 = time.perf_counter()
+        upstream.update_from_output(out, mro)
+        t3 = time.perf_counter()
+        clock.advance_ms(10)
+        del sched._reserve_prefill_lookahead
+        return (t1 - t0) + (t3 - t2)
+
+    for _ in range(5):
+        step(sched, clock)
+    on_times, off_times = [], []
+    gc.disable()
+    try:
+        for i in range(blocks):
+            # ABBA order: neither arm always follows the other
+            arms = ("on", "off") if i % 2 == 0 else ("off", "on")
+            for arm in arms:
+                gc.collect()
+                if arm == "on":
+                    on_times.append(statistics.median(step(sched, clock) for _ in range(block_steps)))
+                else:
+                    off_times.append(statistics.median(step_off() for _ in range(block_steps)))
+    finally:
+        gc.enable()
+    active = len(sched.output_rate_last_step.charged)
+    telemetry = getattr(sched, "output_rate_telemetry", None)
+    if telemetry is not None:
+        telemetry.close()
+    return statistics.median(on_times), statistics.median(off_times), active
+
+
+def measure(running: int, users: int, share: float, blocks: int, block_steps: int,
+            telemetry_dir: str | None = None, traces_url: str | None = None, pairs: int = 4,
+            control: bool = False, same: bool = False):
+    """Limiter on vs off (or, with ``telemetry_dir``, limiter with telemetry
+    vs limiter without) over ``pairs`` freshly built pairs of schedulers.
+
+    Two schedulers built one after the other differ in speed by a few
+    percent whatever they run (an A/A run of two identical schedulers gives
+    0.97-1.03: where their objects landed in memory), and the one built
+    first tends to be the faster. So each pair is measured on its own, the
+    build order alternates from pair to pair, and the result is the
+    geometric mean of the pairs' ratios with their spread.
+    With ``same`` each "pair" is one scheduler alternating arms
+    (``measure_same``).
+    Returns (on ms, off ms, active, ratio, lowest ratio, highest ratio).
+    """
+    results = []
+    for i in range(pairs):
+        if same:
+            results.append(measure_same(running, users, share, blocks, block_steps,
+                                        telemetry_dir, traces_url, control))
+        else:
+            results.append(measure_pair(running, users, share, blocks, block_steps,
+                                        telemetry_dir, traces_url, on_first=i % 2 == 0,
+                                        control=control))
+        gc.collect()
+    ratios = [on / off for on, off, _ in results]
+    ratio = statistics.geometric_mean(ratios)
+    return (statistics.median(r[0] for r in results), statistics.median(r[1] for r in results),
+            results[-1][2], ratio, min(ratios), max(ratios))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
@@ -154,6 +264,12 @@ def main() -> None:
                         help="with --telemetry: metrics only, no spans to the OTLP receiver")
     parser.add_argument("--users", type=int, nargs="*", help="user counts (default 1 16 256)")
     parser.add_argument("--shares", type=float, nargs="*", help="throttled shares (default 0 0.5 0.9)")
+    parser.add_argument("--pairs", type=int, default=4,
+                        help="freshly built scheduler pairs per row, alternating build order")
+    parser.add_argument("--control", action="store_true",
+                        help="A/A control: both arms the same limited scheduler (ratio should be 1)")
+    parser.add_argument("--same-scheduler", action="store_true",
+                        help="one scheduler per pair, its steps alternating between the arms")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--block-steps", type=int, default=5)
     args = parser.parse_args()
@@ -169,18 +285,22 @@ def main() -> None:
         print("on = limiter with engine telemetry (metrics exported every second"
               + ("" if args.no_traces else "; spans through the OTLP/HTTP exporter to a receiver "
                  "process") + "), off = limiter without telemetry\n")
-    print("| R | users | throttled share | active/step (on) | on ms/step | off ms/step | on/off |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"{args.pairs} {'schedulers (arms alternating)' if args.same_scheduler else 'pairs'} per row;"
+          " on/off is the geometric mean of their ratios\n")
+    print("| R | users | throttled share | active/step (on) | on ms/step | off ms/step | on/off "
+          "| pairs' range |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for running in sizes:
         for users in args.users or (1, 16, 256):
             for share in (0.0, 0.5, 0.9) if args.shares is None else args.shares:
                 if users == 1 and share > 0:
                     continue  # one user is either throttled or not
-                on, off, active = measure(running, users, share, args.blocks, args.block_steps,
-                                          telemetry_dir, traces_url)
-                rows.append((running, users, share, active, on, off))
+                on, off, active, ratio, low, high = measure(
+                    running, users, share, args.blocks, args.block_steps,
+                    telemetry_dir, traces_url, args.pairs, args.control, args.same_scheduler)
+                rows.append((running, users, share, active, on, off, ratio))
                 print(f"| {running} | {users} | {share:.0%} | {active} | {on * 1e3:.3f} | "
-                      f"{off * 1e3:.3f} | {on / off:.3f} |", flush=True)
+                      f"{off * 1e3:.3f} | {ratio:.3f} | {low:.3f}-{high:.3f} |", flush=True)
     if receiver is not None:
         receiver.terminate()
 

@@ -227,3 +227,30 @@ def test_take_n_equals_n_single_takes(rate, gaps, data):
             assert single.try_take("u", t)
         assert bulk.available("u", t) == single.available("u", t)
         assert bulk.ready_at_ns("u") == single.ready_at_ns("u") or n == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rate_list=st.lists(rates, min_size=1, max_size=4),
+    gaps=gaps,
+    data=st.data(),
+)
+def test_settle_equals_single_takes_per_user(rate_list, gaps, data):
+    """settle() of a step's start/left budgets == try_take per token per user."""
+    users = [f"u{i}" for i in range(len(rate_list))]
+    per_user = dict(zip(users, rate_list))
+    bulk = OutputRateLimiter(Fraction(1), per_user)
+    single = OutputRateLimiter(Fraction(1), per_user)
+    t = T0
+    for gap in gaps:
+        t += gap
+        asked = data.draw(st.lists(st.sampled_from(users), unique=True))
+        start = {u: bulk.available(u, t) for u in asked}
+        left = {u: start[u] - data.draw(st.integers(0, min(start[u], 20))) for u in asked}
+        bulk.settle(t, start, left)
+        for u in asked:
+            for _ in range(start[u] - left[u]):
+                assert single.try_take(u, t)
+        for u in users:
+            assert bulk.available(u, t) == single.available(u, t)
+            assert bulk.ready_at_ns(u) == single.ready_at_ns(u)

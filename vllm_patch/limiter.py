@@ -144,6 +144,20 @@ class OutputRateLimiter:
         now = now_ns * st.num
         st.tat = (st.tat if st.tat > now else now) + n * st.step
 
+    def settle(self, now_ns: int, start: Mapping[str, int], left: Mapping[str, int]) -> None:
+        """``take(user, now_ns, start[user] - left[user])`` for every user in
+        ``start``: the scheduler's net charges of one step, in one call."""
+        users = self._users
+        for user, before in start.items():
+            n = before - left[user]
+            if n <= 0:
+                continue
+            st = users.get(user)
+            if st is None:
+                st = self._new_state(user, now_ns)
+            now = now_ns * st.num
+            st.tat = (st.tat if st.tat > now else now) + n * st.step
+
     def refund(self, user: str) -> None:
         """Give back one token taken by ``try_take`` (TAT -= 1/rate)."""
         st = self._users.get(user)

@@ -352,8 +352,9 @@ class OutputRateSchedulerMixin:
         so the per-request cap accounting of the method above is skipped.
         Otherwise the same rules, with the step's state in local cells
         rather than behind attribute lookups (this runs once per request)."""
-        charged, allow = self._orl_charged, self._orl_allow
-        budget, refuse = self._orl_budget, self._orl_refuse
+        charged, allow, allow_start = self._orl_charged, self._orl_allow, self._orl_allow_start
+        available, now = self.output_rate_limiter.available, self._orl_now
+        refuse = self._orl_refuse
         running_status = _RUNNING
 
         def charge(request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
@@ -366,9 +367,10 @@ class OutputRateSchedulerMixin:
                 if req_id not in charged:
                     user = request.output_rate_user
                     left = allow.get(user)
-                    if left is None:
-                        left = budget(user)
+                    if left is None:  # first look at this user in this step
+                        left = allow_start[user] = available(user, now)
                     if left <= 0:
+                        allow[user] = left
                         return refuse(request, user, num_computed_tokens)
                     allow[user] = left - 1
                     charged[req_id] = request
@@ -486,7 +488,7 @@ class OutputRateSchedulerMixin:
         record = self._orl_record
         charged = record.charged
         allow = self._orl_allow
-        for req_id in charged.keys() - scheduled.keys():
+        for req_id in () if charged.keys() <= scheduled.keys() else charged.keys() - scheduled.keys():
             # The single refund point: charged but not dispatched.
             user = charged.pop(req_id).output_rate_user
             allow[user] += 1
@@ -494,9 +496,8 @@ class OutputRateSchedulerMixin:
             record.refunded.append((req_id, user, reason))
         # Settle the step: the net charge of each user, taken at `now` (the
         # same as one try_take per charge and one refund per give-back).
-        limiter, now = self.output_rate_limiter, self._orl_now
-        for user, start in self._orl_allow_start.items():
-            limiter.take(user, now, start - allow[user])
+        limiter = self.output_rate_limiter
+        limiter.settle(self._orl_now, self._orl_allow_start, allow)
         refused = record.refused
         for user in refused:
             refused[user] = limiter.ready_at_ns(user)
