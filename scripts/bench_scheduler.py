@@ -136,6 +136,10 @@ def measure_pair(running: int, users: int, share: float, blocks: int, block_step
     on_times, off_times = [], []
     # The cyclic GC would land its pauses on whichever side allocates when
     # a threshold trips: collect between blocks, not inside them.
+    # What was built stays out of the collections (each would walk the
+    # whole KV block pool otherwise).
+    gc.collect()
+    gc.freeze()
     gc.disable()
     try:
         for _ in range(blocks):
@@ -145,6 +149,7 @@ def measure_pair(running: int, users: int, share: float, blocks: int, block_step
             off_times.append(statistics.median(step(*off) for _ in range(block_steps)))
     finally:
         gc.enable()
+        gc.unfreeze()
     active = len(on[0].output_rate_last_step.charged)
     telemetry = getattr(on[0], "output_rate_telemetry", None)
     if telemetry is not None:
@@ -202,6 +207,10 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
     for _ in range(5):
         step(sched, clock)
     on_times, off_times = [], []
+    # What was built stays out of the collections (each would walk the
+    # whole KV block pool otherwise).
+    gc.collect()
+    gc.freeze()
     gc.disable()
     try:
         for i in range(blocks):
@@ -215,6 +224,7 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
                     off_times.append(statistics.median(step_off() for _ in range(block_steps)))
     finally:
         gc.enable()
+        gc.unfreeze()
     active = len(sched.output_rate_last_step.charged)
     telemetry = getattr(sched, "output_rate_telemetry", None)
     if telemetry is not None:
