@@ -197,10 +197,11 @@ class EngineTelemetry:
         labeler, counters = self.labeler, self.counters
         charged = record.charged
         if charged:
-            # Per user, counted in C (a Counter over a map), not per request;
-            # activity is folded into the labeler at export time. Counter keys
-            # of labelled users are cached until labels change.
-            per_user = Counter(map(_USER, charged.values()))
+            # Per user, as the scheduler settled them with the limiter (no
+            # work per request here); activity is folded into the labeler at
+            # export time. Counter keys of labelled users are cached until
+            # labels change.
+            per_user = record.charged_by_user
             self._activity.update(per_user)
             keys = self._charged_keys
             for user, n in per_user.items():

@@ -247,7 +247,7 @@ def test_settle_equals_single_takes_per_user(rate_list, gaps, data):
         asked = data.draw(st.lists(st.sampled_from(users), unique=True))
         start = {u: bulk.available(u, t) for u in asked}
         left = {u: start[u] - data.draw(st.integers(0, min(start[u], 20))) for u in asked}
-        bulk.settle(t, start, left)
+        bulk.settle(t, {u: start[u] - left[u] for u in asked})
         for u in asked:
             for _ in range(start[u] - left[u]):
                 assert single.try_take(u, t)

@@ -335,6 +335,27 @@ def test_failed_kv_allocation_is_refunded():
     assert sched.output_rate_limiter.available("a", clock()) == avail_before
 
 
+@pytest.mark.parametrize("is_async", [False, True])
+def test_charged_by_user_is_the_net_of_charges_and_refunds(is_async):
+    """The per-user net charge the step settles (and telemetry counts) is,
+    in every step, the users of the requests charged and kept in that step:
+    with throttled users, a capped active set and KV pressure (refunds)."""
+    from collections import Counter
+
+    sched, drv, _ = setup(limits(1000, slow=30), is_async, num_blocks=12, block_size=16,
+                          max_num_seqs=8, max_num_active_seqs=4, max_num_batched_tokens=256)
+    steps = []
+    sched.output_rate_observer = lambda rec: steps.append(
+        (dict(rec.charged_by_user), Counter(r.output_rate_user for r in rec.charged.values()),
+         len(rec.refunded)))
+    for i in range(10):
+        drv.add(make_request(["slow", "fast", "other"][i % 3], prompt_len=20 + i, max_tokens=30,
+                             block_size=16))
+    drv.run_until_done()
+    assert steps and all(by_user == dict(counted) for by_user, counted, _ in steps)
+    assert any(refunds for *_, refunds in steps)  # KV pressure did refund
+
+
 def test_self_preempted_request_is_refunded():
     sched, drv, clock = setup(limits(1000), False, num_blocks=3, block_size=16)
     a = make_request("a", prompt_len=31, max_tokens=100, block_size=16)

@@ -317,3 +317,27 @@ def test_generation_series_is_capped_and_the_token_count_is_not(tmp_path, export
     assert gen.attributes["output_rate.spacing_series_truncated"] is True
     assert len(decode_series(gen.attributes["output_rate.spacing_series_us_b64u32"])) == 16
     assert not rec._overflow
+
+
+def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter, monkeypatch):
+    """Steady appends skip the cap check; the periodic trim keeps a live
+    series within MAX_SERIES + TRIM_EVERY, and the count stays exact."""
+    import telemetry.engine as engine_mod
+    from tracing import spans as spans_mod
+
+    monkeypatch.setattr(spans_mod, "MAX_SERIES", 16)
+    monkeypatch.setattr(spans_mod, "TRIM_EVERY", 8)
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(100_000))
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    req = make_request("a", max_tokens=120)
+    drv.add(req)
+    longest = 0
+    for _ in range(119):
+        drv.step()
+        longest = max(longest, len(rec._series.get(req.request_id, ())))
+    assert 16 < longest <= 16 + 8  # it did run past the cap, and was cut back
+    drv.run_until_done()
+    (gen,) = spans(exporter, "output_rate.generation")
+    assert gen.attributes["output_rate.tokens"] == 120
+    assert len(decode_series(gen.attributes["output_rate.spacing_series_us_b64u32"])) == 16
+    assert not rec._overflow and not rec._series

@@ -32,10 +32,17 @@ import struct
 import time
 from array import array
 from collections import deque
-from operator import attrgetter
+from functools import partial
+from itertools import repeat
+from operator import attrgetter, is_not
 from typing import Any
 
 MAX_SERIES = 2048
+#: The per-step appends of steady requests don't check the cap; every this
+#: many steps (and at finish) longer series are cut back to ``MAX_SERIES``.
+TRIM_EVERY = 256
+_APPEND = array.append
+_NOT_NONE = partial(is_not, None)
 #: One ``output_rate.step`` span per this many steps that only refused users
 #: (steps with refunds always get one). Environment variable, default 50.
 STEP_SAMPLE_ENV = "VLLM_OUTPUT_RATE_TRACE_REFUSAL_STEP_EVERY"
@@ -114,6 +121,7 @@ class SpanRecorder:
         self.step_sample_every = _step_sample_every()
         self._refusal_steps = 0
         self._series: dict[str, array] = {}
+        self._steady_calls = 0
         #: request id -> span context of vLLM's own request trace, if any
         self._parents: dict[str, Any] = {}
 
@@ -201,7 +209,9 @@ class SpanRecorder:
         one charged by the dispatch that ended the episode."""
         request = self.scheduler.requests.get(req_id)
         if request is None:
-            return len(self._series.get(req_id, ())) + 1 if req_id in self._series else 0
+            if req_id not in self._series:
+                return 0
+            return len(self._series[req_id]) + self._overflow.get(req_id, 0) + 1
         return request.num_output_tokens + (1 if outcome == "dispatched" else 0)
 
     # -- per update_from_output -------------------------------------------
@@ -229,17 +239,25 @@ class SpanRecorder:
 
     def on_steady(self, req_ids: Any, prev_ns: int, now_ns: int) -> None:
         """One token each for ``req_ids``, whose previous tokens all came at
-        ``prev_ns`` (the previous update): one spacing for all of them."""
+        ``prev_ns`` (the previous update): one spacing for all of them.
+
+        The appends run in C (map over the series, drained by a zero-length
+        deque): no Python code per request. The cap is applied every
+        ``TRIM_EVERY`` calls (and at finish), so a series runs at most that
+        many values past ``MAX_SERIES`` in between."""
         us = min((now_ns - prev_ns) // 1000, 0xFFFFFFFF)
-        series = self._series
-        for req_id in req_ids:
-            s = series.get(req_id)
-            if s is None:
-                continue
-            if len(s) < MAX_SERIES:
-                s.append(us)
-            else:
-                self._overflow[req_id] = self._overflow.get(req_id, 0) + 1
+        deque(map(_APPEND, filter(_NOT_NONE, map(self._series.get, req_ids)), repeat(us)), maxlen=0)
+        self._steady_calls += 1
+        if self._steady_calls % TRIM_EVERY == 0:
+            for req_id in [r for r, values in self._series.items() if len(values) > MAX_SERIES]:
+                self._trim(req_id)
+
+    def _trim(self, req_id: str) -> None:
+        """Cut ``req_id``'s series to ``MAX_SERIES``, counting what is cut."""
+        values = self._series.get(req_id)
+        if values is not None and len(values) > MAX_SERIES:
+            self._overflow[req_id] = self._overflow.get(req_id, 0) + len(values) - MAX_SERIES
+            del values[MAX_SERIES:]
 
     def on_zeros(self, req_id: str, k: int) -> None:
         """``k`` more tokens of ``req_id`` at the moment of its last one."""
@@ -266,6 +284,7 @@ class SpanRecorder:
         if episode is not None:
             self._end_episode(episode, now, "aborted" if reason == "abort" else "finished")
         had_tokens = req_id in self._series
+        self._trim(req_id)
         s = self._series.pop(req_id, array("I"))
         tokens = len(s) + 1 + self._overflow.pop(req_id, 0) if had_tokens else 0
         ordered = sorted(s)

@@ -144,12 +144,11 @@ class OutputRateLimiter:
         now = now_ns * st.num
         st.tat = (st.tat if st.tat > now else now) + n * st.step
 
-    def settle(self, now_ns: int, start: Mapping[str, int], left: Mapping[str, int]) -> None:
-        """``take(user, now_ns, start[user] - left[user])`` for every user in
-        ``start``: the scheduler's net charges of one step, in one call."""
+    def settle(self, now_ns: int, taken: Mapping[str, int]) -> None:
+        """``take(user, now_ns, n)`` for every ``user, n`` in ``taken``: the
+        scheduler's net charges of one step, in one call."""
         users = self._users
-        for user, before in start.items():
-            n = before - left[user]
+        for user, n in taken.items():
             if n <= 0:
                 continue
             st = users.get(user)

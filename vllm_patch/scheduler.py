@@ -73,6 +73,9 @@ class OutputRateStep:
     cap_deferred: int = 0
     #: throttled requests preempted in place of a request with budget.
     preempted_throttled: list[str] = field(default_factory=list)
+    #: user -> tokens charged and kept in this step (net of refunds; users
+    #: asked but not charged are absent): what was settled with the limiter
+    charged_by_user: dict[str, int] = field(default_factory=dict)
     #: share of this schedule() call spent in the limiter's step-level code
     #: (ordering, settling; not the per-request charge hook)
     limiter_share: float | None = None
@@ -497,7 +500,9 @@ class OutputRateSchedulerMixin:
         # Settle the step: the net charge of each user, taken at `now` (the
         # same as one try_take per charge and one refund per give-back).
         limiter = self.output_rate_limiter
-        limiter.settle(self._orl_now, self._orl_allow_start, allow)
+        taken = {user: n for user, start in self._orl_allow_start.items() if (n := start - allow[user]) > 0}
+        record.charged_by_user = taken
+        limiter.settle(self._orl_now, taken)
         refused = record.refused
         for user in refused:
             refused[user] = limiter.ready_at_ns(user)
