@@ -119,6 +119,11 @@ class EngineTelemetry:
         #: user -> counter key (bounded; cleared when labels change)
         self._charged_keys: dict[str, tuple] = {}
         self._skipped_keys: dict[str, tuple] = {}
+        #: the requests throttled in the last step; user -> [its throttled
+        #: requests, the step number its skips are counted up to]; steps seen
+        self._thr_prev: set[Any] = set()
+        self._skips: dict[str, list[int]] = {}
+        self._thr_steps = 0
         #: request ids that had tokens at the previous update, and when
         self._prev_ids: set[str] = set()
         self._prev_now = 0
@@ -220,17 +225,26 @@ class EngineTelemetry:
         ended = episodes.keys() & charged.keys() if episodes and charged else ()
         opened: list[Any] = []
         throttled = record.throttled
-        if throttled:
-            keys = self._skipped_keys
-            for user, n in Counter(map(_USER, throttled)).items():
-                key = keys.get(user)
-                if key is None:
-                    key = self._user_key(keys, "requests_skipped", user)
-                counters[key] += n
+        if throttled or self._thr_prev:
+            # Skips per user follow what changed since the last step: the
+            # requests throttled now and not then, and the other way round
+            # (set differences in C); each user's count of throttled requests
+            # is folded into its counter when it changes and at each export.
+            cur = set(throttled)
+            prev = self._thr_prev
+            added = cur - prev if prev else cur
+            steps = self._thr_steps
+            if prev:
+                for request in prev - cur:
+                    self._skips_change(request.output_rate_user, -1, steps)
+            for request in added:
+                self._skips_change(request.output_rate_user, 1, steps)
+            self._thr_prev = cur
+            self._thr_steps = steps + 1
             counters[("engine_requests_skipped", ())] += len(throttled)
-            new = set(map(_REQUEST_ID, throttled)).difference(episodes)
-            if new:
-                opened = [r for r in throttled if r.request_id in new]
+            # A request throttled now but not in the step before opens an
+            # episode unless one is open (it was not visited in between).
+            opened = [r for r in added if r.request_id not in episodes]
         if ended:
             self._end_episodes(ended, record.now_ns)
         if opened:
@@ -245,8 +259,38 @@ class EngineTelemetry:
             # Gauges and label changes only when an export is coming: their
             # cost is per export interval, not per step.
             self._export_due = False
+            self._fold_skips()
             self._update_throttled_gauges(record.throttled)
             self._rebalance()
+
+    def _skips_change(self, user: str, delta: int, steps: int) -> None:
+        """``user`` has ``delta`` more throttled requests from step number
+        ``steps`` on: fold its skips so far into its counter first."""
+        state = self._skips.get(user)
+        if state is None:
+            state = self._skips[user] = [0, steps]
+        k, since = state
+        if k and steps > since:
+            self.counters[self._skipped_key(user)] += k * (steps - since)
+        state[0] = k + delta
+        state[1] = steps
+        if not state[0]:
+            del self._skips[user]
+
+    def _fold_skips(self) -> None:
+        """Bring every user's skip counter up to date (export, labels change)."""
+        steps = self._thr_steps
+        for user, state in self._skips.items():
+            k, since = state
+            if k and steps > since:
+                self.counters[self._skipped_key(user)] += k * (steps - since)
+                state[1] = steps
+
+    def _skipped_key(self, user: str) -> tuple:
+        key = self._skipped_keys.get(user)
+        if key is None:
+            key = self._user_key(self._skipped_keys, "requests_skipped", user)
+        return key
 
     def _user_key(self, cache: dict[str, tuple], name: str, user: str) -> tuple:
         """The counter key of ``user`` for ``name``, cached until labels
@@ -269,6 +313,8 @@ class EngineTelemetry:
     def on_aborted(self, requests: list[Any]) -> None:
         """Requests finished from outside the scheduler (client aborts)."""
         now = time.monotonic_ns()
+        # The engine may go idle now, with no step to fold skips at.
+        self._fold_skips()
         if self._episodes:
             self._end_episodes({r.request_id for r in requests}, now)
         for request in requests:
@@ -562,6 +608,7 @@ class EngineTelemetry:
 
     def close(self) -> None:
         self._stop.set()
+        self._fold_skips()
         if self.spans is not None:
             self.spans.shutdown()
         self.export()

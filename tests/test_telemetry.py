@@ -44,6 +44,54 @@ def test_charged_counters_equal_delivered_tokens(tmp_path):
     assert counter(tel, "requests_skipped", "c") == 0
 
 
+@pytest.mark.parametrize("top_k", [100, 1])
+def test_skip_counters_equal_the_throttled_requests_of_every_step(tmp_path, top_k):
+    """Skips per user are folded from the changes between steps; at every
+    export and at the end they equal the sum over steps of the user's
+    throttled requests (the step records are the oracle), with users taking
+    turns at their limits, requests finishing, exports (and, with top_k=1,
+    label changes: the overflow bucket) in between."""
+    from collections import Counter
+
+    sched, drv, tel = setup(tmp_path, limits(1000, a=30, b=45, d=15), top_k=top_k)
+    per_user: Counter = Counter()
+    total = [0]
+    real = tel.on_step
+
+    def on_step(record):
+        per_user.update(r.output_rate_user for r in record.throttled)
+        total[0] += len(record.throttled)
+        real(record)
+
+    sched.output_rate_observer = on_step
+    users = ["a", "a", "a", "b", "b", "c", "d", "d", "e", "e"]
+    drv.add(*[make_request(u, max_tokens=20 + 7 * i) for i, u in enumerate(users)])
+    checked = 0
+    for step in range(2000):
+        if not sched.has_requests():
+            break
+        drv.step()
+        if step % 37 == 36:
+            tel._export_due = True  # as the exporter thread sets it
+            drv.step()
+            expected = Counter()
+            for user, n in per_user.items():
+                expected[tel.labeler.label(user)] += n
+            got = {labels[0]: v for (name, labels), v in tel.counters.items()
+                   if name == "requests_skipped" and v}
+            if top_k == 100:  # folded up to and including the export step
+                assert got == {k: v for k, v in expected.items() if v}
+            checked += 1
+    drv.flush()
+    tel.close()
+    assert checked > 3 and total[0] > 100
+    if top_k == 100:
+        got = {u: counter(tel, "requests_skipped", u) for u in ("a", "b", "c", "d", "e")}
+        assert got == {u: per_user.get(u, 0) for u in ("a", "b", "c", "d", "e")}
+        assert sum(got.values()) == total[0]
+    assert counter(tel, "engine_requests_skipped") == total[0]
+
+
 def test_spacing_histogram_matches_token_events(tmp_path, monkeypatch):
     import telemetry.engine as engine_mod
 
