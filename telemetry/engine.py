@@ -124,6 +124,11 @@ class EngineTelemetry:
         self._thr_prev: set[Any] = set()
         self._skips: dict[str, list[int]] = {}
         self._thr_steps = 0
+        #: user -> tokens charged in the last step; user -> the step number
+        #: its charged counter is folded up to; steps seen
+        self._chg_prev: dict[str, int] = {}
+        self._chg_since: dict[str, int] = {}
+        self._chg_steps = 0
         #: request ids that had tokens at the previous update, and when
         self._prev_ids: set[str] = set()
         self._prev_now = 0
@@ -201,19 +206,30 @@ class EngineTelemetry:
         """Fold one ``OutputRateStep`` in."""
         labeler, counters = self.labeler, self.counters
         charged = record.charged
-        if charged:
-            # Per user, as the scheduler settled them with the limiter (no
-            # work per request here); activity is folded into the labeler at
-            # export time. Counter keys of labelled users are cached until
-            # labels change.
-            per_user = record.charged_by_user
-            self._activity.update(per_user)
-            keys = self._charged_keys
-            for user, n in per_user.items():
-                key = keys.get(user)
-                if key is None:
-                    key = self._user_key(keys, "tokens_charged", user)
-                counters[key] += n
+        # Per user, as the scheduler settled them with the limiter (no work
+        # per request here), and only for the users whose count changed since
+        # the last step (a set difference of the two steps' items, in C):
+        # a user's tokens are folded into its counter and its activity when
+        # its count changes, at each export, when the engine goes idle and
+        # at close.
+        per_user = record.charged_by_user
+        prev = self._chg_prev
+        if per_user or prev:
+            steps = self._chg_steps
+            if per_user != prev:
+                since = self._chg_since
+                for user in {u for u, _ in per_user.items() ^ prev.items()}:
+                    k = prev.get(user)
+                    if k:
+                        self._charge_fold(user, k * (steps - since[user]))
+                    if user in per_user:
+                        since[user] = steps
+                        if not k:
+                            self._charged_key(user)  # a label at once while seats are free
+                    else:
+                        del since[user]
+                self._chg_prev = per_user
+            self._chg_steps = steps + 1
             counters[("engine_tokens_charged", ())] += len(charged)
         for _req_id, user, reason in record.refunded:
             counters[("tokens_refunded", (labeler.label(user), reason))] += 1
@@ -259,9 +275,31 @@ class EngineTelemetry:
             # Gauges and label changes only when an export is coming: their
             # cost is per export interval, not per step.
             self._export_due = False
-            self._fold_skips()
+            self._fold()
             self._update_throttled_gauges(record.throttled)
             self._rebalance()
+
+    def _charge_fold(self, user: str, n: int) -> None:
+        self.counters[self._charged_key(user)] += n
+        self._activity[user] += n
+
+    def _charged_key(self, user: str) -> tuple:
+        key = self._charged_keys.get(user)
+        if key is None:
+            key = self._user_key(self._charged_keys, "tokens_charged", user)
+        return key
+
+    def _fold_charges(self) -> None:
+        """Bring every user's charged counter (and activity) up to date."""
+        steps, prev = self._chg_steps, self._chg_prev
+        for user, since in self._chg_since.items():
+            if steps > since:
+                self._charge_fold(user, prev[user] * (steps - since))
+                self._chg_since[user] = steps
+
+    def _fold(self) -> None:
+        self._fold_charges()
+        self._fold_skips()
 
     def _skips_change(self, user: str, delta: int, steps: int) -> None:
         """``user`` has ``delta`` more throttled requests from step number
@@ -313,8 +351,8 @@ class EngineTelemetry:
     def on_aborted(self, requests: list[Any]) -> None:
         """Requests finished from outside the scheduler (client aborts)."""
         now = time.monotonic_ns()
-        # The engine may go idle now, with no step to fold skips at.
-        self._fold_skips()
+        # The engine may go idle now, with no step to fold counts at.
+        self._fold()
         if self._episodes:
             self._end_episodes({r.request_id for r in requests}, now)
         for request in requests:
@@ -471,6 +509,8 @@ class EngineTelemetry:
                     spans.on_finished(req_id, out, now)
         self._prev_ids = cur - finished if finished else cur
         self._prev_now = now
+        if finished and not self.scheduler.running:
+            self._fold()  # going idle: no step may come to fold at
 
     def _spacing_hist(self, label: str) -> Histogram:
         hist = self._spacing.get(label)
@@ -608,7 +648,7 @@ class EngineTelemetry:
 
     def close(self) -> None:
         self._stop.set()
-        self._fold_skips()
+        self._fold()
         if self.spans is not None:
             self.spans.shutdown()
         self.export()

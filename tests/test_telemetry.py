@@ -45,7 +45,7 @@ def test_charged_counters_equal_delivered_tokens(tmp_path):
 
 
 @pytest.mark.parametrize("top_k", [100, 1])
-def test_skip_counters_equal_the_throttled_requests_of_every_step(tmp_path, top_k):
+def test_skip_and_charge_counters_equal_the_step_records(tmp_path, top_k):
     """Skips per user are folded from the changes between steps; at every
     export and at the end they equal the sum over steps of the user's
     throttled requests (the step records are the oracle), with users taking
@@ -58,9 +58,12 @@ def test_skip_counters_equal_the_throttled_requests_of_every_step(tmp_path, top_
     total = [0]
     real = tel.on_step
 
+    charged: Counter = Counter()
+
     def on_step(record):
         per_user.update(r.output_rate_user for r in record.throttled)
         total[0] += len(record.throttled)
+        charged.update(r.output_rate_user for r in record.charged.values())
         real(record)
 
     sched.output_rate_observer = on_step
@@ -81,6 +84,11 @@ def test_skip_counters_equal_the_throttled_requests_of_every_step(tmp_path, top_
                    if name == "requests_skipped" and v}
             if top_k == 100:  # folded up to and including the export step
                 assert got == {k: v for k, v in expected.items() if v}
+                # (users idle long enough lose their label and their series)
+                labelled = tel.labeler.labelled_users()
+                got_charged = {labels[0]: v for (name, labels), v in tel.counters.items()
+                               if name == "tokens_charged" and v and labels[0] in labelled}
+                assert got_charged == {u: n for u, n in charged.items() if n and u in labelled}
             checked += 1
     drv.flush()
     tel.close()
@@ -89,7 +97,12 @@ def test_skip_counters_equal_the_throttled_requests_of_every_step(tmp_path, top_
         got = {u: counter(tel, "requests_skipped", u) for u in ("a", "b", "c", "d", "e")}
         assert got == {u: per_user.get(u, 0) for u in ("a", "b", "c", "d", "e")}
         assert sum(got.values()) == total[0]
+        labelled = tel.labeler.labelled_users()
+        assert {"a", "b", "d"} <= set(labelled)  # configured: always labelled
+        assert {u: counter(tel, "tokens_charged", u) for u in charged if u in labelled} == {
+            u: n for u, n in charged.items() if u in labelled}
     assert counter(tel, "engine_requests_skipped") == total[0]
+    assert counter(tel, "engine_tokens_charged") == sum(charged.values())
 
 
 def test_spacing_histogram_matches_token_events(tmp_path, monkeypatch):
