@@ -131,6 +131,8 @@ class EngineTelemetry:
         self._chg_steps = 0
         #: request ids that had tokens at the previous update, and when
         self._prev_ids: set[str] = set()
+        #: label -> how many of ``_prev_ids`` carry it
+        self._prev_by_label: dict[str, int] = {}
         self._prev_now = 0
         #: label -> its inter_token_seconds histogram (same objects as in
         #: self.histograms), and what evicted labels had observed
@@ -358,7 +360,9 @@ class EngineTelemetry:
         for request in requests:
             req_id = request.request_id
             self._last_token_ns.pop(req_id, None)
-            self._prev_ids.discard(req_id)
+            if req_id in self._prev_ids:
+                self._label_count(req_id, -1)
+                self._prev_ids.discard(req_id)
             self._request_label.pop(req_id, None)
             if self._events is not None:
                 seen = self._event_tokens.pop(req_id, None)
@@ -437,6 +441,7 @@ class EngineTelemetry:
             request = requests.get(req_id)
             if request is not None:
                 labels[req_id] = self.labeler.label(request.output_rate_user)
+        self._prev_by_label = Counter(labels.get(r) or OTHER for r in self._prev_ids)
 
     def on_outputs(self, outputs: dict[int, Any]) -> None:
         """Token timing from the outputs of one ``update_from_output``.
@@ -461,13 +466,19 @@ class EngineTelemetry:
         cur = set(ids)
         steady = cur & prev_ids
         last = self._last_token_ns
+        # Label counts of the requests that had a token at the previous
+        # update, kept up to date from the ones that pause, start and finish
+        # (so the steady requests are counted per label without a pass over
+        # them): minus the paused ones, they are the steady requests' counts.
+        by_label = self._prev_by_label
         for req_id in prev_ids - cur:  # had a token last time, none now
             last[req_id] = prev_now
+            self._label_count(req_id, -1)
         if steady:
             spacing = (now - prev_now) * 1e-9
             index = bisect.bisect_left(SPACING_BUCKETS, spacing)
-            for label, k in Counter(map(labels.get, steady)).items():
-                hist = self._spacing_hist(label or OTHER)
+            for label, k in by_label.items():
+                hist = self._spacing_hist(label)
                 hist.counts[index] += k
                 hist.sum += spacing * k
                 hist.count += k
@@ -481,7 +492,8 @@ class EngineTelemetry:
                 request = self.scheduler.requests.get(req_id)
                 if request is not None:
                     labels[req_id] = self.labeler.label(request.output_rate_user)
-            else:
+            self._label_count(req_id, 1)
+            if prev is not None:
                 spacing = (now - prev) * 1e-9
                 hist = self._spacing_hist(labels.get(req_id, OTHER))
                 hist.counts[bisect.bisect_left(SPACING_BUCKETS, spacing)] += 1
@@ -501,6 +513,8 @@ class EngineTelemetry:
                 if finished is None:
                     finished = set()
                 finished.add(req_id)
+                if req_id in cur:
+                    self._label_count(req_id, -1)
                 last.pop(req_id, None)
                 labels.pop(req_id, None)
                 if self._episodes:
@@ -511,6 +525,17 @@ class EngineTelemetry:
         self._prev_now = now
         if finished and not self.scheduler.running:
             self._fold()  # going idle: no step may come to fold at
+
+    def _label_count(self, req_id: str, delta: int) -> None:
+        """``req_id`` joins (1) or leaves (-1) the requests that had a token
+        at the last update, in the per-label counts."""
+        label = self._request_label.get(req_id) or OTHER
+        by_label = self._prev_by_label
+        n = by_label.get(label, 0) + delta
+        if n:
+            by_label[label] = n
+        else:
+            del by_label[label]
 
     def _spacing_hist(self, label: str) -> Histogram:
         hist = self._spacing.get(label)

@@ -128,6 +128,50 @@ def test_spacing_histogram_matches_token_events(tmp_path, monkeypatch):
     assert sorted(spacings)[len(spacings) // 2] == pytest.approx(0.1, abs=0.011)
 
 
+@pytest.mark.parametrize("top_k", [100, 1])
+def test_spacing_per_label_matches_token_events_with_pauses_aborts_and_relabels(
+        tmp_path, monkeypatch, top_k):
+    """The steady requests' per-label counts are kept from the requests
+    that pause, start and finish: after every update they equal a recount,
+    and the spacing histograms equal the spacings of the delivered tokens,
+    with users taking turns at their limits, aborts and label changes."""
+    from collections import Counter
+
+    import telemetry.engine as engine_mod
+    from vllm.v1.request import RequestStatus
+
+    sched, drv, tel = setup(tmp_path, limits(1000, a=30, b=45), top_k=top_k)
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    users = ["a", "a", "a", "b", "b", "c", "d", "d", "e"]
+    reqs = [make_request(u, max_tokens=15 + 6 * i) for i, u in enumerate(users)]
+    drv.add(*reqs)
+    for step in range(3000):
+        if not sched.has_requests():
+            break
+        drv.step()
+        if step == 25:  # abort one stream of a (throttled by then) and d's first
+            sched.finish_requests([reqs[0].request_id, reqs[6].request_id],
+                                  RequestStatus.FINISHED_ABORTED)
+        if step % 29 == 28:
+            tel._export_due = True  # exports: labels may change (top_k=1)
+        recount = Counter(tel._request_label.get(r) or OTHER for r in tel._prev_ids)
+        assert tel._prev_by_label == {k: v for k, v in recount.items() if v}
+    drv.flush()
+    spacings = 0
+    for r in reqs:
+        times = [t for _, t in drv.tokens[r.request_id]]
+        spacings += max(len(times) - 1, 0)
+    total = next(h for h in tel.snapshot()["histograms"] if h[0] == "engine_inter_token_seconds")
+    assert total[4] == spacings > 100
+    if top_k == 100:
+        for user in ("a", "b"):
+            times = [[t for _, t in drv.tokens[r.request_id]] for r in reqs if r.output_rate_user == user]
+            user_spacings = [(y - x) / 1e9 for ts in times for x, y in zip(ts, ts[1:])]
+            hist = tel.histograms[("inter_token_seconds", (user,))]
+            assert hist.count == len(user_spacings)
+            assert hist.sum == pytest.approx(sum(user_spacings))
+
+
 def test_throttled_gauges_follow_throttling(tmp_path):
     sched, drv, tel = setup(tmp_path, limits(1000, a=2))
     drv.add(*[make_request("a", prompt_len=40, max_tokens=6) for _ in range(3)])
