@@ -50,6 +50,16 @@ def _alert(name: str, eval_time: str, firing: list[dict[str, Any]]) -> dict[str,
     return {"eval_time": eval_time, "alertname": name, "exp_alerts": firing}
 
 
+def _fires(name: str, eval_time: str, labels: dict[str, str], summary: str,
+           description: str) -> dict[str, Any]:
+    """``name`` fires once at ``eval_time`` with these labels and texts
+    (and its runbook link)."""
+    return _alert(name, eval_time, [{
+        "exp_labels": labels,
+        "exp_annotations": {"summary": summary, "description": description,
+                            "runbook_url": _runbook(name)}}])
+
+
 def cases() -> list[dict[str, Any]]:
     user_limit = "user_limit_tokens_per_second"
     over = "OutputRateUserOverLimit"
@@ -71,16 +81,13 @@ def cases() -> list[dict[str, Any]]:
             ],
             "alert_rule_test": [
                 _alert(over, "4m", []),  # not yet for 5m
-                _alert(over, "15m", [{
-                    "exp_labels": {"severity": "page", "model_name": MODEL, "user": "user-a"},
-                    "exp_annotations": {
-                        "summary": "User user-a gets more output tokens than its limit on model tiny",
-                        "description": "User user-a on model tiny was charged 200% of its configured "
-                                       "output-token limit over the last 5m, summed over all engines; "
-                                       "the limiter allows at most about 105.7% plus one token. Either "
-                                       "the limiter is broken or the user is served by more than one "
-                                       "engine (each engine has its own budget).",
-                        "runbook_url": _runbook(over)}}]),
+                _fires(over, "15m", {"severity": "page", "model_name": MODEL, "user": "user-a"},
+                    "User user-a gets more output tokens than its limit on model tiny",
+                    "User user-a on model tiny was charged 200% of its configured "
+                    "output-token limit over the last 5m, summed over all engines; "
+                    "the limiter allows at most about 105.7% plus one token. Either "
+                    "the limiter is broken or the user is served by more than one "
+                    "engine (each engine has its own budget)."),
             ],
         },
         {
@@ -112,15 +119,12 @@ def cases() -> list[dict[str, Any]]:
                 series("throttled_requests", "0x60", user="user-b"),
             ],
             "alert_rule_test": [
-                _alert(cont, "50m", [{
-                    "exp_labels": {"severity": "ticket", "model_name": MODEL, "user": "user-a"},
-                    "exp_annotations": {
-                        "summary": "User user-a is throttled almost all the time on model tiny",
-                        "description": "User user-a on model tiny had throttled requests 100% of the "
-                                       "last 30m (alert above 90%): its demand stays above its limit. "
-                                       "Its requests wait holding KV cache; raise its limit (tier) or "
-                                       "ask it to send less.",
-                        "runbook_url": _runbook(cont)}}]),
+                _fires(cont, "50m", {"severity": "ticket", "model_name": MODEL, "user": "user-a"},
+                    "User user-a is throttled almost all the time on model tiny",
+                    "User user-a on model tiny had throttled requests 100% of the "
+                    "last 30m (alert above 90%): its demand stays above its limit. "
+                    "Its requests wait holding KV cache; raise its limit (tier) or "
+                    "ask it to send less."),
             ],
         },
         {
@@ -144,15 +148,12 @@ def cases() -> list[dict[str, Any]]:
             ],
             "alert_rule_test": [
                 _alert(kv, "8m", []),  # not yet for 10m
-                _alert(kv, "20m", [{
-                    "exp_labels": {"severity": "ticket", "model_name": MODEL, "engine": "0"},
-                    "exp_annotations": {
-                        "summary": "Throttled requests hold much of the KV cache on engine 0 of model tiny",
-                        "description": "Throttled requests on engine 0 of model tiny held 50% of the KV "
-                                       "cache on average over the last 5m (alert above 30%). New "
-                                       "requests may wait for KV cache and throttled requests may be "
-                                       "preempted.",
-                        "runbook_url": _runbook(kv)}}]),
+                _fires(kv, "20m", {"severity": "ticket", "model_name": MODEL, "engine": "0"},
+                    "Throttled requests hold much of the KV cache on engine 0 of model tiny",
+                    "Throttled requests on engine 0 of model tiny held 50% of the KV "
+                    "cache on average over the last 5m (alert above 30%). New "
+                    "requests may wait for KV cache and throttled requests may be "
+                    "preempted."),
             ],
             "promql_expr_test": [{
                 "expr": "engine_user:output_rate_throttled_kv_cache_share:ratio",
@@ -189,15 +190,12 @@ def cases() -> list[dict[str, Any]]:
             "interval": "1m",
             "input_series": histogram("wake_lateness_seconds", {"0.05": 600}, 40),
             "alert_rule_test": [
-                _alert(late, "30m", [{
-                    "exp_labels": {"severity": "ticket", "model_name": MODEL, "engine": "0"},
-                    "exp_annotations": {
-                        "summary": "The engine loop of engine 0 of model tiny wakes late",
-                        "description": "The engine loop of engine 0 (model tiny) woke 49.7ms after "
-                                       "the budget time it waited for, at the 99th percentile over "
-                                       "the last 5m (alert above 10ms): throttled users get less "
-                                       "than their limit.",
-                        "runbook_url": _runbook(late)}}]),
+                _fires(late, "30m", {"severity": "ticket", "model_name": MODEL, "engine": "0"},
+                    "The engine loop of engine 0 of model tiny wakes late",
+                    "The engine loop of engine 0 (model tiny) woke 49.7ms after "
+                    "the budget time it waited for, at the 99th percentile over "
+                    "the last 5m (alert above 10ms): throttled users get less "
+                    "than their limit."),
             ],
         },
         {
@@ -215,15 +213,12 @@ def cases() -> list[dict[str, Any]]:
             "interval": "1m",
             "input_series": [series("telemetry_dropped", "0+1x30", reason="export_failed")],
             "alert_rule_test": [
-                _alert(drop, "20m", [{
-                    "exp_labels": {"severity": "ticket", "model_name": MODEL, "engine": "0",
-                                   "reason": "export_failed"},
-                    "exp_annotations": {
-                        "summary": "Output-rate telemetry of engine 0 of model tiny is dropping data",
-                        "description": "Engine 0 of model tiny dropped 10 telemetry snapshot(s) "
-                                       "(reason export_failed) in the last 10m: the output_rate_ "
-                                       "metrics on /metrics are stale and the dashboards miss data.",
-                        "runbook_url": _runbook(drop)}}]),
+                _fires(drop, "20m", {"severity": "ticket", "model_name": MODEL, "engine": "0",
+                                     "reason": "export_failed"},
+                    "Output-rate telemetry of engine 0 of model tiny is dropping data",
+                    "Engine 0 of model tiny dropped 10 telemetry snapshot(s) "
+                    "(reason export_failed) in the last 10m: the output_rate_ "
+                    "metrics on /metrics are stale and the dashboards miss data."),
             ],
         },
         {
@@ -243,16 +238,13 @@ def cases() -> list[dict[str, Any]]:
             "input_series": [series("telemetry_snapshot_timestamp_seconds", "0+60x5 300x30")],
             "alert_rule_test": [
                 _alert(stale, "8m", []),  # stale, but not yet for 5m
-                _alert(stale, "20m", [{
-                    "exp_labels": {"severity": "ticket", "model_name": MODEL, "engine": "0"},
-                    "exp_annotations": {
-                        "summary": "Output-rate telemetry of engine 0 of model tiny is stale",
-                        "description": "The newest output-rate snapshot of engine 0 (model tiny) "
-                                       "is 15m 0s old (alert above 60s; it is written every "
-                                       "second): the engine core's exporter or the engine core "
-                                       "itself is stuck, and the output_rate_ metrics show old "
-                                       "values.",
-                        "runbook_url": _runbook(stale)}}]),
+                _fires(stale, "20m", {"severity": "ticket", "model_name": MODEL, "engine": "0"},
+                    "Output-rate telemetry of engine 0 of model tiny is stale",
+                    "The newest output-rate snapshot of engine 0 (model tiny) "
+                    "is 15m 0s old (alert above 60s; it is written every "
+                    "second): the engine core's exporter or the engine core "
+                    "itself is stuck, and the output_rate_ metrics show old "
+                    "values."),
             ],
         },
         {
