@@ -55,13 +55,16 @@ def build(limited: bool, running: int, users: int, throttled_share: float):
     return sched, clock
 
 
-def step(sched, clock) -> float:
+def step(sched, clock, via=None) -> float:
+    """One timed step of ``sched``; ``via`` runs it through another view of
+    the same scheduler (vLLM's own methods under our mixin)."""
+    run = sched if via is None else via
     t0 = time.perf_counter()
-    out = sched.schedule()
+    out = run.schedule()
     t1 = time.perf_counter()
     mro = model_output_for(sched, out)
     t2 = time.perf_counter()
-    sched.update_from_output(out, mro)
+    run.update_from_output(out, mro)
     t3 = time.perf_counter()
     clock.advance_ms(10)
     return (t1 - t0) + (t3 - t2)
@@ -193,16 +196,9 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
             return took
         sched._reserve_prefill_lookahead = upstream._reserve_prefill_lookahead
         sched.kv_cache_manager.__dict__.pop("allocate_slots", None)
-        t0 = time.perf_counter()
-        out = upstream.schedule()
-        t1 = time.perf_counter()
-        mro = model_output_for(sched, out)
-        t2 = time.perf_counter()
-        upstream.update_from_output(out, mro)
-        t3 = time.perf_counter()
-        clock.advance_ms(10)
+        took = step(sched, clock, via=upstream)
         del sched._reserve_prefill_lookahead
-        return (t1 - t0) + (t3 - t2)
+        return took
 
     for _ in range(5):
         step(sched, clock)
