@@ -28,6 +28,7 @@ import os
 import threading
 import time
 from collections import Counter, defaultdict, deque
+from collections.abc import Callable
 from operator import attrgetter
 from typing import Any
 
@@ -119,16 +120,11 @@ class EngineTelemetry:
         #: user -> counter key (bounded; cleared when labels change)
         self._charged_keys: dict[str, tuple] = {}
         self._skipped_keys: dict[str, tuple] = {}
-        #: the requests throttled in the last step; user -> [its throttled
-        #: requests, the step number its skips are counted up to]; steps seen
+        #: per user: tokens charged per step, throttled requests per step
+        self._charges = _StepCounts(self._charge_fold)
+        self._skips = _StepCounts(self._skip_fold)
+        #: the requests throttled in the last step
         self._thr_prev: set[Any] = set()
-        self._skips: dict[str, list[int]] = {}
-        self._thr_steps = 0
-        #: user -> tokens charged in the last step; user -> the step number
-        #: its charged counter is folded up to; steps seen
-        self._chg_prev: dict[str, int] = {}
-        self._chg_since: dict[str, int] = {}
-        self._chg_steps = 0
         #: request ids that had tokens at the previous update, and when
         self._prev_ids: set[str] = set()
         #: label -> how many of ``_prev_ids`` carry it
@@ -215,23 +211,14 @@ class EngineTelemetry:
         # its count changes, at each export, when the engine goes idle and
         # at close.
         per_user = record.charged_by_user
-        prev = self._chg_prev
-        if per_user or prev:
-            steps = self._chg_steps
-            if per_user != prev:
-                since = self._chg_since
-                for user in {u for u, _ in per_user.items() ^ prev.items()}:
-                    k = prev.get(user)
-                    if k:
-                        self._charge_fold(user, k * (steps - since[user]))
-                    if user in per_user:
-                        since[user] = steps
-                        if not k:
-                            self._charged_key(user)  # a label at once while seats are free
-                    else:
-                        del since[user]
-                self._chg_prev = per_user
-            self._chg_steps = steps + 1
+        charges = self._charges
+        if per_user or charges.count:
+            if per_user != charges.count:
+                for user in {u for u, _ in per_user.items() ^ charges.count.items()}:
+                    if user not in charges.count:  # a label at once while seats are free
+                        self._user_key(self._charged_keys, "tokens_charged", user)
+                    charges.set(user, per_user.get(user, 0))
+            charges.steps += 1
             counters[("engine_tokens_charged", ())] += len(charged)
         for _req_id, user, reason in record.refunded:
             counters[("tokens_refunded", (labeler.label(user), reason))] += 1
@@ -251,14 +238,14 @@ class EngineTelemetry:
             cur = set(throttled)
             prev = self._thr_prev
             added = cur - prev if prev else cur
-            steps = self._thr_steps
+            skips = self._skips
             if prev:
                 for request in prev - cur:
-                    self._skips_change(request.output_rate_user, -1, steps)
+                    skips.add(request.output_rate_user, -1)
             for request in added:
-                self._skips_change(request.output_rate_user, 1, steps)
+                skips.add(request.output_rate_user, 1)
             self._thr_prev = cur
-            self._thr_steps = steps + 1
+            skips.steps += 1
             counters[("engine_requests_skipped", ())] += len(throttled)
             # A request throttled now but not in the step before opens an
             # episode unless one is open (it was not visited in between).
@@ -282,64 +269,27 @@ class EngineTelemetry:
             self._rebalance()
 
     def _charge_fold(self, user: str, n: int) -> None:
-        self.counters[self._charged_key(user)] += n
+        self.counters[self._user_key(self._charged_keys, "tokens_charged", user)] += n
         self._activity[user] += n
 
-    def _charged_key(self, user: str) -> tuple:
-        key = self._charged_keys.get(user)
-        if key is None:
-            key = self._user_key(self._charged_keys, "tokens_charged", user)
-        return key
-
-    def _fold_charges(self) -> None:
-        """Bring every user's charged counter (and activity) up to date."""
-        steps, prev = self._chg_steps, self._chg_prev
-        for user, since in self._chg_since.items():
-            if steps > since:
-                self._charge_fold(user, prev[user] * (steps - since))
-                self._chg_since[user] = steps
+    def _skip_fold(self, user: str, n: int) -> None:
+        self.counters[self._user_key(self._skipped_keys, "requests_skipped", user)] += n
 
     def _fold(self) -> None:
-        self._fold_charges()
-        self._fold_skips()
-
-    def _skips_change(self, user: str, delta: int, steps: int) -> None:
-        """``user`` has ``delta`` more throttled requests from step number
-        ``steps`` on: fold its skips so far into its counter first."""
-        state = self._skips.get(user)
-        if state is None:
-            state = self._skips[user] = [0, steps]
-        k, since = state
-        if k and steps > since:
-            self.counters[self._skipped_key(user)] += k * (steps - since)
-        state[0] = k + delta
-        state[1] = steps
-        if not state[0]:
-            del self._skips[user]
-
-    def _fold_skips(self) -> None:
-        """Bring every user's skip counter up to date (export, labels change)."""
-        steps = self._thr_steps
-        for user, state in self._skips.items():
-            k, since = state
-            if k and steps > since:
-                self.counters[self._skipped_key(user)] += k * (steps - since)
-                state[1] = steps
-
-    def _skipped_key(self, user: str) -> tuple:
-        key = self._skipped_keys.get(user)
-        if key is None:
-            key = self._user_key(self._skipped_keys, "requests_skipped", user)
-        return key
+        """Bring every user's charged and skipped counters (and activity)
+        up to date: at exports, aborts, when the engine goes idle, at close."""
+        self._charges.fold_all()
+        self._skips.fold_all()
 
     def _user_key(self, cache: dict[str, tuple], name: str, user: str) -> tuple:
         """The counter key of ``user`` for ``name``, cached until labels
         change; the cache holds at most ``labeler.capacity`` users, so a
         flood of distinct ids cannot grow it."""
-        label = self.labeler.promote(user)
-        key = (name, (label,))
-        if len(cache) < self.labeler.capacity:
-            cache[user] = key
+        key = cache.get(user)
+        if key is None:
+            key = (name, (self.labeler.promote(user),))
+            if len(cache) < self.labeler.capacity:
+                cache[user] = key
         return key
 
     def _end_episodes(self, req_ids: Any, now_ns: int) -> None:
@@ -693,6 +643,46 @@ def _event_json(event: tuple, engine: str) -> str:
         data = {"kind": kind, "t_ns": t_ns, "unix_ns": event[2], "engine": engine,
                 "limits": event[3], "default_limit": event[4]}
     return json.dumps(data) + "\n"
+
+
+class _StepCounts:
+    """Per-user counts that hold from one step to the next (tokens charged
+    per step, throttled requests per step), folded into counters as count
+    times steps: work only when a user's count changes and at folds, not
+    per user per step."""
+
+    __slots__ = ("count", "fold", "since", "steps")
+
+    def __init__(self, fold: Callable[[str, int], None]) -> None:
+        #: user -> its count in the current step (users with a count only)
+        self.count: dict[str, int] = {}
+        #: user -> the step number its counter is folded up to
+        self.since: dict[str, int] = {}
+        #: steps seen (the caller counts them)
+        self.steps = 0
+        self.fold = fold
+
+    def set(self, user: str, k: int) -> None:
+        """``user``'s count is ``k`` from the current step on."""
+        old = self.count.get(user, 0)
+        if old and self.steps > self.since[user]:
+            self.fold(user, old * (self.steps - self.since[user]))
+        if k:
+            self.count[user] = k
+            self.since[user] = self.steps
+        else:
+            self.count.pop(user, None)
+            self.since.pop(user, None)
+
+    def add(self, user: str, delta: int) -> None:
+        self.set(user, self.count.get(user, 0) + delta)
+
+    def fold_all(self) -> None:
+        steps, since = self.steps, self.since
+        for user, k in self.count.items():
+            if steps > since[user]:
+                self.fold(user, k * (steps - since[user]))
+                since[user] = steps
 
 
 def attach(scheduler: Any) -> EngineTelemetry | None:
