@@ -341,3 +341,12 @@ def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter
     assert gen.attributes["output_rate.tokens"] == 120
     assert len(decode_series(gen.attributes["output_rate.spacing_series_us_b64u32"])) == 16
     assert not rec._overflow and not rec._series
+    # a request that is never steady (its tokens come one by one after pauses)
+    for i in range(100):
+        rec.on_tokens("paused", 1, None if i == 0 else i * 1000, i * 1000 + 500)
+        rec.on_zeros("paused", 2)
+        assert len(rec._series["paused"]) <= 16 + 8 + 2
+    rec.on_aborted([type("R", (), {"request_id": "paused"})()], 200_000)
+    gen = [s for s in spans(exporter, "output_rate.generation")
+           if s.attributes["output_rate.request_id"] == "paused"]
+    assert gen[0].attributes["output_rate.tokens"] == 300

@@ -38,8 +38,8 @@ from operator import attrgetter, is_not
 from typing import Any
 
 MAX_SERIES = 2048
-#: The per-step appends of steady requests don't check the cap; every this
-#: many steps (and at finish) longer series are cut back to ``MAX_SERIES``.
+#: Appends don't check the cap; every this many steps (and at finish)
+#: longer series are cut back to ``MAX_SERIES``, the rest counted.
 TRIM_EVERY = 256
 _APPEND = array.append
 _NOT_NONE = partial(is_not, None)
@@ -224,18 +224,12 @@ class SpanRecorder:
         if s is None:
             s = self._series[req_id] = array("I")
             self._remember_parent(req_id)
-        want = n if prev_ns is not None else n - 1  # spacings these tokens add
-        room = MAX_SERIES - len(s)
-        if want <= room:
-            if prev_ns is not None:
-                s.append(min((now_ns - prev_ns) // 1000, 0xFFFFFFFF))
-            if n > 1:
-                s.extend([0] * (n - 1))
-        else:  # past the cap: keep what fits, count the rest
-            values = [min((now_ns - prev_ns) // 1000, 0xFFFFFFFF)] if prev_ns is not None else []
-            values += [0] * (n - 1)
-            s.extend(values[:max(room, 0)])
-            self._overflow[req_id] = self._overflow.get(req_id, 0) + want - max(room, 0)
+        if prev_ns is not None:
+            s.append(min((now_ns - prev_ns) // 1000, 0xFFFFFFFF))
+        if n > 1:
+            s.extend([0] * (n - 1))
+        if len(s) > MAX_SERIES + TRIM_EVERY:  # (a request that is seldom steady)
+            self._trim(req_id)
 
     def on_steady(self, req_ids: Any, prev_ns: int, now_ns: int) -> None:
         """One token each for ``req_ids``, whose previous tokens all came at
@@ -262,12 +256,10 @@ class SpanRecorder:
     def on_zeros(self, req_id: str, k: int) -> None:
         """``k`` more tokens of ``req_id`` at the moment of its last one."""
         s = self._series.get(req_id)
-        if s is None:
-            return
-        room = max(MAX_SERIES - len(s), 0)
-        s.extend([0] * min(room, k))
-        if k > room:
-            self._overflow[req_id] = self._overflow.get(req_id, 0) + k - room
+        if s is not None:
+            s.extend([0] * k)
+            if len(s) > MAX_SERIES + TRIM_EVERY:
+                self._trim(req_id)
 
     def on_finished(self, req_id: str, out: Any, now: int) -> None:
         """The request finished (``out`` is its last engine output)."""
