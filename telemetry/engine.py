@@ -53,7 +53,6 @@ EXPORT_INTERVAL_S = 1.0
 
 Labels = tuple[str, ...]
 _USER = attrgetter("output_rate_user")
-_REQUEST_ID = attrgetter("request_id")
 #: Why a charged token was given back (see the scheduler's refund point).
 REFUND_REASONS = ("not_scheduled", "preempted")
 
@@ -130,6 +129,13 @@ class EngineTelemetry:
         #: label -> how many of ``_prev_ids`` carry it
         self._prev_by_label: dict[str, int] = {}
         self._prev_now = 0
+        #: steady updates so far: how many, per spacing bucket, and their
+        #: spacings' sum (ns); label -> those three when its histogram last
+        #: took its steady share (labels with steady requests only)
+        self._steady_n = 0
+        self._steady_cum = [0] * (len(SPACING_BUCKETS) + 1)
+        self._steady_ns = 0
+        self._spacing_mark: dict[str, tuple[int, list[int], int]] = {}
         #: label -> its inter_token_seconds histogram (same objects as in
         #: self.histograms), and what evicted labels had observed
         self._spacing: dict[str, Histogram] = {}
@@ -280,6 +286,8 @@ class EngineTelemetry:
         up to date: at exports, aborts, when the engine goes idle, at close."""
         self._charges.fold_all()
         self._skips.fold_all()
+        for label, k in self._prev_by_label.items():
+            self._fold_spacing(label, k)
 
     def _user_key(self, cache: dict[str, tuple], name: str, user: str) -> tuple:
         """The counter key of ``user`` for ``name``, cached until labels
@@ -391,17 +399,22 @@ class EngineTelemetry:
             request = requests.get(req_id)
             if request is not None:
                 labels[req_id] = self.labeler.label(request.output_rate_user)
-        self._prev_by_label = Counter(labels.get(r) or OTHER for r in self._prev_ids)
+        self._prev_by_label = dict(Counter(labels.get(r) or OTHER for r in self._prev_ids))
+        mark = (self._steady_n, self._steady_cum, self._steady_ns)
+        self._spacing_mark = {label: (mark[0], mark[1].copy(), mark[2]) for label in self._prev_by_label}
 
     def on_outputs(self, outputs: dict[int, Any]) -> None:
         """Token timing from the outputs of one ``update_from_output``.
 
         One spacing per request per step into the per-user histogram (the
         all-users histogram is folded from those at export). Most requests
-        with a token now also had one at the previous update: their spacing
-        is the same for all of them, so they are counted per user label
-        with set operations and a Counter (in C), and only requests that
-        start, resume after a throttle, or finish take the per-request path.
+        with a token now also had one at the previous update (steady): their
+        spacing is the same for all of them, so nothing is done per steady
+        request. This update's spacing goes into one cumulative histogram of
+        steady updates, and each label's histogram takes its steady requests'
+        share (their count times what the cumulative gained) when that count
+        changes and at folds. Only requests that start, pause, resume after a
+        throttle, or finish take the per-request path.
         """
         now = time.monotonic_ns()
         spans = self.spans
@@ -409,31 +422,28 @@ class EngineTelemetry:
         events = self._events
         if events is not None:
             self._events_for(outputs, now)
-        ids = [o.request_id for eco in outputs.values() for o in eco.outputs if o.new_token_ids]
+        cur = {o.request_id for eco in outputs.values() for o in eco.outputs if o.new_token_ids}
         special = [o for eco in outputs.values() for o in eco.outputs
                    if o.finish_reason is not None or len(o.new_token_ids) > 1]
         prev_ids, prev_now = self._prev_ids, self._prev_now
-        cur = set(ids)
-        steady = cur & prev_ids
         last = self._last_token_ns
+        if spans is not None:
+            spans.on_update(now)
         # Label counts of the requests that had a token at the previous
-        # update, kept up to date from the ones that pause, start and finish
-        # (so the steady requests are counted per label without a pass over
-        # them): minus the paused ones, they are the steady requests' counts.
-        by_label = self._prev_by_label
-        for req_id in prev_ids - cur:  # had a token last time, none now
-            last[req_id] = prev_now
-            self._label_count(req_id, -1)
-        if steady:
-            spacing = (now - prev_now) * 1e-9
-            index = bisect.bisect_left(SPACING_BUCKETS, spacing)
-            for label, k in by_label.items():
-                hist = self._spacing_hist(label)
-                hist.counts[index] += k
-                hist.sum += spacing * k
-                hist.count += k
+        # update, kept up to date from the ones that pause, start and finish:
+        # minus the paused ones, they are the steady requests' counts.
+        paused = prev_ids - cur
+        if paused:
+            for req_id in paused:  # had a token last time, none now
+                last[req_id] = prev_now
+                self._label_count(req_id, -1)
             if spans is not None:
-                spans.on_steady(steady, prev_now, now)
+                spans.on_paused(paused)
+        if self._prev_by_label:  # some request is steady
+            gap = now - prev_now
+            self._steady_cum[bisect.bisect_left(SPACING_BUCKETS, gap * 1e-9)] += 1
+            self._steady_ns += gap
+            self._steady_n += 1
         for req_id in cur - prev_ids:  # first tokens, or back after a throttle
             prev = last.pop(req_id, None)
             if spans is not None:
@@ -478,14 +488,33 @@ class EngineTelemetry:
 
     def _label_count(self, req_id: str, delta: int) -> None:
         """``req_id`` joins (1) or leaves (-1) the requests that had a token
-        at the last update, in the per-label counts."""
+        at the last update, in the per-label counts (the label's histogram
+        first takes its steady share up to now)."""
         label = self._request_label.get(req_id) or OTHER
         by_label = self._prev_by_label
-        n = by_label.get(label, 0) + delta
-        if n:
-            by_label[label] = n
+        k = by_label.get(label, 0)
+        if k:
+            self._fold_spacing(label, k)
+        k += delta
+        if k:
+            by_label[label] = k
+            if k == delta:  # the label's first steady request: from now on
+                self._spacing_mark[label] = (self._steady_n, self._steady_cum.copy(), self._steady_ns)
         else:
             del by_label[label]
+            del self._spacing_mark[label]
+
+    def _fold_spacing(self, label: str, k: int) -> None:
+        """``label``'s ``k`` steady requests each observed every steady
+        update since its mark: add that to its histogram, mark now."""
+        n, cum, total_ns = self._spacing_mark[label]
+        if n == self._steady_n:
+            return
+        hist = self._spacing_hist(label)
+        hist.counts = [c + k * (x - y) for c, x, y in zip(hist.counts, self._steady_cum, cum)]
+        hist.sum += k * (self._steady_ns - total_ns) * 1e-9
+        hist.count += k * (self._steady_n - n)
+        self._spacing_mark[label] = (self._steady_n, self._steady_cum.copy(), self._steady_ns)
 
     def _spacing_hist(self, label: str) -> Histogram:
         hist = self._spacing.get(label)

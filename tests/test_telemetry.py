@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 
@@ -12,7 +13,7 @@ from harness import Driver, FakeClock, make_request, make_scheduler
 from telemetry.collector import SnapshotCollector
 from telemetry.engine import EngineTelemetry
 from telemetry.labels import OTHER
-from telemetry.metrics import METRICS
+from telemetry.metrics import METRICS, SPACING_BUCKETS
 
 
 def limits(default, **users):
@@ -166,10 +167,15 @@ def test_spacing_per_label_matches_token_events_with_pauses_aborts_and_relabels(
     if top_k == 100:
         for user in ("a", "b"):
             times = [[t for _, t in drv.tokens[r.request_id]] for r in reqs if r.output_rate_user == user]
-            user_spacings = [(y - x) / 1e9 for ts in times for x, y in zip(ts, ts[1:])]
+            user_spacings = [(y - x) * 1e-9 for ts in times for x, y in zip(ts, ts[1:])]
             hist = tel.histograms[("inter_token_seconds", (user,))]
             assert hist.count == len(user_spacings)
             assert hist.sum == pytest.approx(sum(user_spacings))
+            buckets = [0] * len(hist.counts)
+            for spacing in user_spacings:
+                buckets[bisect.bisect_left(SPACING_BUCKETS, spacing)] += 1
+            assert hist.counts == buckets
+            assert len([b for b in buckets if b]) > 1  # (spacings fell in several buckets)
 
 
 def test_throttled_gauges_follow_throttling(tmp_path):

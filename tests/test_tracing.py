@@ -320,8 +320,10 @@ def test_generation_series_is_capped_and_the_token_count_is_not(tmp_path, export
 
 
 def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter, monkeypatch):
-    """Steady appends skip the cap check; the periodic trim keeps a live
-    series within MAX_SERIES + TRIM_EVERY, and the count stays exact."""
+    """Steady tokens are not appended per request: the timeline of update
+    spacings and the open runs hold them, and every TRIM_EVERY updates the
+    series past the cap are cut and the timeline is cut to the oldest open
+    run; both stay bounded while the request runs, and the count is exact."""
     import telemetry.engine as engine_mod
     from tracing import spans as spans_mod
 
@@ -331,16 +333,20 @@ def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
     req = make_request("a", max_tokens=120)
     drv.add(req)
-    longest = 0
+    longest = timeline = 0
     for _ in range(119):
         drv.step()
         longest = max(longest, len(rec._series.get(req.request_id, ())))
-    assert 16 < longest <= 16 + 8  # it did run past the cap, and was cut back
+        timeline = max(timeline, len(rec._gaps))
+        if req.request_id in rec._series:  # every token so far, kept or not
+            assert rec._spacings(req.request_id) == drv.count(req.request_id) - 1
+    assert longest == 16  # cut back to the cap while running
+    assert 16 < timeline <= 16 + 2 * 8  # the timeline was cut too
     drv.run_until_done()
     (gen,) = spans(exporter, "output_rate.generation")
     assert gen.attributes["output_rate.tokens"] == 120
     assert len(decode_series(gen.attributes["output_rate.spacing_series_us_b64u32"])) == 16
-    assert not rec._overflow and not rec._series
+    assert not rec._overflow and not rec._series and not rec._runs
     # a request that is never steady (its tokens come one by one after pauses)
     for i in range(100):
         rec.on_tokens("paused", 1, None if i == 0 else i * 1000, i * 1000 + 500)
@@ -350,3 +356,61 @@ def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter
     gen = [s for s in spans(exporter, "output_rate.generation")
            if s.attributes["output_rate.request_id"] == "paused"]
     assert gen[0].attributes["output_rate.tokens"] == 300
+
+
+@pytest.mark.parametrize("cap", [10_000, 5])
+def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monkeypatch, cap):
+    """Steady runs, pauses at the limit, resumptions, two tokens in one
+    update, aborts, and the timeline cut every 3 updates while runs are
+    open: every generation span's series is the spacings of the tokens its
+    request delivered (the first ``cap`` of them), its count exact."""
+    import harness
+    import telemetry.engine as engine_mod
+    from collections import deque
+
+    from tracing import spans as spans_mod
+    from vllm.v1.request import RequestStatus
+
+    monkeypatch.setattr(spans_mod, "MAX_SERIES", cap)
+    monkeypatch.setattr(spans_mod, "TRIM_EVERY", 3)
+    plain = harness.model_output_for
+
+    def sometimes_two(scheduler, out, token=harness.SAMPLED_TOKEN):
+        mro = plain(scheduler, out, token)
+        for i, req_id in enumerate(mro.req_ids):  # a second token now and then
+            if mro.sampled_token_ids[i] and (hash(req_id) + len(scheduler.requests)) % 7 == 0:
+                mro.sampled_token_ids[i] = [token, token]
+        return mro
+
+    monkeypatch.setattr(harness, "model_output_for", sometimes_two)
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=30, b=70))
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    users = ["a", "a", "a", "b", "b", "c", "c", "d"]
+    reqs = [make_request(u, max_tokens=20 + 7 * i) for i, u in enumerate(users)]
+    drv.add(*reqs)
+    recent = deque(maxlen=4)
+    for step in range(2000):
+        if not sched.has_requests():
+            break
+        open_runs = list(rec._runs.values())
+        drv.step()
+        if step == 30:
+            sched.finish_requests([reqs[1].request_id, reqs[5].request_id],
+                                  RequestStatus.FINISHED_ABORTED)
+        # the timeline holds no more than the runs open in the last 3
+        # updates (it is cut every 3) need
+        recent.append(min(open_runs + list(rec._runs.values()), default=rec._index))
+        assert len(rec._gaps) <= rec._index - min(recent) + 1
+    gens = {s.attributes["output_rate.request_id"]: s for s in spans(exporter, "output_rate.generation")}
+    assert set(gens) == {r.request_id for r in reqs}
+    twos = 0
+    for r in reqs:
+        times = [t for _, t in drv.tokens[r.request_id]]
+        want = [(b - a) // 1000 for a, b in zip(times, times[1:])]
+        twos += want.count(0)
+        attrs = gens[r.request_id].attributes
+        assert decode_series(attrs["output_rate.spacing_series_us_b64u32"]) == want[:cap]
+        assert attrs["output_rate.tokens"] == len(times)
+        assert attrs["output_rate.spacing_series_truncated"] == (len(want) >= cap)
+    assert twos > 3  # the two-token updates did happen
+    assert not rec._series and not rec._runs and not rec._overflow

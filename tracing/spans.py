@@ -32,17 +32,14 @@ import struct
 import time
 from array import array
 from collections import deque
-from functools import partial
-from itertools import repeat
-from operator import attrgetter, is_not
+from operator import attrgetter
 from typing import Any
 
 MAX_SERIES = 2048
-#: Appends don't check the cap; every this many steps (and at finish)
-#: longer series are cut back to ``MAX_SERIES``, the rest counted.
+#: Steady runs are not checked against the cap per update; every this many
+#: updates (and at finish) longer series are cut back to ``MAX_SERIES``, the
+#: rest counted, and the timeline is cut to the oldest open run.
 TRIM_EVERY = 256
-_APPEND = array.append
-_NOT_NONE = partial(is_not, None)
 #: One ``output_rate.step`` span per this many steps that only refused users
 #: (steps with refunds always get one). Environment variable, default 50.
 STEP_SAMPLE_ENV = "VLLM_OUTPUT_RATE_TRACE_REFUSAL_STEP_EVERY"
@@ -121,7 +118,14 @@ class SpanRecorder:
         self.step_sample_every = _step_sample_every()
         self._refusal_steps = 0
         self._series: dict[str, array] = {}
-        self._steady_calls = 0
+        #: request id -> the update its open run of steady tokens began at
+        self._runs: dict[str, int] = {}
+        #: the timeline: spacing (us) of each update from the one before,
+        #: for the updates from the oldest open run on; ``_index`` numbers
+        #: the last update
+        self._gaps = array("I")
+        self._index = -1
+        self._last_ns: int | None = None
         #: request id -> span context of vLLM's own request trace, if any
         self._parents: dict[str, Any] = {}
 
@@ -211,15 +215,63 @@ class SpanRecorder:
         if request is None:
             if req_id not in self._series:
                 return 0
-            return len(self._series[req_id]) + self._overflow.get(req_id, 0) + 1
+            return self._spacings(req_id) + 1
         return request.num_output_tokens + (1 if outcome == "dispatched" else 0)
 
     # -- per update_from_output -------------------------------------------
+    #
+    # Steady requests (a token now and at the previous update) cost nothing
+    # per request: every update appends its spacing to one timeline
+    # (``_gaps``), and a request holds an open *run* (the update it became
+    # steady from). A run's spacings are copied out of the timeline as one
+    # slice when the request pauses, takes several tokens in one update,
+    # finishes, or every ``TRIM_EVERY`` updates when it passes the cap.
+
+    def on_update(self, now_ns: int) -> None:
+        """An ``update_from_output`` at ``now_ns`` (before its requests)."""
+        if self._last_ns is not None:
+            self._gaps.append(min((now_ns - self._last_ns) // 1000, 0xFFFFFFFF))
+        else:
+            self._gaps.append(0)
+        self._last_ns = now_ns
+        self._index += 1
+        if self._index % TRIM_EVERY == 0:
+            self._trim_all()
+
+    def _close_run(self, req_id: str, end: int) -> None:
+        """Copy ``req_id``'s run of steady spacings up to update ``end``
+        (inclusive) into its series and end the run."""
+        start = self._runs.pop(req_id, None)
+        if start is not None and end > start:
+            base = self._index - len(self._gaps) + 1
+            self._series[req_id].extend(self._gaps[start + 1 - base:end + 1 - base])
+
+    def _trim_all(self) -> None:
+        """Cut the series that passed the cap, and the timeline to the
+        oldest open run (so both stay bounded however long requests run)."""
+        index, runs = self._index, self._runs
+        # (runs are known to cover the previous update; this one has just begun)
+        for req_id, start in list(runs.items()):
+            if len(self._series[req_id]) + index - 1 - start > MAX_SERIES:
+                self._close_run(req_id, index - 1)
+                runs[req_id] = index - 1
+        for req_id in [r for r, values in self._series.items() if len(values) > MAX_SERIES]:
+            self._trim(req_id)
+        oldest = min(runs.values(), default=index)
+        base = index - len(self._gaps) + 1
+        del self._gaps[:oldest - base]
+
+    def on_paused(self, req_ids: Any) -> None:
+        """``req_ids`` had a token at the previous update and none now."""
+        end = self._index - 1
+        for req_id in req_ids:
+            self._close_run(req_id, end)
 
     def on_tokens(self, req_id: str, n: int, prev_ns: int | None, now_ns: int) -> None:
         """``n`` tokens of ``req_id`` became available at ``now_ns``; its
         previous token at ``prev_ns`` (None: these are its first). Called by
-        ``telemetry.engine``, which walks the outputs once for both."""
+        ``telemetry.engine`` for the requests that had no token at the
+        previous update; from here on the request is steady (a run)."""
         s = self._series.get(req_id)
         if s is None:
             s = self._series[req_id] = array("I")
@@ -230,21 +282,7 @@ class SpanRecorder:
             s.extend([0] * (n - 1))
         if len(s) > MAX_SERIES + TRIM_EVERY:  # (a request that is seldom steady)
             self._trim(req_id)
-
-    def on_steady(self, req_ids: Any, prev_ns: int, now_ns: int) -> None:
-        """One token each for ``req_ids``, whose previous tokens all came at
-        ``prev_ns`` (the previous update): one spacing for all of them.
-
-        The appends run in C (map over the series, drained by a zero-length
-        deque): no Python code per request. The cap is applied every
-        ``TRIM_EVERY`` calls (and at finish), so a series runs at most that
-        many values past ``MAX_SERIES`` in between."""
-        us = min((now_ns - prev_ns) // 1000, 0xFFFFFFFF)
-        deque(map(_APPEND, filter(_NOT_NONE, map(self._series.get, req_ids)), repeat(us)), maxlen=0)
-        self._steady_calls += 1
-        if self._steady_calls % TRIM_EVERY == 0:
-            for req_id in [r for r, values in self._series.items() if len(values) > MAX_SERIES]:
-                self._trim(req_id)
+        self._runs[req_id] = self._index
 
     def _trim(self, req_id: str) -> None:
         """Cut ``req_id``'s series to ``MAX_SERIES``, counting what is cut."""
@@ -254,12 +292,22 @@ class SpanRecorder:
             del values[MAX_SERIES:]
 
     def on_zeros(self, req_id: str, k: int) -> None:
-        """``k`` more tokens of ``req_id`` at the moment of its last one."""
+        """``k`` more tokens of ``req_id`` at the moment of its last one
+        (after this update's spacing, if it was steady)."""
         s = self._series.get(req_id)
         if s is not None:
+            if req_id in self._runs:
+                self._close_run(req_id, self._index)
+                self._runs[req_id] = self._index
             s.extend([0] * k)
             if len(s) > MAX_SERIES + TRIM_EVERY:
                 self._trim(req_id)
+
+    def _spacings(self, req_id: str) -> int:
+        """Spacings recorded for ``req_id`` so far (kept, cut and in its run)."""
+        start = self._runs.get(req_id)
+        return (len(self._series[req_id]) + self._overflow.get(req_id, 0)
+                + (self._index - start if start is not None else 0))
 
     def on_finished(self, req_id: str, out: Any, now: int) -> None:
         """The request finished (``out`` is its last engine output)."""
@@ -276,6 +324,8 @@ class SpanRecorder:
         if episode is not None:
             self._end_episode(episode, now, "aborted" if reason == "abort" else "finished")
         had_tokens = req_id in self._series
+        if had_tokens:
+            self._close_run(req_id, self._index)
         self._trim(req_id)
         s = self._series.pop(req_id, array("I"))
         tokens = len(s) + 1 + self._overflow.pop(req_id, 0) if had_tokens else 0
