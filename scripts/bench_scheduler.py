@@ -3,7 +3,8 @@
 Drives the real vLLM Scheduler and KV cache manager with synthetic model
 outputs (no model), R requests resident and decoding, spread over U users.
 A share of the users is throttled (0.001 tok/s: after their first token they
-are refused every step); the others have a limit that never binds.
+are refused every step; ``--throttled-rate`` sets another limit); the others
+have a limit that never binds.
 
 Reports per-step ``schedule()`` + ``update_from_output()`` time, as the
 median over interleaved blocks (on, off, on, off, ...) so that machine noise
@@ -261,6 +262,7 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
 
 
 def main() -> None:
+    global THROTTLED
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
     parser.add_argument("--sizes", type=int, nargs="*", help="running requests R to measure")
@@ -276,9 +278,15 @@ def main() -> None:
                         help="A/A control: both arms the same limited scheduler (ratio should be 1)")
     parser.add_argument("--same-scheduler", action="store_true",
                         help="one scheduler per pair, its steps alternating between the arms")
+    parser.add_argument("--throttled-rate", type=float, default=float(THROTTLED),
+                        help="limit (tokens/s) of the throttled users: the default is refused "
+                        "every step after the first token; 10 lets each throttled user through "
+                        "once every 10 steps (10 ms fake steps), so the throttled set changes "
+                        "in most steps")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--block-steps", type=int, default=5)
     args = parser.parse_args()
+    THROTTLED = str(args.throttled_rate)
     sizes = args.sizes or ([64, 256] if args.quick else [64, 256, 1024])
     rows = []
     telemetry_dir = traces_url = receiver = None

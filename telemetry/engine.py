@@ -122,8 +122,9 @@ class EngineTelemetry:
         #: per user: tokens charged per step, throttled requests per step
         self._charges = _StepCounts(self._charge_fold)
         self._skips = _StepCounts(self._skip_fold)
-        #: the requests throttled in the last step
+        #: the requests throttled in the last step (as a set, and the list)
         self._thr_prev: set[Any] = set()
+        self._thr_prev_list: list[Any] = []
         #: request ids that had tokens at the previous update, and when
         self._prev_ids: set[str] = set()
         #: label -> how many of ``_prev_ids`` carry it
@@ -236,7 +237,14 @@ class EngineTelemetry:
         ended = episodes.keys() & charged.keys() if episodes and charged else ()
         opened: list[Any] = []
         throttled = record.throttled
-        if throttled or self._thr_prev:
+        if throttled == self._thr_prev_list:
+            # The same requests throttled as in the step before, in the same
+            # order (a heavily throttled engine, most steps): an identity
+            # comparison in C, and nothing changed.
+            if throttled:
+                self._skips.steps += 1
+                counters[("engine_requests_skipped", ())] += len(throttled)
+        else:
             # Skips per user follow what changed since the last step: the
             # requests throttled now and not then, and the other way round
             # (set differences in C); each user's count of throttled requests
@@ -245,12 +253,13 @@ class EngineTelemetry:
             prev = self._thr_prev
             added = cur - prev if prev else cur
             skips = self._skips
-            if prev:
+            if len(prev) + len(added) > len(cur):  # some left
                 for request in prev - cur:
                     skips.add(request.output_rate_user, -1)
             for request in added:
                 skips.add(request.output_rate_user, 1)
             self._thr_prev = cur
+            self._thr_prev_list = throttled
             skips.steps += 1
             counters[("engine_requests_skipped", ())] += len(throttled)
             # A request throttled now but not in the step before opens an

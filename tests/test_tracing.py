@@ -31,11 +31,18 @@ def setup(tmp_path, exporter, lim, **kw):
     clock = FakeClock()
     sched = make_scheduler(lim, clock=clock, **kw)
     recorder = SpanRecorder(provider.get_tracer("test"), sched, clock_offset_ns=0)
+    _RECORDERS[:] = [recorder]
     tel = EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
     return sched, Driver(sched, clock, step_ms=10.0), tel, recorder
 
 
+#: recorders made by setup(): spans() builds what they queued first
+_RECORDERS: list[SpanRecorder] = []
+
+
 def spans(exporter, name):
+    for recorder in _RECORDERS:
+        recorder.flush()
     return [s for s in exporter.get_finished_spans() if s.name == name]
 
 
@@ -219,6 +226,7 @@ def test_failed_exports_are_counted_and_reach_the_metrics(tmp_path, raise_instea
     drv = Driver(sched, clock, step_ms=10.0)
     drv.add(*[make_request("a", max_tokens=8) for _ in range(3)])
     drv.run_until_done()
+    recorder.flush()
     provider.force_flush()
     assert drops.counts["trace_export_failed"] > 0
     assert drops.counts["trace_queue_full"] == 0
@@ -414,3 +422,32 @@ def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monk
         assert attrs["output_rate.spacing_series_truncated"] == (len(want) >= cap)
     assert twos > 3  # the two-token updates did happen
     assert not rec._series and not rec._runs and not rec._overflow
+
+
+def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(tmp_path, exporter):
+    """The scheduler's thread only queues plain data: no SDK span exists
+    until the builder (here: flush) runs; past the queue's bound spans are
+    dropped and counted, and a span that cannot be built is counted while
+    the rest are built."""
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    clock = FakeClock()
+    sched = make_scheduler(limits(1000, a=20), clock=clock)
+    rec = SpanRecorder(provider.get_tracer("test"), sched, clock_offset_ns=0, background=False)
+    rec.drops.max_queue = 6
+    EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=rec)
+    drv = Driver(sched, clock, step_ms=10.0)
+    drv.add(*[make_request("a", max_tokens=6) for _ in range(4)])
+    drv.run_until_done()
+    assert not exporter.get_finished_spans()  # nothing built on the scheduler's thread
+    queued, dropped = len(rec._pending), rec.drops.counts["trace_queue_full"]
+    assert queued == 6 and dropped > 0
+    broken = rec._pending[0]
+    rec._pending[0] = (lambda: 1 / 0, ())
+    rec.flush()
+    assert len(exporter.get_finished_spans()) == queued - 1
+    assert rec.drops.counts["trace_export_failed"] == 1
+    # 4 generation spans + at least one throttle episode per stream: all
+    # accounted for, built or dropped
+    assert dropped + queued >= 4 + 4
+    assert broken[0].__name__.startswith("_build_")

@@ -29,13 +29,18 @@ from __future__ import annotations
 import base64
 import logging
 import struct
+import threading
 import time
 from array import array
 from collections import deque
 from operator import attrgetter
+from collections.abc import Callable
 from typing import Any
 
 MAX_SERIES = 2048
+#: The scheduler's thread queues spans as plain data; a thread of ours builds
+#: them into SDK spans (and hands them to the batch processor) this often.
+BUILD_INTERVAL_S = 0.2
 #: Steady runs are not checked against the cap per update; every this many
 #: updates (and at finish) longer series are cut back to ``MAX_SERIES``, the
 #: rest counted, and the timeline is cut to the oldest open run.
@@ -103,12 +108,13 @@ class SpanRecorder:
     ``clock_offset_ns`` maps the scheduler's monotonic clock to epoch ns.
     """
 
-    def __init__(self, tracer: Any, scheduler: Any, clock_offset_ns: int | None = None) -> None:
+    def __init__(self, tracer: Any, scheduler: Any, clock_offset_ns: int | None = None,
+                 background: bool = True) -> None:
         self.tracer = tracer
         self.scheduler = scheduler
         self.offset = _epoch_offset_ns() if clock_offset_ns is None else clock_offset_ns
-        #: TraceDrops of the provider's processor, when built by the engine
-        self.drops: TraceDrops | None = None
+        #: TraceDrops of the provider's processor (the engine sets its own)
+        self.drops = TraceDrops(max_queue_from_env())
         #: the TracerProvider (flushed and shut down with the engine)
         self.provider: Any = None
         self._episodes: dict[str, _Episode] = {}
@@ -126,8 +132,19 @@ class SpanRecorder:
         self._gaps = array("I")
         self._index = -1
         self._last_ns: int | None = None
-        #: request id -> span context of vLLM's own request trace, if any
+        #: request id -> vLLM's own request trace headers, if it carried any
         self._parents: dict[str, Any] = {}
+        #: spans to build: (builder, args) queued by the scheduler's thread as
+        #: plain data, built into SDK spans by a thread of our own (or flush())
+        self._pending: deque[tuple[Callable[..., None], tuple]] = deque()
+        self._build_error_logged = False
+        self._build_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._builder: threading.Thread | None = None
+        if background:
+            self._builder = threading.Thread(target=self._run, name="output-rate-span-builder",
+                                             daemon=True)
+            self._builder.start()
 
     def _span(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any],
               links: Any = None) -> None:
@@ -136,17 +153,43 @@ class SpanRecorder:
         span.end(end_time=max(end_ns, start_ns) + self.offset)
 
     def _remember_parent(self, req_id: str) -> None:
-        """Link to the request's own trace when it carried trace headers."""
+        """Keep the request's trace headers, if it carried any (the link to
+        its trace is made when its generation span is built)."""
         request = self.scheduler.requests.get(req_id)
         headers = getattr(request, "trace_headers", None) if request is not None else None
-        if not headers:
-            return
-        from opentelemetry import trace
-        from opentelemetry.propagate import extract
+        if headers:
+            self._parents[req_id] = dict(headers)
 
-        context = trace.get_current_span(extract(dict(headers))).get_span_context()
-        if context.is_valid:
-            self._parents[req_id] = context
+    # -- building spans, off the scheduler's thread -------------------------
+
+    def _queue(self, build: Callable[..., None], *args: Any) -> None:
+        """Queue a span's plain data (the scheduler's thread: one append)."""
+        pending = self._pending
+        if len(pending) >= self.drops.max_queue:
+            self.drops.drop("trace_queue_full", 1)
+        else:
+            pending.append((build, args))
+
+    def flush(self) -> None:
+        """Build every queued span now (the builder thread does this every
+        ``BUILD_INTERVAL_S``; shutdown and tests call it)."""
+        pending = self._pending
+        # (the scheduler's thread never takes this lock: it only appends)
+        with self._build_lock:  # when flush() returns, what it saw is built
+            while pending:
+                build, args = pending.popleft()
+                try:
+                    build(*args)
+                except Exception:  # a broken span must not stop the others
+                    self.drops.drop("trace_export_failed", 1)
+                    if not self._build_error_logged:
+                        self._build_error_logged = True
+                        logger.exception("output-rate traces: building a span failed; "
+                                         "further failures are only counted")
+
+    def _run(self) -> None:
+        while not self._stop.wait(BUILD_INTERVAL_S):
+            self.flush()
 
     # -- per step ---------------------------------------------------------
 
@@ -177,30 +220,39 @@ class SpanRecorder:
             if req_id in episodes:
                 episodes[req_id].preempted = True
         if record.refunded or (record.refused and self._sample_refusal()):
-            span = self.tracer.start_span("output_rate.step", start_time=now + self.offset, attributes={
-                "output_rate.step": record.step,
-                "output_rate.charged": len(record.charged),
-                "output_rate.refunded": len(record.refunded),
-                "output_rate.throttled": len(record.throttled),
-                "output_rate.refused_users": sorted(record.refused)[:32],
-                "output_rate.refusal_steps_per_span": 1 if record.refunded else self.step_sample_every,
-            })
-            for req_id, user, reason in record.refunded:
-                span.add_event("refund", attributes={
-                    "output_rate.request_id": req_id, "output_rate.user": user,
-                    "output_rate.reason": reason})
-            span.end(end_time=now + self.offset)
+            self._queue(self._build_step, now, record.step, len(record.charged), record.refunded,
+                        len(record.throttled), list(record.refused))
+
+    def _build_step(self, now: int, step: int, charged: int, refunded: list[tuple[str, str, str]],
+                    throttled: int, refused: list[str]) -> None:
+        span = self.tracer.start_span("output_rate.step", start_time=now + self.offset, attributes={
+            "output_rate.step": step,
+            "output_rate.charged": charged,
+            "output_rate.refunded": len(refunded),
+            "output_rate.throttled": throttled,
+            "output_rate.refused_users": sorted(refused)[:32],
+            "output_rate.refusal_steps_per_span": 1 if refunded else self.step_sample_every,
+        })
+        for req_id, user, reason in refunded:
+            span.add_event("refund", attributes={
+                "output_rate.request_id": req_id, "output_rate.user": user,
+                "output_rate.reason": reason})
+        span.end(end_time=now + self.offset)
 
     def _sample_refusal(self) -> bool:
         self._refusal_steps += 1
         return self._refusal_steps % self.step_sample_every == 1 or self.step_sample_every == 1
 
     def _end_episode(self, episode: _Episode, end_ns: int, outcome: str) -> None:
+        self._queue(self._build_throttle, episode, end_ns, outcome,
+                    self._tokens_charged(episode.request_id, outcome))
+
+    def _build_throttle(self, episode: _Episode, end_ns: int, outcome: str, tokens: int) -> None:
         self._span("output_rate.throttle", episode.start_ns, end_ns, {
             "output_rate.user": episode.user,
             "output_rate.request_id": episode.request_id,
             "output_rate.priority": episode.priority,
-            "output_rate.tokens_charged": self._tokens_charged(episode.request_id, outcome),
+            "output_rate.tokens_charged": tokens,
             "output_rate.expected_ready_unix_ns": episode.ready_ns + self.offset,
             "output_rate.held_kv": episode.blocks > 0,
             "output_rate.kv_blocks": episode.blocks,
@@ -329,6 +381,11 @@ class SpanRecorder:
         self._trim(req_id)
         s = self._series.pop(req_id, array("I"))
         tokens = len(s) + 1 + self._overflow.pop(req_id, 0) if had_tokens else 0
+        self._queue(self._build_generation, req_id, reason, now, s, tokens,
+                    self._parents.pop(req_id, None))
+
+    def _build_generation(self, req_id: str, reason: str, now: int, s: array, tokens: int,
+                          parent_headers: dict[str, str] | None) -> None:
         ordered = sorted(s)
         attributes = {
             "output_rate.request_id": req_id,
@@ -346,12 +403,15 @@ class SpanRecorder:
             "output_rate.finish_reason": reason,
         }
         start = now - sum(s) * 1000
-        parent = self._parents.pop(req_id, None)
         links = None
-        if parent is not None:
+        if parent_headers:
+            from opentelemetry import trace
+            from opentelemetry.propagate import extract
             from opentelemetry.trace import Link
 
-            links = [Link(parent)]
+            context = trace.get_current_span(extract(parent_headers)).get_span_context()
+            if context.is_valid:
+                links = [Link(context)]
         self._span("output_rate.generation", start, now, attributes, links)
 
     # -- per idle wait --------------------------------------------------------
@@ -360,14 +420,14 @@ class SpanRecorder:
         """Flush what is queued, waiting at most ``timeout_s``: an
         unreachable endpoint must not hold the engine's shutdown (the SDK
         would wait for its export retries)."""
+        self._stop.set()
         provider = self.provider
-        if provider is None:
-            return
-        import threading
 
         def run() -> None:
             try:
-                provider.shutdown()
+                self.flush()
+                if provider is not None:
+                    provider.shutdown()
             except Exception:  # never let telemetry hurt the engine's shutdown
                 logger.exception("output-rate traces: shutdown failed")
 
@@ -376,6 +436,9 @@ class SpanRecorder:
         thread.join(timeout_s)
 
     def on_idle_wait(self, wait: Any) -> None:
+        self._queue(self._build_idle_wait, wait)
+
+    def _build_idle_wait(self, wait: Any) -> None:
         attributes = {
             "output_rate.planned_timeout_s": wait.planned_s,
             "output_rate.reason": wait.reason,
@@ -389,16 +452,18 @@ class SpanRecorder:
 class TraceDrops:
     """Spans that never reached the exporter's far end, by reason.
 
-    ``trace_queue_full``: more spans waiting for export than the batch
-    queue holds (``OTEL_BSP_MAX_QUEUE_SIZE``, default 2048); the span is
-    dropped before the SDK sees it (the SDK would log a warning per span).
-    ``trace_export_failed``: the exporter reported failure or raised (an
-    unreachable OTLP endpoint, say). Each reason is logged once; the
-    counts go to ``output_rate_telemetry_dropped_total``.
+    ``trace_queue_full``: more spans waiting than a queue holds
+    (``OTEL_BSP_MAX_QUEUE_SIZE``, default 2048): the recorder's queue of
+    spans to build, or the batch processor's queue of spans to export; the
+    span is dropped before the SDK sees it (the SDK would log a warning per
+    span). ``trace_export_failed``: the exporter reported failure or raised
+    (an unreachable OTLP endpoint, say), or a span could not be built. Each
+    reason is logged once; the counts go to
+    ``output_rate_telemetry_dropped_total``.
 
-    Thread-safety without locks: ``pending`` is a deque whose append and
-    popleft are atomic; each count has a single writer thread (queue-full
-    on the scheduler's thread, export failures on the exporter's).
+    ``pending`` is a deque whose append and popleft are atomic; counts are
+    written by several threads (scheduler, span builder, exporter), only
+    when something is dropped, under a lock.
     """
 
     def __init__(self, max_queue: int) -> None:
@@ -406,11 +471,14 @@ class TraceDrops:
         self.pending: deque[None] = deque()
         self.counts: dict[str, int] = {"trace_queue_full": 0, "trace_export_failed": 0}
         self._logged: set[str] = set()
+        self._lock = threading.Lock()
 
     def drop(self, reason: str, n: int, detail: str = "") -> None:
-        self.counts[reason] += n
-        if reason not in self._logged:
+        with self._lock:  # (only on the drop path, never per token)
+            self.counts[reason] += n
+            first = reason not in self._logged
             self._logged.add(reason)
+        if first:
             logger.warning("output-rate traces: %d span(s) dropped (%s)%s; further drops are "
                            "only counted in output_rate_telemetry_dropped_total",
                            n, reason, f": {detail}" if detail else "")
