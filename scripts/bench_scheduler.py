@@ -31,6 +31,8 @@ from harness import FakeClock, make_request, make_scheduler, model_output_for  #
 PROMPT = 16
 NEVER_BINDS = 10**9
 THROTTLED = "0.001"
+#: --cpu: measure the process's CPU time per step (see measure_same)
+CPU = False
 
 
 def build(limited: bool, running: int, users: int, throttled_share: float):
@@ -201,6 +203,23 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         del sched._reserve_prefill_lookahead
         return took
 
+    telemetry = getattr(sched, "output_rate_telemetry", None)
+    spans = telemetry.spans if telemetry is not None else None
+
+    def block(arm: str) -> float:
+        run = (lambda: step(sched, clock)) if arm == "on" else step_off
+        if not CPU:
+            return statistics.median(run() for _ in range(block_steps))
+        # The process's CPU time (all its threads) per step, the on block
+        # ending when the spans it queued are built and exported.
+        c0 = time.process_time()
+        for _ in range(block_steps):
+            run()
+        if arm == "on" and spans is not None:
+            spans.flush()
+            spans.provider.force_flush()
+        return (time.process_time() - c0) / block_steps
+
     for _ in range(5):
         step(sched, clock)
     on_times, off_times = [], []
@@ -215,18 +234,15 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
             arms = ("on", "off") if i % 2 == 0 else ("off", "on")
             for arm in arms:
                 gc.collect()
-                if arm == "on":
-                    on_times.append(statistics.median(step(sched, clock) for _ in range(block_steps)))
-                else:
-                    off_times.append(statistics.median(step_off() for _ in range(block_steps)))
+                (on_times if arm == "on" else off_times).append(block(arm))
     finally:
         gc.enable()
         gc.unfreeze()
     active = len(sched.output_rate_last_step.charged)
-    telemetry = getattr(sched, "output_rate_telemetry", None)
     if telemetry is not None:
         telemetry.close()
-    return statistics.median(on_times), statistics.median(off_times), active
+    average = statistics.fmean if CPU else statistics.median
+    return average(on_times), average(off_times), active
 
 
 def measure(running: int, users: int, share: float, blocks: int, block_steps: int,
@@ -262,7 +278,7 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
 
 
 def main() -> None:
-    global THROTTLED
+    global THROTTLED, CPU
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
     parser.add_argument("--sizes", type=int, nargs="*", help="running requests R to measure")
@@ -283,10 +299,15 @@ def main() -> None:
                         "every step after the first token; 10 lets each throttled user through "
                         "once every 10 steps (10 ms fake steps), so the throttled set changes "
                         "in most steps")
+    parser.add_argument("--cpu", action="store_true",
+                        help="with --same-scheduler: CPU time of the whole process (every "
+                        "thread) per step, mean over blocks, each telemetry block ending when "
+                        "its spans are built and exported (background work included)")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--block-steps", type=int, default=5)
     args = parser.parse_args()
     THROTTLED = str(args.throttled_rate)
+    CPU = args.cpu
     sizes = args.sizes or ([64, 256] if args.quick else [64, 256, 1024])
     rows = []
     telemetry_dir = traces_url = receiver = None

@@ -451,3 +451,25 @@ def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(
     # accounted for, built or dropped
     assert dropped + queued >= 4 + 4
     assert broken[0].__name__.startswith("_build_")
+
+
+@pytest.mark.parametrize("raw, spans_expected", [("0.15", "long only"), ("bad", "all"), ("-1", "all")])
+def test_throttle_spans_only_for_episodes_past_the_minimum(tmp_path, exporter, monkeypatch, raw,
+                                                          spans_expected):
+    import telemetry.engine as engine_mod
+    from tracing import spans as spans_mod
+
+    monkeypatch.setenv(spans_mod.THROTTLE_MIN_ENV, raw)
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10))
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    drv.add(*[make_request("a", max_tokens=8) for _ in range(3)])
+    drv.run_until_done()
+    throttles = spans(exporter, "output_rate.throttle")
+    episodes = tel.histograms[("throttle_episode_seconds", ("a",))]
+    assert episodes.count > 5  # every episode is in the histogram either way
+    if spans_expected == "all":
+        assert rec.throttle_min_ns == 0 and len(throttles) == episodes.count
+    else:
+        assert rec.throttle_min_ns == 150_000_000
+        assert 0 < len(throttles) < episodes.count
+        assert all(s.end_time - s.start_time >= 150_000_000 for s in throttles)

@@ -1,17 +1,24 @@
 """OpenTelemetry spans of the limiter, from the engine-core process.
 
 Built from the same plain data the metrics use (``OutputRateStep`` per step,
-``IdleWait`` per idle wait, the engine outputs per ``update_from_output``);
-spans go to a ``BatchSpanProcessor``, whose queue and exporter thread keep
-export off the scheduler's thread; a full queue drops spans and a failing
-exporter loses them, both counted (``TraceDrops``, exported as
-``output_rate_telemetry_dropped_total``) and logged once, never blocking.
+``IdleWait`` per idle wait, the engine outputs per ``update_from_output``).
+On the scheduler's thread a span is one append of its plain data to a
+bounded queue; a builder thread of ours makes the SDK spans from it (every
+``BUILD_INTERVAL_S``, and at shutdown) and hands them to a
+``BatchSpanProcessor``, whose queue and exporter thread export them. A full
+queue drops spans and a failing exporter loses them, both counted
+(``TraceDrops``, exported as ``output_rate_telemetry_dropped_total``) and
+logged once, never blocking. Building and exporting a span costs the
+process some tens of microseconds of CPU (BENCHMARKS.md); the standard
+``OTEL_TRACES_SAMPLER`` thins all spans, and ``THROTTLE_MIN_ENV`` skips the
+short throttle episodes of users pacing at their limit.
 
 Spans:
 - ``output_rate.throttle``: one per throttle episode of a request, from the
   first step it was skipped for lack of budget to the step it was dispatched
   again (or finished): user, request id, priority, tokens charged so far,
-  expected ready time, KV blocks held, preempted meanwhile.
+  expected ready time, KV blocks held, preempted meanwhile (episodes shorter
+  than ``VLLM_OUTPUT_RATE_TRACE_THROTTLE_MIN_S``, default 0, get none).
 - ``output_rate.step``: only for steps in which a token was refunded or a
   user refused (not for every step): charged / refunded counts and one event
   per refund with its reason.
@@ -49,6 +56,10 @@ TRIM_EVERY = 256
 #: (steps with refunds always get one). Environment variable, default 50.
 STEP_SAMPLE_ENV = "VLLM_OUTPUT_RATE_TRACE_REFUSAL_STEP_EVERY"
 DEFAULT_STEP_SAMPLE = 50
+#: Throttle episodes shorter than this many seconds get no span (they are
+#: still in the episode histogram). Default 0: a span for every episode. A
+#: user at its limit with several streams has one short episode per token.
+THROTTLE_MIN_ENV = "VLLM_OUTPUT_RATE_TRACE_THROTTLE_MIN_S"
 _TRACER_NAME = "vllm_output_rate"
 _REQUEST_ID = attrgetter("request_id")
 
@@ -64,6 +75,21 @@ def _step_sample_every() -> int:
     except ValueError:
         logger.warning("%s=%r is not an integer; using %d", STEP_SAMPLE_ENV, raw, DEFAULT_STEP_SAMPLE)
         return DEFAULT_STEP_SAMPLE
+
+
+def _throttle_min_ns() -> int:
+    import os
+
+    raw = os.environ.get(THROTTLE_MIN_ENV, "")
+    try:
+        value = float(raw) if raw else 0.0
+        if not value >= 0:  # (also NaN)
+            raise ValueError(raw)
+        return int(value * 1e9)
+    except ValueError:
+        logger.warning("%s=%r is not a number of seconds >= 0; every throttle episode gets "
+                       "a span", THROTTLE_MIN_ENV, raw)
+        return 0
 
 
 def _epoch_offset_ns() -> int:
@@ -122,6 +148,8 @@ class SpanRecorder:
         self._overflow: dict[str, int] = {}
         #: refusal-only steps get one step span in this many (refund steps: always)
         self.step_sample_every = _step_sample_every()
+        #: episodes shorter than this (ns) get no span
+        self.throttle_min_ns = _throttle_min_ns()
         self._refusal_steps = 0
         self._series: dict[str, array] = {}
         #: request id -> the update its open run of steady tokens began at
@@ -244,6 +272,8 @@ class SpanRecorder:
         return self._refusal_steps % self.step_sample_every == 1 or self.step_sample_every == 1
 
     def _end_episode(self, episode: _Episode, end_ns: int, outcome: str) -> None:
+        if end_ns - episode.start_ns < self.throttle_min_ns:
+            return
         self._queue(self._build_throttle, episode, end_ns, outcome,
                     self._tokens_charged(episode.request_id, outcome))
 
