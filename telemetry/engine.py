@@ -685,17 +685,20 @@ def _event_json(event: tuple, engine: str) -> str:
 
 class _StepCounts:
     """Per-user counts that hold from one step to the next (tokens charged
-    per step, throttled requests per step), folded into counters as count
-    times steps: work only when a user's count changes and at folds, not
-    per user per step."""
+    per step, throttled requests per step), accumulated as count times
+    steps: work only when a user's count changes, not per user per step.
+    What accumulated goes to the counters (``fold``) at ``fold_all``: at
+    exports, aborts, when the engine goes idle and at close."""
 
-    __slots__ = ("count", "fold", "since", "steps")
+    __slots__ = ("acc", "count", "fold", "since", "steps")
 
     def __init__(self, fold: Callable[[str, int], None]) -> None:
         #: user -> its count in the current step (users with a count only)
         self.count: dict[str, int] = {}
-        #: user -> the step number its counter is folded up to
+        #: user -> the step number its count is accumulated up to
         self.since: dict[str, int] = {}
+        #: user -> accumulated since the last fold_all (cleared there)
+        self.acc: dict[str, int] = {}
         #: steps seen (the caller counts them)
         self.steps = 0
         self.fold = fold
@@ -704,7 +707,7 @@ class _StepCounts:
         """``user``'s count is ``k`` from the current step on."""
         old = self.count.get(user, 0)
         if old and self.steps > self.since[user]:
-            self.fold(user, old * (self.steps - self.since[user]))
+            self.acc[user] = self.acc.get(user, 0) + old * (self.steps - self.since[user])
         if k:
             self.count[user] = k
             self.since[user] = self.steps
@@ -716,11 +719,14 @@ class _StepCounts:
         self.set(user, self.count.get(user, 0) + delta)
 
     def fold_all(self) -> None:
-        steps, since = self.steps, self.since
+        steps, since, acc = self.steps, self.since, self.acc
         for user, k in self.count.items():
             if steps > since[user]:
-                self.fold(user, k * (steps - since[user]))
+                acc[user] = acc.get(user, 0) + k * (steps - since[user])
                 since[user] = steps
+        self.acc = {}
+        for user, n in acc.items():
+            self.fold(user, n)
 
 
 def attach(scheduler: Any) -> EngineTelemetry | None:
