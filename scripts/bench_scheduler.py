@@ -241,6 +241,8 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
     active = len(sched.output_rate_last_step.charged)
     if telemetry is not None:
         telemetry.close()
+        if spans is not None and any(spans.drops.counts.values()):
+            print(f"  (spans dropped: {spans.drops.counts})", flush=True)
     average = statistics.fmean if CPU else statistics.median
     return average(on_times), average(off_times), active
 

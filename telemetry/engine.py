@@ -29,11 +29,10 @@ import threading
 import time
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable
-from operator import attrgetter
 from typing import Any
 
 from telemetry.labels import OTHER, UserLabeler
-from telemetry.metrics import BY_NAME, EPISODE_BUCKETS, SPACING_BUCKETS
+from telemetry.metrics import BY_NAME, SPACING_BUCKETS
 
 logger = logging.getLogger("vllm_output_rate.telemetry")
 
@@ -52,7 +51,6 @@ EVENTS_QUEUE_CAP = 500_000
 EXPORT_INTERVAL_S = 1.0
 
 Labels = tuple[str, ...]
-_USER = attrgetter("output_rate_user")
 #: Why a charged token was given back (see the scheduler's refund point).
 REFUND_REASONS = ("not_scheduled", "preempted")
 
