@@ -473,3 +473,42 @@ def test_throttle_spans_only_for_episodes_past_the_minimum(tmp_path, exporter, m
         assert rec.throttle_min_ns == 150_000_000
         assert 0 < len(throttles) < episodes.count
         assert all(s.end_time - s.start_time >= 150_000_000 for s in throttles)
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_offline_traces_go_to_a_json_lines_file(tmp_path, monkeypatch, writable):
+    """VLLM_OUTPUT_RATE_TRACES_FILE: spans appended as JSON lines; a file
+    that cannot be written is a counted export failure, the engine goes on."""
+    import json
+
+    from tracing.spans import TRACES_FILE_ENV, TraceDrops, tracer_from
+
+    path = tmp_path / ("traces.jsonl" if writable else "missing-dir/traces.jsonl")
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.setenv(TRACES_FILE_ENV, str(path))
+    drops = TraceDrops(2048)
+    provider = tracer_provider_from_env(None, drops)
+    assert provider is not None
+    clock = FakeClock()
+    sched = make_scheduler(limits(1000, a=10), clock=clock)
+    recorder = SpanRecorder(tracer_from(provider), sched, clock_offset_ns=0)
+    recorder.drops, recorder.provider = drops, provider
+    EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
+    drv = Driver(sched, clock, step_ms=10.0)
+    reqs = [make_request("a", max_tokens=8) for _ in range(3)]
+    drv.add(*reqs)
+    drv.run_until_done()
+    assert all(drv.count(r.request_id) == 8 for r in reqs)
+    recorder.shutdown(timeout_s=10)
+    if writable:
+        spans_ = [json.loads(line) for line in path.read_text().splitlines()]
+        names = [s["name"] for s in spans_]
+        assert names.count("output_rate.generation") == 3 and "output_rate.throttle" in names
+        gen = next(s for s in spans_ if s["name"] == "output_rate.generation")
+        assert gen["attributes"]["output_rate.tokens"] == 8
+        assert drops.counts == {"trace_queue_full": 0, "trace_export_failed": 0}
+    else:
+        assert not path.exists()
+        assert drops.counts["trace_export_failed"] >= 3 + 1  # every span, counted

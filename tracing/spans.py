@@ -56,6 +56,8 @@ TRIM_EVERY = 256
 #: (steps with refunds always get one). Environment variable, default 50.
 STEP_SAMPLE_ENV = "VLLM_OUTPUT_RATE_TRACE_REFUSAL_STEP_EVERY"
 DEFAULT_STEP_SAMPLE = 50
+#: A file path: spans appended there as JSON lines (offline use).
+TRACES_FILE_ENV = "VLLM_OUTPUT_RATE_TRACES_FILE"
 #: Throttle episodes shorter than this many seconds get no span (they are
 #: still in the episode histogram). Default 0: a span for every episode. A
 #: user at its limit with several streams has one short episode per token.
@@ -573,13 +575,17 @@ def tracer_provider_from_env(otlp_endpoint: str | None = None,
     ``OTEL_TRACES_EXPORTER``: ``otlp`` (default when an endpoint is set),
     ``console``, or ``none``; ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` /
     ``OTEL_EXPORTER_OTLP_PROTOCOL``: ``grpc`` (default) or ``http/protobuf``.
+    For offline use, ``VLLM_OUTPUT_RATE_TRACES_FILE``: append the spans to
+    that file as JSON lines (instead of the console or an OTLP endpoint;
+    ``OTEL_TRACES_EXPORTER=none`` still turns traces off).
     """
     import os
 
     exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
     endpoint = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") \
         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    if exporter_name == "none" or (not exporter_name and not endpoint):
+    path = os.environ.get(TRACES_FILE_ENV, "").strip()
+    if exporter_name == "none" or (not exporter_name and not endpoint and not path):
         return None
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -587,7 +593,9 @@ def tracer_provider_from_env(otlp_endpoint: str | None = None,
 
     provider = TracerProvider(resource=Resource.create(
         {"service.name": os.environ.get("OTEL_SERVICE_NAME", "vllm-output-rate")}))
-    if exporter_name == "console":
+    if path:
+        exporter = JsonLinesFileExporter(path)
+    elif exporter_name == "console":
         exporter = ConsoleSpanExporter()
     else:
         protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
@@ -602,6 +610,29 @@ def tracer_provider_from_env(otlp_endpoint: str | None = None,
     else:
         provider.add_span_processor(_counting_processor(exporter, drops))
     return provider
+
+
+class JsonLinesFileExporter:
+    """Spans appended to a file, one JSON object per line (the SDK's own
+    ``to_json``), a batch per write. A file that cannot be written fails
+    the export (counted as ``trace_export_failed`` by the processor)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        lines = "".join(span.to_json(indent=None) + "\n" for span in spans)
+        with open(self.path, "a") as f:
+            f.write(lines)
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
 
 
 def max_queue_from_env() -> int:
