@@ -840,8 +840,10 @@ def alerting_provisioning() -> dict[str, Any]:
     from dashboards import grafana
 
     rules = []
+    # from the rules this generator makes (not the file on disk, which may
+    # be the previous generation's)
     for rule in grafana.alert_rules(FOLDER_UID, "${" + DATASOURCE_ENV + "}",
-                                    path=HERE / "prometheus" / "alerts.rules.yaml"):
+                                    rules=rule_files()["prometheus/alerts.rules.yaml"]):
         rule = {k: v for k, v in rule.items() if k not in ("ruleGroup", "folderUID", "orgID")}
         rules.append(rule)
     return {"apiVersion": 1, "groups": [{

@@ -44,10 +44,14 @@ def group_interval_seconds(path: Path = ALERTS_FILE) -> int:
     return int(seconds(group["interval"]))
 
 
-def alert_rules(folder_uid: str, datasource_uid: str, path: Path = ALERTS_FILE) -> list[dict[str, Any]]:
-    """The Grafana provisioning API bodies of every alert in ``path``."""
+def alert_rules(folder_uid: str, datasource_uid: str, path: Path = ALERTS_FILE,
+                rules: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The Grafana provisioning API bodies of every alert in ``path`` (or in
+    ``rules``, the rule file's content, when given)."""
     out = []
-    for group in yaml.safe_load(path.read_text())["groups"]:
+    if rules is None:
+        rules = yaml.safe_load(path.read_text())
+    for group in rules["groups"]:
         for rule in group["rules"]:
             if "alert" not in rule:
                 continue

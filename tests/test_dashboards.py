@@ -70,6 +70,21 @@ def test_committed_files_equal_generator_output():
     assert stale == [], f"run `python dashboards/generate.py` and commit: {stale}"
 
 
+def test_one_generator_run_makes_consistent_files(monkeypatch):
+    """A new alert reaches the Grafana provisioning in the same run that
+    writes it to the rule file (not only in the next one)."""
+    made = generate.alerts
+
+    def with_new_alert():
+        return [*made(), generate.Alert("OutputRateBrandNew", "vector(1)", "1m", "warning",
+                                        "summary", "description")]
+
+    monkeypatch.setattr(generate, "alerts", with_new_alert)
+    out = generate.outputs()
+    assert "OutputRateBrandNew" in out["prometheus/alerts.rules.yaml"]
+    assert "OutputRateBrandNew" in out["provisioning/alerting.yaml"]
+
+
 def test_expected_files_exist():
     assert {p.name for p in DASHBOARD_FILES} == set(generate.DASHBOARDS)
     assert {p.name for p in RULE_FILES} == {"recording.rules.yaml", "alerts.rules.yaml"}
