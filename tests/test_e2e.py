@@ -122,6 +122,18 @@ def test_beam_search_is_refused_with_400(server):
     assert ok.status_code == 200
 
 
+def test_a_malformed_user_field_is_refused_with_400(server):
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 4,
+            "vllm_xargs": {"output_rate_user": ["user-a", "user-b"]}}
+    resp = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 400, resp.text
+    assert "output_rate_user must be a string" in resp.text
+    # a numeric user id is a user too
+    body["vllm_xargs"] = {"output_rate_user": 42}
+    ok = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert ok.status_code == 200, ok.text
+
+
 def _engine_core(server) -> psutil.Process:
     parent = psutil.Process(server.proc.pid)
     for child in parent.children(recursive=True):

@@ -114,3 +114,32 @@ def test_configure_is_idempotent_and_follows_async_scheduling():
     config.scheduler_config.async_scheduling = True
     plugin.configure_output_rate(config)
     assert config.scheduler_config.scheduler_cls == plugin.ASYNC_SCHEDULER
+
+
+# (what vLLM's request model lets through: strings, numbers and lists of
+# them; null and objects it refuses itself)
+@pytest.mark.parametrize("user, refused", [
+    ("user-a", False), (42, False), (2.5, False), ("", False), (["a"], True), (["a", 1], True),
+])
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_a_malformed_user_field_is_refused_while_the_feature_is_on(monkeypatch, user, refused, kind):
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.exceptions import VLLMValidationError
+
+    plugin.register()
+    if kind == "chat":
+        req = ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                    vllm_xargs={"output_rate_user": user})
+        make = lambda: req.to_sampling_params(4, {})  # noqa: E731
+    else:
+        req = CompletionRequest(model="tiny", prompt="hi", vllm_xargs={"output_rate_user": user})
+        make = lambda: req.to_sampling_params(4)  # noqa: E731
+    monkeypatch.setattr(plugin, "_feature_on", False)
+    assert make().extra_args == {"output_rate_user": user}  # feature off: upstream as is
+    monkeypatch.setattr(plugin, "_feature_on", True)
+    if refused:
+        with pytest.raises(VLLMValidationError, match="output_rate_user must be a string"):
+            make()
+    else:
+        assert make().extra_args == {"output_rate_user": user}

@@ -41,6 +41,9 @@ a process where the feature is on (engine loop) or to add options (CLI):
     changed) by ``vllm-output-rate serve``, with ``make_arg_parser``.
   - ``ChatCompletionRequest.to_beam_search_params`` /
     ``CompletionRequest.to_beam_search_params``: refuse beam search (HTTP 400).
+  - ``ChatCompletionRequest.to_sampling_params`` /
+    ``CompletionRequest.to_sampling_params``: refuse a ``vllm_xargs``
+    user field that is not a string or a number (HTTP 400), then upstream.
 
 Request fields read: ``request_id``, ``status``, ``priority``,
 ``arrival_time``, ``num_tokens``, ``num_computed_tokens``,

@@ -25,6 +25,7 @@ from typing import Any
 from vllm_patch.config import (
     ADDITIONAL_CONFIG_KEY,
     DEFAULT_OPTION,
+    USER_FIELD,
     USERS_OPTION,
     OutputRateConfig,
     OutputRateConfigError,
@@ -305,8 +306,26 @@ def _setup_telemetry() -> None:
 # -- beam search ----------------------------------------------------------------
 
 
+def user_field_error(xargs: Any) -> str | None:
+    """Why a request's ``vllm_xargs.output_rate_user`` is unusable, or None.
+
+    A string, a number (taken as its string form), null or absent are
+    fine; anything else (a boolean, an object, a list) is refused rather
+    than silently served as the anonymous user."""
+    if not isinstance(xargs, dict) or USER_FIELD not in xargs:
+        return None
+    value = xargs[USER_FIELD]
+    if value is None or isinstance(value, str):
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return None
+    return (f"vllm_xargs.{USER_FIELD} must be a string (the user the output-rate "
+            f"limit applies to), got {type(value).__name__}")
+
+
 def _patch_beam_search() -> None:
-    """Refuse beam search with HTTP 400 while the feature is on."""
+    """Refuse beam search, and a malformed user field, with HTTP 400 while
+    the feature is on."""
     try:
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionRequest,
@@ -315,6 +334,20 @@ def _patch_beam_search() -> None:
     except ImportError:  # pragma: no cover - serving extras missing
         return
     for cls in (ChatCompletionRequest, CompletionRequest):
+        upstream_sampling = cls.to_sampling_params
+        if not getattr(upstream_sampling, "_output_rate", False):
+
+            def to_sampling_params(self: Any, *args: Any, __up=upstream_sampling, **kw: Any):
+                if _feature_on:
+                    error = user_field_error(getattr(self, "vllm_xargs", None))
+                    if error is not None:
+                        from vllm.exceptions import VLLMValidationError
+
+                        raise VLLMValidationError(error, parameter="vllm_xargs")
+                return __up(self, *args, **kw)
+
+            to_sampling_params._output_rate = True  # type: ignore[attr-defined]
+            cls.to_sampling_params = to_sampling_params
         upstream = cls.to_beam_search_params
         if getattr(upstream, "_output_rate", False):
             continue
