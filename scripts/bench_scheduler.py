@@ -45,7 +45,7 @@ def build(limited: bool, running: int, users: int, throttled_share: float):
     if limited:
         limits = {
             "default_user_output_tokens_per_second": NEVER_BINDS,
-            "user_output_tokens_per_second": {u: THROTTLED for u in user_names[:throttled_users]},
+            "user_output_tokens_per_second": throttled_limits(user_names[:throttled_users]),
         }
     clock = FakeClock()
     sched = make_scheduler(
@@ -56,6 +56,17 @@ def build(limited: bool, running: int, users: int, throttled_share: float):
     for i in range(running):
         sched.add_request(make_request(user_names[i * users // running], prompt_len=PROMPT, max_tokens=4000))
     return sched, clock
+
+
+def throttled_limits(users: list[str]) -> dict[str, str]:
+    """The throttled users' limits: ``THROTTLED`` for all; a limit that
+    lets them through (above 0.01 tok/s) is spread over +-20% so that they
+    come through in different steps, as users who started at different
+    times would, not all in the same step."""
+    rate = float(THROTTLED)
+    if rate <= 0.01 or len(users) < 2:
+        return {u: THROTTLED for u in users}
+    return {u: f"{rate * (0.8 + 0.4 * i / (len(users) - 1)):.4f}" for i, u in enumerate(users)}
 
 
 def step(sched, clock, via=None) -> float:
@@ -299,8 +310,8 @@ def main() -> None:
     parser.add_argument("--throttled-rate", type=float, default=float(THROTTLED),
                         help="limit (tokens/s) of the throttled users: the default is refused "
                         "every step after the first token; 10 lets each throttled user through "
-                        "once every 10 steps (10 ms fake steps), so the throttled set changes "
-                        "in most steps")
+                        "about once every 10 steps (10 ms fake steps; limits spread +-20%%), so "
+                        "the throttled set changes in every step")
     parser.add_argument("--cpu", action="store_true",
                         help="with --same-scheduler: CPU time of the whole process (every "
                         "thread) per step, mean over blocks, each telemetry block ending when "
