@@ -1,0 +1,33 @@
+"""The scheduler benchmark runs (a tiny grid; its figures are not checked:
+no wall-clock thresholds in tests, see BENCHMARKS.md for the measurements)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from harness import REPO
+
+SCRIPT = REPO / "scripts" / "bench_scheduler.py"
+
+
+@pytest.mark.parametrize("args", [
+    ["--same-scheduler"],
+    ["--same-scheduler", "--telemetry", "--throttled-rate", "10"],
+    ["--same-scheduler", "--telemetry", "--cpu", "--no-traces"],
+    ["--control"],
+])
+def test_the_benchmark_runs_and_prints_its_table(args):
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--sizes", "8", "--users", "1", "2", "--shares", "0", "0.5",
+         "--blocks", "2", "--block-steps", "2", "--pairs", "1", *args],
+        capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| 8 |")]
+    # R=8: one user unthrottled; two users at 0% and 50% throttled
+    assert len(rows) == 3, run.stdout
+    for row in rows:
+        ratio = float(row.split("|")[7])
+        assert ratio > 0
