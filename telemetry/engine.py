@@ -33,6 +33,7 @@ from typing import Any
 
 from telemetry.labels import OTHER, UserLabeler
 from telemetry.metrics import BY_NAME, SPACING_BUCKETS
+from vllm_patch.internals import kv_blocks_held
 
 logger = logging.getLogger("vllm_output_rate.telemetry")
 
@@ -350,7 +351,7 @@ class EngineTelemetry:
         total_blocks = 0
         for request in throttled:
             label = self.labeler.label(request.output_rate_user)
-            n = sum(len(group) for group in manager.get_block_ids(request.request_id))
+            n = kv_blocks_held(manager, request.request_id)
             requests[label] += 1
             blocks[label] += n
             total_blocks += n
@@ -369,8 +370,8 @@ class EngineTelemetry:
             blocks_by_user: dict[str, int] = defaultdict(int)
             for request in throttled:
                 by_user[request.output_rate_user] += 1
-                blocks_by_user[request.output_rate_user] += sum(
-                    len(group) for group in manager.get_block_ids(request.request_id))
+                blocks_by_user[request.output_rate_user] += kv_blocks_held(
+                    manager, request.request_id)
             self._events_idle = not throttled
             self._queue_event(("throttled", time.monotonic_ns(), dict(by_user),
                                dict(blocks_by_user), total_blocks / self._num_blocks))

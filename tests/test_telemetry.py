@@ -398,3 +398,26 @@ def test_no_per_request_state_outlives_its_request(tmp_path, monkeypatch):
     delivered = sum(drv.count(r.request_id) for r in reqs)
     total = sum(h.count for h in tel._spacing.values())
     assert total == delivered - len(reqs)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_kv_blocks_held_matches_vllms_block_ids(tmp_path, prefix_caching):
+    from vllm_patch.internals import kv_blocks_held
+
+    sched, drv, tel = setup(tmp_path, limits(1000, a=2), enable_prefix_caching=prefix_caching)
+    reqs = [make_request("a", prompt_len=40, max_tokens=30) for _ in range(3)]
+    drv.add(*reqs, make_request("b", prompt_len=70, max_tokens=30))
+    manager = sched.kv_cache_manager
+    for _ in range(12):
+        drv.step()
+        for req_id in sched.requests:
+            want = sum(len(g) for g in manager.get_block_ids(req_id))
+            assert kv_blocks_held(manager, req_id) == want
+    assert any(kv_blocks_held(manager, r.request_id) > 1 for r in reqs)
+    assert kv_blocks_held(manager, "no-such-request") == 0
+
+    class OtherLayout:  # no coordinator: the public way
+        def get_block_ids(self, req_id):
+            return ([1, 2], [3])
+
+    assert kv_blocks_held(OtherLayout(), "x") == 3

@@ -40,9 +40,11 @@ import threading
 import time
 from array import array
 from collections import deque
-from operator import attrgetter
 from collections.abc import Callable
+from operator import attrgetter
 from typing import Any
+
+from vllm_patch.internals import kv_blocks_held
 
 MAX_SERIES = 2048
 #: The scheduler's thread queues spans as plain data; a thread of ours builds
@@ -243,7 +245,7 @@ class SpanRecorder:
             manager = self.scheduler.kv_cache_manager
             for request in opened:
                 if request.request_id not in episodes:
-                    blocks = sum(len(g) for g in manager.get_block_ids(request.request_id))
+                    blocks = kv_blocks_held(manager, request.request_id)
                     episodes[request.request_id] = _Episode(
                         request, now, record.refused.get(request.output_rate_user, 0), blocks)
         for req_id in record.preempted_throttled:

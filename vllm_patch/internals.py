@@ -45,6 +45,11 @@ a process where the feature is on (engine loop) or to add options (CLI):
     ``CompletionRequest.to_sampling_params``: refuse a ``vllm_xargs``
     user field that is not a string or a number (HTTP 400), then upstream.
 
+Read (telemetry): ``KVCacheManager.coordinator.single_type_managers[i]
+.req_to_blocks`` (request id -> its blocks, per KV cache group): the KV
+blocks a throttled request holds, without building vLLM's block-id lists
+(``kv_blocks_held``; falls back to ``KVCacheManager.get_block_ids``).
+
 Request fields read: ``request_id``, ``status``, ``priority``,
 ``arrival_time``, ``num_tokens``, ``num_computed_tokens``,
 ``sampling_params.extra_args``.
@@ -53,6 +58,7 @@ Request fields read: ``request_id``, ``status``, ``priority``,
 from __future__ import annotations
 
 from importlib import metadata
+from typing import Any
 
 SUPPORTED_VLLM = "0.32"
 WRITTEN_AGAINST = "0.32.0"
@@ -88,3 +94,13 @@ def check_vllm_version(version: str | None = None) -> str:
             f"uninstall vllm-output-rate."
         )
     return version
+
+
+def kv_blocks_held(manager: Any, request_id: str) -> int:
+    """KV blocks ``request_id`` holds in ``manager`` (a ``KVCacheManager``),
+    over all KV cache groups."""
+    try:
+        groups = manager.coordinator.single_type_managers
+        return sum(len(group.req_to_blocks.get(request_id, ())) for group in groups)
+    except AttributeError:  # not the 0.32 layout: the public-ish way
+        return sum(len(group) for group in manager.get_block_ids(request_id))
