@@ -127,6 +127,16 @@ def with_telemetry(pair, directory: str, traces_url: str | None = None):
     return pair
 
 
+def close_telemetry(sched) -> None:
+    """Stop ``sched``'s telemetry, if any, and say if spans were dropped."""
+    telemetry = getattr(sched, "output_rate_telemetry", None)
+    if telemetry is None:
+        return
+    telemetry.close()
+    if telemetry.spans is not None and any(telemetry.spans.drops.counts.values()):
+        print(f"  (spans dropped: {telemetry.spans.drops.counts})", flush=True)
+
+
 def measure_pair(running: int, users: int, share: float, blocks: int, block_steps: int,
                  telemetry_dir: str | None, traces_url: str | None, on_first: bool,
                  control: bool = False):
@@ -168,11 +178,7 @@ def measure_pair(running: int, users: int, share: float, blocks: int, block_step
         gc.enable()
         gc.unfreeze()
     active = len(on[0].output_rate_last_step.charged)
-    telemetry = getattr(on[0], "output_rate_telemetry", None)
-    if telemetry is not None:
-        telemetry.close()
-        if telemetry.spans is not None and any(telemetry.spans.drops.counts.values()):
-            print(f"  (spans dropped: {telemetry.spans.drops.counts})", flush=True)
+    close_telemetry(on[0])
     return statistics.median(on_times), statistics.median(off_times), active
 
 
@@ -250,10 +256,7 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         gc.enable()
         gc.unfreeze()
     active = len(sched.output_rate_last_step.charged)
-    if telemetry is not None:
-        telemetry.close()
-        if spans is not None and any(spans.drops.counts.values()):
-            print(f"  (spans dropped: {spans.drops.counts})", flush=True)
+    close_telemetry(sched)
     average = statistics.fmean if CPU else statistics.median
     return average(on_times), average(off_times), active
 

@@ -408,8 +408,7 @@ class EngineTelemetry:
             if request is not None:
                 labels[req_id] = self.labeler.label(request.output_rate_user)
         self._prev_by_label = dict(Counter(labels.get(r) or OTHER for r in self._prev_ids))
-        mark = (self._steady_n, self._steady_cum, self._steady_ns)
-        self._spacing_mark = {label: (mark[0], mark[1].copy(), mark[2]) for label in self._prev_by_label}
+        self._spacing_mark = {label: self._steady_now() for label in self._prev_by_label}
 
     def on_outputs(self, outputs: dict[int, Any]) -> None:
         """Token timing from the outputs of one ``update_from_output``.
@@ -507,7 +506,7 @@ class EngineTelemetry:
         if k:
             by_label[label] = k
             if k == delta:  # the label's first steady request: from now on
-                self._spacing_mark[label] = (self._steady_n, self._steady_cum.copy(), self._steady_ns)
+                self._spacing_mark[label] = self._steady_now()
         else:
             del by_label[label]
             del self._spacing_mark[label]
@@ -522,7 +521,12 @@ class EngineTelemetry:
         hist.counts = [c + k * (x - y) for c, x, y in zip(hist.counts, self._steady_cum, cum)]
         hist.sum += k * (self._steady_ns - total_ns) * 1e-9
         hist.count += k * (self._steady_n - n)
-        self._spacing_mark[label] = (self._steady_n, self._steady_cum.copy(), self._steady_ns)
+        self._spacing_mark[label] = self._steady_now()
+
+    def _steady_now(self) -> tuple[int, list[int], int]:
+        """A mark of the steady updates so far (their count, a copy of the
+        cumulative buckets, their spacings' sum)."""
+        return self._steady_n, self._steady_cum.copy(), self._steady_ns
 
     def _spacing_hist(self, label: str) -> Histogram:
         hist = self._spacing.get(label)

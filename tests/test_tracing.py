@@ -264,6 +264,29 @@ def test_a_full_span_queue_drops_and_counts_without_blocking():
     provider.shutdown()
 
 
+def _three_requests_with_env_traces(tmp_path):
+    """Three requests of a limited user through a scheduler whose spans go
+    where the OTEL_* / project variables say, as the engine core builds
+    them; the recorder shut down (everything exported). (drops, driver,
+    requests)."""
+    from tracing.spans import TraceDrops, tracer_from
+
+    drops = TraceDrops(2048)
+    provider = tracer_provider_from_env(None, drops)
+    assert provider is not None
+    clock = FakeClock()
+    sched = make_scheduler(limits(1000, a=10), clock=clock)
+    recorder = SpanRecorder(tracer_from(provider), sched, clock_offset_ns=0)
+    recorder.drops, recorder.provider = drops, provider
+    EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
+    drv = Driver(sched, clock, step_ms=10.0)
+    reqs = [make_request("a", max_tokens=8) for _ in range(3)]
+    drv.add(*reqs)
+    drv.run_until_done()
+    recorder.shutdown(timeout_s=10)
+    return drops, drv, reqs
+
+
 def test_spans_reach_a_real_otlp_http_receiver(tmp_path, monkeypatch):
     """The real OTLP/HTTP exporter, configured by OTEL_* variables, against a
     receiver on loopback that decodes the protobuf requests."""
@@ -271,20 +294,7 @@ def test_spans_reach_a_real_otlp_http_receiver(tmp_path, monkeypatch):
     try:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
-        from tracing.spans import TraceDrops, tracer_from
-
-        drops = TraceDrops(2048)
-        provider = tracer_provider_from_env(None, drops)
-        clock = FakeClock()
-        sched = make_scheduler(limits(1000, a=10), clock=clock)
-        recorder = SpanRecorder(tracer_from(provider), sched, clock_offset_ns=0)
-        recorder.drops, recorder.provider = drops, provider
-        EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
-        drv = Driver(sched, clock, step_ms=10.0)
-        reqs = [make_request("a", max_tokens=8) for _ in range(3)]
-        drv.add(*reqs)
-        drv.run_until_done()
-        recorder.shutdown(timeout_s=10)
+        drops, _drv, _reqs = _three_requests_with_env_traces(tmp_path)
     finally:
         receiver.close()
     received = receiver.spans
@@ -481,27 +491,15 @@ def test_offline_traces_go_to_a_json_lines_file(tmp_path, monkeypatch, writable)
     that cannot be written is a counted export failure, the engine goes on."""
     import json
 
-    from tracing.spans import TRACES_FILE_ENV, TraceDrops, tracer_from
+    from tracing.spans import TRACES_FILE_ENV
 
     path = tmp_path / ("traces.jsonl" if writable else "missing-dir/traces.jsonl")
     monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     monkeypatch.setenv(TRACES_FILE_ENV, str(path))
-    drops = TraceDrops(2048)
-    provider = tracer_provider_from_env(None, drops)
-    assert provider is not None
-    clock = FakeClock()
-    sched = make_scheduler(limits(1000, a=10), clock=clock)
-    recorder = SpanRecorder(tracer_from(provider), sched, clock_offset_ns=0)
-    recorder.drops, recorder.provider = drops, provider
-    EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
-    drv = Driver(sched, clock, step_ms=10.0)
-    reqs = [make_request("a", max_tokens=8) for _ in range(3)]
-    drv.add(*reqs)
-    drv.run_until_done()
+    drops, drv, reqs = _three_requests_with_env_traces(tmp_path)
     assert all(drv.count(r.request_id) == 8 for r in reqs)
-    recorder.shutdown(timeout_s=10)
     if writable:
         spans_ = [json.loads(line) for line in path.read_text().splitlines()]
         names = [s["name"] for s in spans_]

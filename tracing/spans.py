@@ -96,6 +96,11 @@ def _throttle_min_ns() -> int:
         return 0
 
 
+def _spacing_us(ns: int) -> int:
+    """A spacing in the series' unit: whole microseconds, within uint32."""
+    return min(ns // 1000, 0xFFFFFFFF)
+
+
 def _epoch_offset_ns() -> int:
     """Monotonic ns -> epoch ns, for span timestamps."""
     return time.time_ns() - time.monotonic_ns()
@@ -316,7 +321,7 @@ class SpanRecorder:
     def on_update(self, now_ns: int) -> None:
         """An ``update_from_output`` at ``now_ns`` (before its requests)."""
         if self._last_ns is not None:
-            self._gaps.append(min((now_ns - self._last_ns) // 1000, 0xFFFFFFFF))
+            self._gaps.append(_spacing_us(now_ns - self._last_ns))
         else:
             self._gaps.append(0)
         self._last_ns = now_ns
@@ -363,7 +368,7 @@ class SpanRecorder:
             s = self._series[req_id] = array("I")
             self._remember_parent(req_id)
         if prev_ns is not None:
-            s.append(min((now_ns - prev_ns) // 1000, 0xFFFFFFFF))
+            s.append(_spacing_us(now_ns - prev_ns))
         if n > 1:
             s.extend([0] * (n - 1))
         if len(s) > MAX_SERIES + TRIM_EVERY:  # (a request that is seldom steady)
