@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from vllm_output_rate.dashboards.thresholds import seconds
+
 HERE = Path(__file__).resolve().parent
 ALERTS_FILE = HERE / "prometheus" / "alerts.rules.yaml"
 RULE_GROUP = "output-rate"
@@ -38,8 +40,6 @@ def _grafana_template(text: str) -> str:
 
 
 def group_interval_seconds(path: Path = ALERTS_FILE) -> int:
-    from dashboards.generate import seconds
-
     (group,) = yaml.safe_load(path.read_text())["groups"]
     return int(seconds(group["interval"]))
 

@@ -41,10 +41,17 @@ def metric_names(expr: str) -> set[str]:
     return names
 
 
+#: a regex matcher whose whole value is one variable: ``instance=~"$instance"``
+_ALL_MATCHER = re.compile(r'=~"\$\{?\w+\}?"')
+
+
 def render(expr: str, variables: dict[str, str] | None = None, *,
            rate_interval: str = "15s", interval: str = "5s", range_: str = "5m") -> str:
     """``expr`` with ``$var`` / ``${var}`` and Grafana's ``$__*`` intervals
-    replaced (values are regexes: panels match with ``=~``)."""
+    replaced (values are regexes: panels match with ``=~``). A variable not in
+    ``variables`` that is a matcher's whole value is "All" (``.*``, the
+    dashboards' allValue), as Grafana sends it: callers name only the
+    variables they filter by (e.g. not the fleet's ``instance``)."""
     out = (expr.replace("$__rate_interval", rate_interval)
            .replace("${__rate_interval}", rate_interval)
            .replace("$__interval", interval)
@@ -52,4 +59,4 @@ def render(expr: str, variables: dict[str, str] | None = None, *,
     for name, value in (variables or {}).items():
         out = out.replace("${" + name + "}", value)
         out = re.sub(r"\$" + re.escape(name) + r"\b", lambda _m, v=value: v, out)
-    return out
+    return _ALL_MATCHER.sub('=~".*"', out)

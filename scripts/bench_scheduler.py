@@ -11,8 +11,8 @@ median over interleaved blocks (on, off, on, off, ...) so that machine noise
 hits both alike, and the ratio on/off. With the limiter off every resident
 request runs every step; with it on, throttled requests are skipped.
 
-    .venv/bin/python scripts/bench_scheduler.py            # full grid
-    .venv/bin/python scripts/bench_scheduler.py --quick    # R=64,256 only
+    .venv/bin/python -m vllm_output_rate.tools.bench_scheduler            # full grid
+    .venv/bin/python -m vllm_output_rate.tools.bench_scheduler --quick    # R=64,256 only
 """
 
 from __future__ import annotations
@@ -22,11 +22,14 @@ import gc
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-
-from harness import FakeClock, make_request, make_scheduler, model_output_for  # noqa: E402
+from vllm_output_rate.tools.scheduler_driver import (
+    FakeClock,
+    attach_telemetry,
+    make_request,
+    make_scheduler,
+    model_output_for,
+)
 
 PROMPT = 16
 NEVER_BINDS = 10**9
@@ -114,24 +117,26 @@ def with_telemetry(pair, directory: str, traces_url: str | None = None):
     exporter and batch processor, as the engine core builds them."""
     import os
 
-    from telemetry.engine import EngineTelemetry, _span_recorder
+    from vllm_output_rate.internals import SchedulerView
+    from vllm_output_rate.telemetry.engine import _span_recorder
 
     sched, clock = pair
     spans = None
     if traces_url is not None:
         os.environ["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = traces_url
         os.environ["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
-        spans = _span_recorder(sched)
+        spans = _span_recorder(SchedulerView(sched))
         assert spans is not None and spans.drops is not None
-    sched.output_rate_telemetry = EngineTelemetry(sched, directory, spans=spans)
+    attach_telemetry(sched, directory, spans=spans)
     return pair
 
 
 def close_telemetry(sched) -> None:
     """Stop ``sched``'s telemetry, if any, and say if spans were dropped."""
-    telemetry = getattr(sched, "output_rate_telemetry", None)
+    telemetry = sched.output_rate_observer
     if telemetry is None:
         return
+    sched.output_rate_observer = None
     telemetry.close()
     if telemetry.spans is not None and any(telemetry.spans.drops.counts.values()):
         print(f"  (spans dropped: {telemetry.spans.drops.counts})", flush=True)
@@ -195,24 +200,21 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
     scheduler with its telemetry observers unset. With ``control`` both
     arms run the same code (the method's noise floor).
     """
-    from vllm_patch.scheduler import OutputRateSchedulerMixin
+    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
 
     sched, clock = pair = build(True, running, users, share)
     if telemetry_dir is not None:
         with_telemetry(pair, telemetry_dir, traces_url)
     upstream = super(OutputRateSchedulerMixin, sched)
-    names = ("output_rate_observer", "output_rate_token_observer", "output_rate_finish_observer")
-    observers = {name: getattr(sched, name) for name in names}
+    telemetry = sched.output_rate_observer
 
     def step_off() -> float:
         if control:
             return step(sched, clock)
         if telemetry_dir is not None:
-            for name in names:
-                setattr(sched, name, None)
+            sched.output_rate_observer = None
             took = step(sched, clock)
-            for name, fn in observers.items():
-                setattr(sched, name, fn)
+            sched.output_rate_observer = telemetry
             return took
         sched._reserve_prefill_lookahead = upstream._reserve_prefill_lookahead
         sched.kv_cache_manager.__dict__.pop("allocate_slots", None)
@@ -220,7 +222,6 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         del sched._reserve_prefill_lookahead
         return took
 
-    telemetry = getattr(sched, "output_rate_telemetry", None)
     spans = telemetry.spans if telemetry is not None else None
 
     def block(arm: str) -> float:

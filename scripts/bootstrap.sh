@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Create or reuse the project's virtual environment (.venv) and install the
 # project with its vLLM build and dev tools. Re-installs only when
-# pyproject.toml changed. VLLM_OUTPUT_RATE_EXTRA=cuda picks the CUDA build.
+# pyproject.toml changed. OUTPUT_RATE_EXTRA=cuda picks the CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-extra="${VLLM_OUTPUT_RATE_EXTRA:-cpu}"
+extra="${OUTPUT_RATE_EXTRA:-cpu}"
 python="${PYTHON:-}"
 if [ -z "$python" ]; then
   for candidate in python3.11 python3.12 python3.10 python3; do
@@ -35,6 +35,6 @@ if ! .venv/bin/python -c "import torchvision" >/dev/null 2>&1; then
   echo "bootstrap: removing torchvision/torchaudio/torchcodec (they do not import beside this torch)"
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec || true
 fi
-.venv/bin/python -c "import vllm, vllm_patch.plugin" >/dev/null
+.venv/bin/python -c "import vllm, vllm_output_rate.plugin, vllm_output_rate.telemetry.plugin" >/dev/null
 echo "$want" > "$stamp"
 echo "bootstrap: ready"

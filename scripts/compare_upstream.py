@@ -4,14 +4,15 @@ Starts, one after another, three servers with the same command:
 ``limiter`` (sync scheduling, the limit flags given), ``upstream`` (the same
 command without the limit flags: the plugin installs nothing, vLLM's own
 scheduler) and ``limiter, async`` (the limit flags and
-``VLLM_OUTPUT_RATE_FORCE_ASYNC_SCHEDULING=1``), and measures:
+``OUTPUT_RATE_FORCE_ASYNC_SCHEDULING=1``), and measures:
 
 1. isolation: an unlimited user B (one stream at a time, sequential requests)
    alone, then while user A floods with 32 streams (A limited with the
    limiter, not limited upstream): B's TTFT and token spacing p50/p99, each as
    a ratio to B alone on the same server. Per-user figures are client-side in
    both arms (upstream has no per-user metrics); the limiter arm adds B's
-   engine-side spacing from ``output_rate_inter_token_seconds``.
+   engine-side spacing from the per-user spacing histogram
+   (``inter_token_seconds`` in ``vllm_output_rate.telemetry.metrics``).
 2. throughput when no limit binds: 16 streams of 4 users whose limit is far
    above what the engine does, output tokens/s engine-side (vLLM's own
    ``vllm:generation_tokens_total``), limiter vs upstream.
@@ -27,7 +28,7 @@ non-streaming requests, so the measuring client's event loop only carries
 B's stream and the load on the engine stays steady. Prints a Markdown
 report and writes it (and the raw figures as JSON) to ``--out``.
 
-    flock /tmp/orl-engine.lock .venv/bin/python scripts/compare_upstream.py
+    flock /tmp/orl-engine.lock .venv/bin/python -m vllm_output_rate.tools.compare_upstream
 """
 
 from __future__ import annotations
@@ -37,17 +38,15 @@ import asyncio
 import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from vllm_patch.client import (  # noqa: E402
+from vllm_output_rate import settings
+from vllm_output_rate.config import USER_FIELD
+from vllm_output_rate.telemetry.metrics import metric, series_name
+from vllm_output_rate.tools.client import (
     Samples,
     Server,
     StreamResult,
@@ -56,6 +55,7 @@ from vllm_patch.client import (  # noqa: E402
     scrape_metrics,
     summarize,
 )
+from vllm_output_rate.tools.stats import quantile
 
 SERVE_ARGS = ["--max-num-seqs", "64", "--max-num-active-seqs", "16", "--max-model-len", "1024"]
 UNLIMITED = 100_000
@@ -69,6 +69,8 @@ LIMITS = {
 }
 LIMIT_FLAGS = ["--default-user-output-tokens-per-second", str(UNLIMITED),
                "--user-output-tokens-per-second", json.dumps(LIMITS)]
+#: the per-user spacing histogram (family name: hist_delta adds the series suffixes)
+SPACING = metric("inter_token_seconds").full_name
 FLOOD = [("user-a", 32, 1000)]
 SATURATE = [(f"tp-{i}", 4, 512) for i in range(4)]
 
@@ -83,7 +85,7 @@ async def _keep_streams(base_url: str, plan: list[tuple[str, int, int]]) -> None
 
     async def slot(client: Any, user: str, n: int) -> None:
         body = {"model": "tiny", "messages": [{"role": "user", "content": "Explain batching."}],
-                "max_tokens": n, "ignore_eos": True, "vllm_xargs": {"output_rate_user": user}}
+                "max_tokens": n, "ignore_eos": True, "vllm_xargs": {USER_FIELD: user}}
         while True:
             try:
                 resp = await client.post(f"{base_url}/v1/chat/completions", json=body)
@@ -122,16 +124,6 @@ class BackgroundLoad:
 
 
 # -- figures -------------------------------------------------------------------------
-
-def quantile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    xs = sorted(values)
-    pos = q * (len(xs) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
 
 def token_gaps(r: StreamResult) -> list[float]:
     """Client-side spacing per token: a chunk carrying k tokens adds its gap
@@ -181,7 +173,7 @@ def hist_quantile(buckets: list[tuple[float, float]], q: float) -> float:
 
 
 def engine_core(server: Server) -> psutil.Process:
-    from vllm_patch.profile import find_engine_core
+    from vllm_output_rate.tools.profile_engine import find_engine_core
 
     return psutil.Process(find_engine_core(server.proc.pid, timeout_s=30))
 
@@ -236,12 +228,13 @@ def isolation(server: Server, limited: bool, args: argparse.Namespace) -> dict[s
         fig["engine_itl_mean_all"] = itl_s / itl_c if itl_c else float("nan")
         fig["engine_ttft_mean_all"] = ttft_s / ttft_c if ttft_c else float("nan")
         if limited:
-            b, s, c = hist_delta(s0, s1, "output_rate_inter_token_seconds", user="user-b")
+            b, s, c = hist_delta(s0, s1, SPACING, user="user-b")
             fig["engine_b_gap_mean"] = s / c if c else float("nan")
             fig["engine_b_gap_p50"] = hist_quantile(b, 0.5)
             fig["engine_b_gap_p99"] = hist_quantile(b, 0.99)
-            a_tokens = (metric_value(s1, "output_rate_tokens_charged_total", user="user-a")
-                        - metric_value(s0, "output_rate_tokens_charged_total", user="user-a"))
+            charged = series_name("tokens_charged")
+            a_tokens = (metric_value(s1, charged, user="user-a")
+                        - metric_value(s0, charged, user="user-a"))
             fig["a_charged_tokens"] = a_tokens
         out[phase] = fig
         print(f"  isolation {phase}: {json.dumps(fig, default=str)}", flush=True)
@@ -290,7 +283,7 @@ def seed_experiment(server: Server) -> dict[str, Any]:
         client = {s.user: s for s in summarize(results, {})}
         row: dict[str, Any] = {}
         for user, n in (("seed-20", streams), ("seed-100", 1)):
-            _, s, c = hist_delta(s0, s1, "output_rate_inter_token_seconds", user=user)
+            _, s, c = hist_delta(s0, s1, SPACING, user=user)
             row[user] = {
                 # n streams running side by side: n tokens per mean spacing
                 "engine_rate": n * c / s if s else float("nan"),
@@ -387,7 +380,7 @@ def report(res: dict[str, Any], args: argparse.Namespace, elapsed_s: float) -> s
     lines += ["**4. The seed's experiment**: `seed-20` (20 tok/s) with 1 or 4 streams x 200 tokens "
               "beside `seed-100` (100 tok/s, 1 stream x 1000 tokens), `ignore_eos`. Engine-side: "
               "streams / mean engine-side spacing of the user's tokens "
-              "(`output_rate_inter_token_seconds`); client-side: tokens after the first over "
+              f"(`{SPACING}`); client-side: tokens after the first over "
               "the user's first-to-last token span. The seed (RTX 4090, Qwen3-8B, client-side): "
               "20.1-20.2 and 102 tok/s.", "",
               "| scheduling | seed-20 streams | seed-20 engine | seed-20 client | "
@@ -406,7 +399,7 @@ def report(res: dict[str, Any], args: argparse.Namespace, elapsed_s: float) -> s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / ".cache" / "compare-upstream.md"))
+    parser.add_argument("--out", default=str(Path(".cache") / "compare-upstream.md"))
     parser.add_argument("--b-requests", type=int, default=8)
     parser.add_argument("--b-tokens", type=int, default=200)
     parser.add_argument("--flood-warmup", type=float, default=5.0)
@@ -420,22 +413,22 @@ def main(argv: list[str] | None = None) -> int:
                         "alternating (the first round also does everything else)")
     args = parser.parse_args(argv)
 
-    from vllm_patch.tiny_model import ensure_tiny_model
+    from vllm_output_rate.tools.tiny_model import ensure_tiny_model
 
-    model = str(ensure_tiny_model(REPO / ".cache" / "tiny-llama"))
-    logs = REPO / ".cache" / "logs"
+    model = str(ensure_tiny_model())
+    logs = Path(".cache") / "logs"
     t_start = time.monotonic()
     res: dict[str, Any] = {}
     arms = [("limiter", LIMIT_FLAGS, {}), ("upstream", [], {})]
     if not args.skip_async:
         arms.append(("limiter_async", LIMIT_FLAGS,
-                     {"VLLM_OUTPUT_RATE_FORCE_ASYNC_SCHEDULING": "1"}))
+                     settings.child_env(FORCE_ASYNC_SCHEDULING=True)))
     for extra in range(1, args.rounds):
         arms += [(f"limiter_tp{extra}", LIMIT_FLAGS, {}), (f"upstream_tp{extra}", [], {})]
     for name, flags, env in arms:
         print(f"[{time.monotonic() - t_start:5.0f} s] starting server: {name}", flush=True)
         with Server(model, SERVE_ARGS + flags, logs / f"compare-{name}.log",
-                    extra_env={"VLLM_OUTPUT_RATE_TELEMETRY": "1", **env}) as server:
+                    extra_env={**settings.child_env(TELEMETRY=True), **env}) as server:
             limited = bool(flags)
             if name == "limiter_async":
                 log = server.log_path.read_text(errors="replace")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Create or update the output-rate folder, dashboards and alert rules in a Grafana.
 
-    python scripts/grafana_provision.py --url https://grafana.example:3000 --token "$GRAFANA_TOKEN"
+    python -m vllm_output_rate.tools.grafana_provision --url https://grafana.example:3000 --token "$GRAFANA_TOKEN"
 
 Idempotent: everything is read first and written only when it differs, so a
 second run changes nothing. Dashboards are always saved into the folder (a
@@ -21,18 +21,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from grafana_client import GrafanaApi
+from grafana_client.client import GrafanaClientError, GrafanaException
 
-from grafana_client import GrafanaApi  # noqa: E402
-from grafana_client.client import GrafanaClientError, GrafanaException  # noqa: E402
-
-from dashboards import grafana as g  # noqa: E402
-from dashboards.generate import FOLDER_TITLE, FOLDER_UID  # noqa: E402
+from vllm_output_rate.dashboards import grafana as g
+from vllm_output_rate.dashboards.generate import FOLDER_TITLE, FOLDER_UID
 
 #: keys Grafana sets itself on a stored dashboard
 SERVER_KEYS = {"id", "version"}

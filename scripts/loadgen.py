@@ -1,8 +1,679 @@
-"""Load generator: see vllm_patch/loadgen.py (`vllm-output-rate loadgen`)."""
+"""Load generator: drive an OpenAI-compatible vLLM server with a scenario file.
 
+A scenario (YAML or JSON) names users and their expected limits, prompts
+(literal, generated long ones, shared prefixes for prefix-cache hits) and
+phases of streams run one after the other. Each stream: user, how many
+copies, prompt, ``max_tokens``, ``ignore_eos`` or an early stop (EOS /
+``stop_token_ids``), a client cancel after N tokens or T seconds, a start
+time within its phase. The run records, per request, the client-side arrival
+time of every chunk with the completion tokens the server had counted by then
+(``continuous_usage_stats``), the server's final ``completion_tokens`` and the
+finish reason. It stops by itself: every request has a deadline and the whole
+run has one (``timeout_s``).
+
+Every request carries an ``X-Request-Id`` of the form ``orl-<run>-<seq>``;
+vLLM 0.32 turns it into the engine request id ``chatcmpl-<that>-<8 hex>``,
+which is how ``vllm_output_rate.tools.verify`` matches client streams to engine events.
+
+``vllm-output-rate loadgen --server URL [--scenario FILE] [--out results.json]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import dataclasses
+import math
+import random
+import re
 import sys
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
 
-from vllm_patch.loadgen import main
+from vllm_output_rate.config import ANONYMOUS_USER
+from vllm_output_rate.tools.client import chat_body, stream_into
+
+SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
+DEFAULT_SCENARIO = SCENARIO_DIR / "default.yaml"
+
+#: The scenario spelling of a user without a limit (runs at the server's
+#: default, which must be far above what the engine can do).
+UNLIMITED = "unlimited"
+
+# Words of the tiny model's tokenizer corpus: about one token per word there.
+_WORDS = (
+    "the engine schedules tokens for every user in each step and a user with many "
+    "streams shares one budget of output tokens per second throttled requests keep "
+    "their cache while others run the scheduler charges one token when a step samples "
+    "and refunds it when the request was not dispatched explain continuous batching in "
+    "simple words prefill decode chunk cache block preempt wake queue rate limit spacing"
+).split()
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be used; the message names file, field and value."""
+
+
+# --------------------------------------------------------------------------- schema
+
+
+@dataclass(frozen=True)
+class Prompt:
+    name: str
+    text: str
+    #: append " [request <seq>]" so that copies differ after a shared prefix
+    unique: bool = False
+    #: the prompt this one extends (prefix-cache hits), if any
+    prefix: str | None = None
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    user: str
+    prompt: str
+    max_tokens: int
+    count: int = 1
+    ignore_eos: bool = True
+    stop_token_ids: tuple[int, ...] = ()
+    cancel_after_tokens: int | None = None
+    cancel_after_s: float | None = None
+    start_s: float = 0.0
+    temperature: float | None = None
+
+    @property
+    def cancels(self) -> bool:
+        return self.cancel_after_tokens is not None or self.cancel_after_s is not None
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    streams: tuple[StreamSpec, ...]
+    #: pause after the phase before the next one starts
+    gap_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    """How ``verify --model`` starts a server for this scenario."""
+
+    default_limit: Fraction = Fraction(100_000)
+    args: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    """Tolerances of the verifier's checks (see vllm_output_rate.tools.verify)."""
+
+    rate_min_ratio: float = 0.97
+    spacing_tolerance: float = 0.25
+    unlimited_max_ratio: float = 1.5
+    baseline_phase: str | None = None
+    compare_phase: str | None = None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    path: str
+    #: user -> expected limit in tok/s, None for unlimited
+    users: dict[str, Fraction | None]
+    prompts: dict[str, Prompt]
+    phases: tuple[Phase, ...]
+    server: ServerSpec = field(default_factory=ServerSpec)
+    checks: CheckSpec = field(default_factory=CheckSpec)
+    model_name: str = "tiny"
+    timeout_s: float = 600.0
+    request_timeout_s: float = 300.0
+
+    def unlimited_users(self) -> list[str]:
+        return [u for u, r in self.users.items() if r is None]
+
+    def server_limits(self) -> dict[str, float]:
+        """The per-user overrides a server for this scenario gets; unlimited
+        users are listed at the default so that they have a metric label."""
+        return {u: _num(r if r is not None else self.server.default_limit)
+                for u, r in self.users.items()}
+
+    def server_args(self, limits: dict[str, float] | None = None) -> list[str]:
+        return [*self.server.args,
+                "--default-user-output-tokens-per-second", str(_num(self.server.default_limit)),
+                "--user-output-tokens-per-second",
+                json.dumps(limits if limits is not None else self.server_limits())]
+
+    def expected_tokens(self) -> int:
+        return sum(s.count * min(s.max_tokens, s.cancel_after_tokens or s.max_tokens)
+                   for p in self.phases for s in p.streams)
+
+
+def _num(x: Fraction) -> float | int:
+    return int(x) if x.denominator == 1 else float(x)
+
+
+class _Ctx:
+    """Where we are in the file, for error messages."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, where: str, msg: str, value: Any = ...) -> ScenarioError:
+        shown = "" if value is ... else f" (got {_short(value)})"
+        return ScenarioError(f"{self.path}: {where}: {msg}{shown}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _mapping(ctx: _Ctx, where: str, value: Any, allowed: set[str], required: set[str] = set()) -> dict:
+    if not isinstance(value, dict):
+        raise ctx.fail(where, "expected a mapping", value)
+    for key in value:
+        if key not in allowed:
+            raise ctx.fail(f"{where}.{key}" if where else str(key),
+                           "unknown field; allowed: " + ", ".join(sorted(allowed)))
+    for key in sorted(required):
+        if key not in value:
+            raise ctx.fail(where or "top level", f"missing required field {key!r}")
+    return value
+
+
+def _int(ctx: _Ctx, where: str, value: Any, minimum: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ctx.fail(where, f"expected an integer >= {minimum}", value)
+    return value
+
+
+def _float(ctx: _Ctx, where: str, value: Any, minimum: float = 0.0, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value < minimum or (strict and value == minimum):
+        op = ">" if strict else ">="
+        raise ctx.fail(where, f"expected a number {op} {minimum}", value)
+    return float(value)
+
+
+def _bool(ctx: _Ctx, where: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ctx.fail(where, "expected true or false", value)
+    return value
+
+
+def _str(ctx: _Ctx, where: str, value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ctx.fail(where, "expected a non-empty string", value)
+    return value
+
+
+def _rate(ctx: _Ctx, where: str, value: Any) -> Fraction:
+    from vllm_output_rate.config import OutputRateConfigError, parse_rate
+
+    try:
+        return parse_rate(value, where)
+    except OutputRateConfigError as exc:
+        raise ctx.fail(where, f"expected a limit in tokens per second > 0 or {UNLIMITED!r}",
+                       value) from exc
+
+
+def generated_text(words: int, seed: int) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+#: Stands for "N tokens of generated text, seed S" in a prompt's text until
+#: ``resolve_prompts`` asks the server's tokenizer (sizes are in tokens of
+#: the model under test, whatever its tokenizer).
+_TOKENS_MARK = re.compile(r"\x00tokens:(\d+):(-?\d+)\x00")
+
+
+def _tokens_mark(n: int, seed: int) -> str:
+    return f"\x00tokens:{n}:{seed}\x00"
+
+
+async def text_of_tokens(client: Any, base_url: str, model: str, n: int, seed: int) -> str:
+    """Generated text that the server's tokenizer reads as exactly ``n``
+    tokens (vLLM's ``/tokenize`` and ``/detokenize``, without special
+    tokens): words are tokenized, cut to ``n`` ids, detokenized, and cut
+    again while the round trip merges or splits at the edge."""
+    async def tokenize(text: str) -> list[int]:
+        resp = await client.post(f"{base_url}/tokenize", json={
+            "model": model, "prompt": text, "add_special_tokens": False})
+        resp.raise_for_status()
+        return list(resp.json()["tokens"])
+
+    async def detokenize(ids: list[int]) -> str:
+        resp = await client.post(f"{base_url}/detokenize", json={"model": model, "tokens": ids})
+        resp.raise_for_status()
+        return str(resp.json()["prompt"])
+
+    words = max(n, 8)
+    ids = await tokenize(generated_text(words, seed))
+    while len(ids) < n:  # a tokenizer with more than one word per token
+        words *= 2
+        ids = await tokenize(generated_text(words, seed))
+    want = n
+    for _ in range(20):
+        text = await detokenize(ids[:want])
+        got = len(await tokenize(text))
+        if got == n:
+            return text
+        want += n - got
+        if want <= 0 or want > len(ids):
+            break
+    raise RuntimeError(f"could not make a prompt of exactly {n} tokens with this tokenizer")
+
+
+async def resolve_prompts(client: Any, base_url: str, scenario: Scenario) -> Scenario:
+    """The scenario with every ``{tokens: N}`` prompt made for the server's
+    tokenizer (prompts extending it get the same text)."""
+    marks = {m.group(0): (int(m.group(1)), int(m.group(2)))
+             for p in scenario.prompts.values() for m in _TOKENS_MARK.finditer(p.text)}
+    if not marks:
+        return scenario
+    texts = {mark: await text_of_tokens(client, base_url, scenario.model_name, n, seed)
+             for mark, (n, seed) in marks.items()}
+    prompts = {}
+    for name, prompt in scenario.prompts.items():
+        text = _TOKENS_MARK.sub(lambda m: texts[m.group(0)], prompt.text)
+        prompts[name] = dataclasses.replace(prompt, text=text)
+    return dataclasses.replace(scenario, prompts=prompts)
+
+
+def _prompt(ctx: _Ctx, name: str, value: Any, raw: dict[str, Any], seen: tuple[str, ...] = ()) -> Prompt:
+    where = f"prompts.{name}"
+    if isinstance(value, str):
+        if not value:
+            raise ctx.fail(where, "a prompt must not be empty", value)
+        return Prompt(name, value)
+    m = _mapping(ctx, where, value, {"text", "tokens", "seed", "prefix", "unique"})
+    if "text" in m and "tokens" in m:
+        raise ctx.fail(where, "give either text or tokens, not both")
+    if "text" in m:
+        text = _str(ctx, f"{where}.text", m["text"])
+    elif "tokens" in m:
+        seed = _int(ctx, f"{where}.seed", m.get("seed", 0))
+        text = _tokens_mark(_int(ctx, f"{where}.tokens", m["tokens"], 1), seed)
+    elif "seed" in m:
+        raise ctx.fail(f"{where}.seed", "seed needs tokens")
+    else:
+        text = ""
+    prefix = None
+    if "prefix" in m:
+        prefix = _str(ctx, f"{where}.prefix", m["prefix"])
+        if prefix not in raw:
+            raise ctx.fail(f"{where}.prefix", "names no prompt of this scenario", prefix)
+        if prefix == name or prefix in seen:
+            raise ctx.fail(f"{where}.prefix", "prompts extend each other in a cycle", prefix)
+        base = _prompt(ctx, prefix, raw[prefix], raw, (*seen, name))
+        text = base.text + ("\n" + text if text else "")
+    if not text:
+        raise ctx.fail(where, "needs text, tokens or prefix")
+    unique = _bool(ctx, f"{where}.unique", m.get("unique", False))
+    return Prompt(name, text, unique, prefix)
+
+
+def _stream(ctx: _Ctx, where: str, value: Any, users: dict, prompts: dict) -> StreamSpec:
+    m = _mapping(ctx, where, value,
+                 {"user", "prompt", "max_tokens", "count", "ignore_eos", "stop_token_ids",
+                  "cancel_after_tokens", "cancel_after_s", "start_s", "temperature"},
+                 {"user", "prompt", "max_tokens"})
+    user = _str(ctx, f"{where}.user", m["user"])
+    if user not in users:
+        raise ctx.fail(f"{where}.user", "is not declared under users", user)
+    prompt = _str(ctx, f"{where}.prompt", m["prompt"])
+    if prompt not in prompts:
+        raise ctx.fail(f"{where}.prompt", "names no prompt of this scenario", prompt)
+    max_tokens = _int(ctx, f"{where}.max_tokens", m["max_tokens"], 1)
+    stop = m.get("stop_token_ids", [])
+    if not isinstance(stop, list):
+        raise ctx.fail(f"{where}.stop_token_ids", "expected a list of token ids", stop)
+    stop_ids = tuple(_int(ctx, f"{where}.stop_token_ids[{i}]", t) for i, t in enumerate(stop))
+    ignore_eos = _bool(ctx, f"{where}.ignore_eos", m.get("ignore_eos", True))
+    if stop_ids and ignore_eos:
+        raise ctx.fail(f"{where}.stop_token_ids", "an early stop needs ignore_eos: false")
+    cat = m.get("cancel_after_tokens")
+    if cat is not None:
+        cat = _int(ctx, f"{where}.cancel_after_tokens", cat, 1)
+        if cat >= max_tokens:
+            raise ctx.fail(f"{where}.cancel_after_tokens",
+                           f"must be below max_tokens ({max_tokens}) or the stream never cancels",
+                           cat)
+    cas = m.get("cancel_after_s")
+    if cas is not None:
+        cas = _float(ctx, f"{where}.cancel_after_s", cas, 0.0, strict=True)
+    temperature = m.get("temperature")
+    if temperature is not None:
+        temperature = _float(ctx, f"{where}.temperature", temperature)
+    return StreamSpec(
+        user=user, prompt=prompt, max_tokens=max_tokens,
+        count=_int(ctx, f"{where}.count", m.get("count", 1), 1),
+        ignore_eos=ignore_eos, stop_token_ids=stop_ids,
+        cancel_after_tokens=cat, cancel_after_s=cas,
+        start_s=_float(ctx, f"{where}.start_s", m.get("start_s", 0.0)),
+        temperature=temperature,
+    )
+
+
+def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
+    """Validate a loaded scenario document; ScenarioError names file, field, value."""
+    ctx = _Ctx(path)
+    top = _mapping(ctx, "", data,
+                   {"name", "description", "model_name", "timeout_s", "request_timeout_s",
+                    "server", "users", "prompts", "phases", "checks"},
+                   {"users", "prompts", "phases"})
+    users_raw = top["users"]
+    if not isinstance(users_raw, dict) or not users_raw:
+        raise ctx.fail("users", "expected a non-empty mapping of user id -> limit (tok/s) "
+                       f"or {UNLIMITED!r}", users_raw)
+    users: dict[str, Fraction | None] = {}
+    for user, limit in users_raw.items():
+        where = f"users.{user}"
+        if not isinstance(user, str) or not user:
+            raise ctx.fail("users", "user ids must be non-empty strings", user)
+        users[user] = None if limit == UNLIMITED else _rate(ctx, where, limit)
+    prompts_raw = top["prompts"]
+    if not isinstance(prompts_raw, dict) or not prompts_raw:
+        raise ctx.fail("prompts", "expected a non-empty mapping of name -> prompt", prompts_raw)
+    prompts = {str(n): _prompt(ctx, str(n), v, prompts_raw) for n, v in prompts_raw.items()}
+    phases_raw = top["phases"]
+    if not isinstance(phases_raw, list) or not phases_raw:
+        raise ctx.fail("phases", "expected a non-empty list of phases", phases_raw)
+    phases = []
+    for i, p in enumerate(phases_raw):
+        where = f"phases[{i}]"
+        pm = _mapping(ctx, where, p, {"name", "streams", "gap_s"}, {"name", "streams"})
+        name = _str(ctx, f"{where}.name", pm["name"])
+        if any(ph.name == name for ph in phases):
+            raise ctx.fail(f"{where}.name", "duplicate phase name", name)
+        streams_raw = pm["streams"]
+        if not isinstance(streams_raw, list) or not streams_raw:
+            raise ctx.fail(f"{where}.streams", "expected a non-empty list of streams", streams_raw)
+        streams = tuple(_stream(ctx, f"{where}.streams[{j}]", s, users, prompts)
+                        for j, s in enumerate(streams_raw))
+        phases.append(Phase(name, streams, _float(ctx, f"{where}.gap_s", pm.get("gap_s", 1.0))))
+
+    server = ServerSpec()
+    if "server" in top:
+        sm = _mapping(ctx, "server", top["server"], {"default_limit", "args", "env"})
+        args = sm.get("args", [])
+        if not isinstance(args, list) or not all(isinstance(a, (str, int, float)) and not isinstance(a, bool)
+                                                 for a in args):
+            raise ctx.fail("server.args", "expected a list of command-line arguments", args)
+        for a in args:
+            if str(a) in ("--default-user-output-tokens-per-second", "--user-output-tokens-per-second"):
+                raise ctx.fail("server.args", "limits come from users and server.default_limit, "
+                               "not from args", a)
+        env = sm.get("env", {})
+        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                for k, v in env.items()):
+            raise ctx.fail("server.env", "expected a mapping of string -> string", env)
+        server = ServerSpec(
+            default_limit=_rate(ctx, "server.default_limit", sm.get("default_limit", 100_000)),
+            args=tuple(str(a) for a in args), env=tuple(sorted(env.items())))
+
+    checks = CheckSpec()
+    if "checks" in top:
+        cm = _mapping(ctx, "checks", top["checks"],
+                      {"rate_min_ratio", "spacing_tolerance", "unlimited_max_ratio",
+                       "baseline_phase", "compare_phase"})
+        names = [p.name for p in phases]
+        for key in ("baseline_phase", "compare_phase"):
+            if key in cm and cm[key] not in names:
+                raise ctx.fail(f"checks.{key}", "names no phase of this scenario", cm[key])
+        checks = CheckSpec(
+            rate_min_ratio=_float(ctx, "checks.rate_min_ratio", cm.get("rate_min_ratio", 0.97)),
+            spacing_tolerance=_float(ctx, "checks.spacing_tolerance", cm.get("spacing_tolerance", 0.25)),
+            unlimited_max_ratio=_float(ctx, "checks.unlimited_max_ratio",
+                                       cm.get("unlimited_max_ratio", 1.5), 1.0),
+            baseline_phase=cm.get("baseline_phase"), compare_phase=cm.get("compare_phase"))
+        if (checks.baseline_phase is None) != (checks.compare_phase is None):
+            raise ctx.fail("checks", "baseline_phase and compare_phase go together")
+        if checks.baseline_phase is not None and checks.baseline_phase == checks.compare_phase:
+            raise ctx.fail("checks.compare_phase", "must differ from baseline_phase",
+                           checks.compare_phase)
+
+    return Scenario(
+        name=_str(ctx, "name", top.get("name", Path(path).stem)),
+        path=path, users=users, prompts=prompts, phases=tuple(phases),
+        server=server, checks=checks,
+        model_name=_str(ctx, "model_name", top.get("model_name", "tiny")),
+        timeout_s=_float(ctx, "timeout_s", top.get("timeout_s", 600.0), 0.0, strict=True),
+        request_timeout_s=_float(ctx, "request_timeout_s", top.get("request_timeout_s", 300.0),
+                                 0.0, strict=True),
+    )
+
+
+def load_scenario(path: str | Path | None = None) -> Scenario:
+    """Read and validate a scenario file (YAML or JSON); None: the built-in default."""
+    p = Path(path) if path is not None else DEFAULT_SCENARIO
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ScenarioError(f"{p}: cannot read the scenario file ({exc.strerror or exc})") from None
+    if p.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ScenarioError(f"{p}: not valid JSON: {exc}") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ScenarioError(f"{p}: not valid YAML: {exc}") from None
+    return parse_scenario(data, str(p))
+
+
+# --------------------------------------------------------------------------- running
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it. Times: seconds on the client's
+    monotonic clock; ``RunRecord.t0_unix_ns`` maps them to wall time."""
+
+    rid: str
+    phase: str
+    user: str
+    prompt: str
+    max_tokens: int
+    ignore_eos: bool
+    cancel_after_tokens: int | None
+    cancel_after_s: float | None
+    start_s: float
+    sent: float = 0.0
+    #: (arrival time s, completion tokens counted so far) per chunk that added tokens
+    chunks: list[tuple[float, int]] = field(default_factory=list)
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    finish_reason: str | None = None
+    #: the client closed the stream on purpose (cancel_after_*)
+    cancelled: bool = False
+    error: str | None = None
+    done: float = 0.0
+
+
+@dataclass
+class RunRecord:
+    scenario: str
+    run_id: str
+    base_url: str
+    #: wall-clock ns and monotonic s taken at the same moment
+    t0_unix_ns: int
+    t0_mono: float
+    requests: list[RequestRecord] = field(default_factory=list)
+    #: phase -> (start, end) in client monotonic s
+    phases: dict[str, tuple[float, float]] = field(default_factory=dict)
+    timed_out: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RunRecord:
+        reqs = [RequestRecord(**{**r, "chunks": [tuple(c) for c in r["chunks"]]})
+                for r in data.get("requests", [])]
+        phases = {k: tuple(v) for k, v in data.get("phases", {}).items()}
+        return cls(**{**data, "requests": reqs, "phases": phases})
+
+
+def request_body(scenario: Scenario, spec: StreamSpec, text: str) -> dict[str, Any]:
+    """The stream's request; the scenario's anonymous user (config's
+    ANONYMOUS_USER) sends no user field."""
+    options: dict[str, Any] = {}
+    if spec.stop_token_ids:
+        options["stop_token_ids"] = list(spec.stop_token_ids)
+    if spec.temperature is not None:
+        options["temperature"] = spec.temperature
+    user = None if spec.user == ANONYMOUS_USER else spec.user
+    return chat_body(scenario.model_name, text, spec.max_tokens, user, spec.ignore_eos, **options)
+
+
+async def _stream_one(client: Any, base_url: str, rec: RequestRecord, body: dict[str, Any],
+                      timeout_s: float, on_tokens: Any) -> None:
+    """One streaming request; never raises (errors are recorded)."""
+    rec.sent = time.monotonic()
+    limit = timeout_s if rec.cancel_after_s is None else min(timeout_s, rec.cancel_after_s)
+    try:
+        async with asyncio.timeout(limit):
+            rec.cancelled = await stream_into(client, base_url, body, rec,
+                                              headers={"X-Request-Id": rec.rid},
+                                              on_tokens=on_tokens,
+                                              cancel_after_tokens=rec.cancel_after_tokens)
+    except TimeoutError:
+        if rec.cancel_after_s is not None and rec.cancel_after_s <= timeout_s:
+            rec.cancelled = rec.finish_reason is None
+        else:
+            rec.error = f"no answer within the request timeout ({timeout_s:g} s)"
+    except asyncio.CancelledError:
+        rec.error = "run timeout: stopped before the end"
+        raise
+    except Exception as exc:  # recorded, never raised: one stream must not kill a run
+        rec.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        rec.done = time.monotonic()
+
+
+async def run_scenario(base_url: str, scenario: Scenario, progress: Any = None,
+                       run_id: str | None = None, transport: Any = None) -> RunRecord:
+    """Run every phase of ``scenario`` against ``base_url``, one after the other.
+
+    ``transport``: an httpx transport in place of the network (tests)."""
+    import httpx
+
+    run_id = run_id or uuid.uuid4().hex[:8]
+    run = RunRecord(scenario.name, run_id, base_url, time.time_ns(), time.monotonic())
+    on_tokens = progress.update if progress is not None else None
+    seq = 0
+    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    timeout = httpx.Timeout(scenario.request_timeout_s, connect=30.0)
+
+    async def delayed(rec: RequestRecord, body: dict[str, Any]) -> None:
+        await asyncio.sleep(rec.start_s)
+        await _stream_one(client, base_url, rec, body, scenario.request_timeout_s, on_tokens)
+
+    async def run_phases() -> None:
+        nonlocal seq
+        for phase in scenario.phases:
+            tasks = []
+            start = time.monotonic()
+            for spec in phase.streams:
+                base = scenario.prompts[spec.prompt]
+                for _ in range(spec.count):
+                    rid = f"orl-{run_id}-{seq:04d}"
+                    text = base.text + (f" [request {seq}]" if base.unique else "")
+                    seq += 1
+                    rec = RequestRecord(rid, phase.name, spec.user, spec.prompt, spec.max_tokens,
+                                        spec.ignore_eos, spec.cancel_after_tokens,
+                                        spec.cancel_after_s, spec.start_s)
+                    run.requests.append(rec)
+                    tasks.append(asyncio.create_task(delayed(rec, request_body(scenario, spec, text))))
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:
+                    t.cancel()
+                run.phases[phase.name] = (start, time.monotonic())
+            await asyncio.sleep(phase.gap_s)
+
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+        scenario = await resolve_prompts(client, base_url, scenario)
+        try:
+            await asyncio.wait_for(run_phases(), scenario.timeout_s)
+        except TimeoutError:
+            run.timed_out = True
+            for rec in run.requests:
+                if rec.sent and not rec.done:
+                    rec.error = rec.error or "run timeout: stopped before the end"
+    return run
+
+
+def run_with_progress(base_url: str, scenario: Scenario, show_progress: bool = True,
+                      run_id: str | None = None) -> RunRecord:
+    """``run_scenario`` with a tqdm token bar on stderr."""
+    from tqdm import tqdm
+
+    with tqdm(total=scenario.expected_tokens(), unit="tok", desc=f"load {scenario.name}",
+              mininterval=0.5, disable=not show_progress, file=sys.stderr) as bar:
+        return asyncio.run(run_scenario(base_url, scenario, progress=bar, run_id=run_id))
+
+
+def summary_lines(run: RunRecord, scenario: Scenario) -> list[str]:
+    """Per phase and user: requests, tokens, cancels, errors, client-side rate."""
+    lines = [f"{'phase':<10} {'user':<12} {'limit':>8} {'reqs':>4} {'tokens':>7} {'cancel':>6} "
+             f"{'errors':>6} {'client tok/s':>12}"]
+    groups: dict[tuple[str, str], list[RequestRecord]] = {}
+    for r in run.requests:
+        groups.setdefault((r.phase, r.user), []).append(r)
+    for (phase, user), rs in groups.items():
+        limit = scenario.users.get(user)
+        firsts = [r.chunks[0][0] for r in rs if r.chunks]
+        lasts = [r.chunks[-1][0] for r in rs if r.chunks]
+        tokens = sum(r.completion_tokens for r in rs)
+        span = max(lasts) - min(firsts) if firsts else 0.0
+        rate = (tokens - 1) / span if span > 0 else 0.0
+        lines.append(f"{phase:<10} {user:<12} {_fmt_limit(limit):>8} {len(rs):>4} {tokens:>7} "
+                     f"{sum(r.cancelled for r in rs):>6} {sum(r.error is not None for r in rs):>6} "
+                     f"{rate:>12.1f}")
+    return lines
+
+
+def _fmt_limit(limit: Fraction | None) -> str:
+    return UNLIMITED if limit is None else f"{float(limit):g}"
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-output-rate loadgen",
+        description="Drive an OpenAI-compatible vLLM server with a scenario file "
+                    "and record client-side timing of every chunk.")
+    parser.add_argument("--server", required=True, help="base URL, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--scenario", help="scenario file (YAML or JSON); default: the built-in one")
+    parser.add_argument("--out", help="write the per-request record (JSON) here")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    try:
+        scenario = load_scenario(args.scenario)
+    except ScenarioError as exc:
+        print(f"vllm-output-rate loadgen: {exc}", file=sys.stderr)
+        return 2
+    run = run_with_progress(args.server.rstrip("/"), scenario, not args.no_progress)
+    print("\n".join(summary_lines(run, scenario)))
+    if args.out:
+        Path(args.out).write_text(json.dumps(run.to_json(), indent=1))
+        print(f"record: {args.out}")
+    bad = [r for r in run.requests if r.error]
+    for r in bad:
+        print(f"error {r.rid} ({r.user}): {r.error}", file=sys.stderr)
+    return 1 if bad or run.timed_out else 0
+
 
 if __name__ == "__main__":
     raise SystemExit(main(sys.argv[1:]))

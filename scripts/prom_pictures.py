@@ -6,8 +6,8 @@ expressions (per-user engine-side token spacing, output rate vs limit,
 throttled requests holding KV) over a time range, and writes PNG charts and
 a short Markdown summary:
 
-    python scripts/prom_pictures.py --prometheus http://127.0.0.1:9090 --last 15m --out report/
-    python scripts/prom_pictures.py --prometheus URL --start 2026-11-30T14:00:00Z \\
+    python -m vllm_output_rate.tools.prom_pictures --prometheus http://127.0.0.1:9090 --last 15m --out report/
+    python -m vllm_output_rate.tools.prom_pictures --prometheus URL --start 2026-11-30T14:00:00Z \\
         --end 2026-11-30T14:20:00Z --user 'user-a|user-b' --out report/
 
 Writes ``spacing.png``, ``rate_vs_limit.png``, ``throttled_kv.png`` and
@@ -25,14 +25,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import httpx
 
-import httpx  # noqa: E402
-
-from dashboards import generate  # noqa: E402
-from dashboards.promql import render  # noqa: E402
+from vllm_output_rate.dashboards import generate
+from vllm_output_rate.dashboards.promql import render
 
 Series = dict[str, list[tuple[float, float]]]
 

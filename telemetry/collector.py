@@ -16,11 +16,24 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from telemetry.metrics import BY_NAME, METRICS, PREFIX
+from vllm_output_rate.telemetry.metrics import BY_NAME, METRICS, PREFIX
 
 logger = logging.getLogger("vllm_output_rate.telemetry")
 
 _installed_dirs: set[str] = set()
+
+
+def read_snapshots(directory: str) -> tuple[list[dict[str, Any]], int]:
+    """The engine snapshots in ``directory`` and how many could not be read
+    (one being replaced right now: the next read gets it)."""
+    out, errors = [], 0
+    for path in sorted(glob.glob(os.path.join(directory, "engine-*.json"))):
+        try:
+            with open(path) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            errors += 1
+    return out, errors
 
 
 class SnapshotCollector:
@@ -31,13 +44,8 @@ class SnapshotCollector:
         self.read_errors = 0
 
     def _snapshots(self) -> list[dict[str, Any]]:
-        out = []
-        for path in sorted(glob.glob(os.path.join(self.directory, "engine-*.json"))):
-            try:
-                with open(path) as f:
-                    out.append(json.load(f))
-            except (OSError, ValueError):
-                self.read_errors += 1
+        out, errors = read_snapshots(self.directory)
+        self.read_errors += errors
         return out
 
     def describe(self) -> list[Any]:

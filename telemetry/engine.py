@@ -1,10 +1,13 @@
 """Engine-side telemetry: aggregate in the scheduler thread, export off it.
 
-Lives in the engine-core process. The scheduler hands over plain data once
-per step (``OutputRateStep``), once per ``update_from_output`` (the engine
-outputs, for token timing) and once per idle wait (``IdleWait``); this module
-folds them into plain dicts of counters, gauges and histogram buckets. Nothing
-here touches an mmap, a lock or an exporter on the scheduler's thread.
+Lives in the engine-core process: an ``OutputRateObserver`` (see
+``vllm_output_rate.observers``), registered by ``telemetry.plugin``. The
+scheduler hands over plain data once per step (``StepReport``), once per
+``update_from_output`` (the engine outputs, for token timing), at aborts and
+once per idle wait (``IdleWait``); this module folds them into plain dicts of
+counters, gauges and histogram buckets, and reads the engine only through
+its ``EngineView``. Nothing here touches an mmap, a lock or an exporter on
+the scheduler's thread.
 
 A daemon thread copies the dicts (``dict.copy`` is atomic under the GIL) every
 ``interval_s`` and writes a JSON snapshot atomically (temp file + rename) into
@@ -31,22 +34,25 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from typing import Any
 
-from telemetry.labels import OTHER, UserLabeler
-from telemetry.metrics import BY_NAME, SPACING_BUCKETS
-from vllm_patch.internals import kv_blocks_held
+from vllm_output_rate.telemetry.events import encode_event
+from vllm_output_rate.telemetry.labels import OTHER, UserLabeler
+from vllm_output_rate.telemetry.metrics import BY_NAME, SPACING_BUCKETS
+from vllm_output_rate import settings
+from vllm_output_rate.limits_watch import RESULTS as LIMITS_RESULTS
+
+NS = 1_000_000_000
+#: Most users whose state the snapshot carries for introspection.
+USER_STATES_CAP = 1000
+from vllm_output_rate.observers import (
+    EngineView,
+    IdleWait,
+    LimitsChange,
+    OutputRateObserver,
+    StepReport,
+)
 
 logger = logging.getLogger("vllm_output_rate.telemetry")
 
-#: Environment variable naming the directory of engine snapshots; set by the
-#: plugin in the API-server process before the engine core is spawned.
-TELEMETRY_DIR_ENV = "VLLM_OUTPUT_RATE_TELEMETRY_DIR"
-#: "0" turns engine telemetry off (the limiter itself is unaffected).
-TELEMETRY_SWITCH_ENV = "VLLM_OUTPUT_RATE_TELEMETRY"
-#: Top-K most active users with a label of their own (besides configured ones).
-TOP_K_ENV = "VLLM_OUTPUT_RATE_TOP_K_USERS"
-DEFAULT_TOP_K = 100
-#: A file path: append the engine-side per-step token events there (JSONL).
-EVENTS_ENV = "VLLM_OUTPUT_RATE_EVENTS"
 #: Event records queued between two exports before new ones are dropped.
 EVENTS_QUEUE_CAP = 500_000
 EXPORT_INTERVAL_S = 1.0
@@ -58,7 +64,7 @@ REFUND_REASONS = ("not_scheduled", "preempted")
 
 _THROTTLED_GAUGES = (
     "throttled_requests", "throttled_kv_blocks", "engine_throttled_requests",
-    "engine_throttled_kv_blocks", "throttled_kv_cache_share",
+    "engine_throttled_kv_blocks", "throttled_kv_cache_ratio",
 )
 
 
@@ -88,23 +94,33 @@ class Histogram:
         return [list(self.counts), self.sum, self.count]
 
 
-class EngineTelemetry:
+def _window_sums(window: Any, now_ns: int) -> tuple[Counter[str], Counter[str]]:
+    """Tokens charged per user over the last 10 s and 60 s of ``window``."""
+    charged_10: Counter[str] = Counter()
+    charged_60: Counter[str] = Counter()
+    for t, counts in window:
+        age = now_ns - t
+        if age <= 60 * NS:
+            charged_60.update(counts)
+            if age <= 10 * NS:
+                charged_10.update(counts)
+    return charged_10, charged_60
+
+
+class EngineTelemetry(OutputRateObserver):
     """Per-step aggregation for one engine's scheduler, plus the exporter."""
 
-    def __init__(self, scheduler: Any, out_dir: str, interval_s: float = EXPORT_INTERVAL_S,
+    def __init__(self, view: EngineView, out_dir: str, interval_s: float = EXPORT_INTERVAL_S,
                  top_k: int | None = None, start_thread: bool = True,
                  spans: Any = None, events_path: str | None = None) -> None:
-        cfg = scheduler.output_rate_config
-        vllm_config = scheduler.vllm_config
-        self.scheduler = scheduler
+        self.view = view
         #: tracing.spans.SpanRecorder when traces are on
         self.spans = spans
-        self.engine = str(vllm_config.parallel_config.data_parallel_index)
-        names = vllm_config.model_config.served_model_name
-        self.model_name = names[0] if isinstance(names, (list, tuple)) else str(names)
+        self.engine = view.engine_index
+        self.model_name = view.model_name
         if top_k is None:
-            top_k = int(os.environ.get(TOP_K_ENV, DEFAULT_TOP_K))
-        self.labeler = UserLabeler(pinned=cfg.user_rates, top_k=top_k)
+            top_k = settings.get("TOP_K_USERS")
+        self.labeler = UserLabeler(pinned=view.user_rates, top_k=top_k)
         self.path = os.path.join(out_dir, f"engine-{self.engine}.json")
         self.interval_s = interval_s
         self.counters: dict[tuple[str, Labels], float] = defaultdict(float)
@@ -121,9 +137,11 @@ class EngineTelemetry:
         #: per user: tokens charged per step, throttled requests per step
         self._charges = _StepCounts(self._charge_fold)
         self._skips = _StepCounts(self._skip_fold)
-        #: the requests throttled in the last step (as a set, and the list)
-        self._thr_prev: set[Any] = set()
-        self._thr_prev_list: list[Any] = []
+        #: the requests throttled in the last step (a set, the list), and
+        #: their users
+        self._thr_prev: set[str] = set()
+        self._thr_prev_list: list[str] = []
+        self._thr_users: dict[str, str] = {}
         #: request ids that had tokens at the previous update, and when
         self._prev_ids: set[str] = set()
         #: label -> how many of ``_prev_ids`` carry it
@@ -155,7 +173,19 @@ class EngineTelemetry:
         self._events_idle_written = False
         #: consecutive exports that found the engine with nothing running
         self._idle_exports = 0
-        self._num_blocks = max(int(vllm_config.cache_config.num_gpu_blocks or 0), 1)
+        self._num_blocks = view.num_kv_blocks
+        #: user -> (throttled requests, their KV blocks) at the last export step
+        self._thr_by_user: dict[str, tuple[int, int]] = {}
+        #: (export step's ns, tokens charged per user in its interval), 60 s
+        self._charged_window: deque[tuple[int, dict[str, int]]] = deque()
+        #: tokens charged per user since the window's last entry
+        self._window_activity: Counter[str] = Counter()
+        #: per-user state for introspection (replaced whole), and when
+        #: (scheduler clock ns, monotonic ns, unix s)
+        self._user_states: dict[str, dict[str, Any]] = {}
+        self._user_states_at = (0, 0, 0.0)
+        #: the limits document in force, rebuilt when the digest changes
+        self._limits_doc: tuple[str, dict[str, Any]] = ("", {})
         self._export_due = True
         self._drop_logged = False
         self._stop = threading.Event()
@@ -167,22 +197,10 @@ class EngineTelemetry:
         if events_path:
             for reason in ("events_write_failed", "events_queue_full"):
                 self.counters[("telemetry_dropped", (reason,))] += 0
-        for label in self.labeler.labelled_users().values():
-            # configured users have their series from the start (rate() works)
-            self.counters[("tokens_charged", (label,))] += 0
-            self.counters[("requests_skipped", (label,))] += 0
-            for reason in REFUND_REASONS:
-                self.counters[("tokens_refunded", (label, reason))] += 0
-            self._histogram("throttle_episode_seconds", (label,))
-        for name in ("wake_lateness_seconds", "schedule_limiter_share"):
+        self._init_user_series(self.labeler.labelled_users().values())
+        for name in ("wake_lateness_seconds", "schedule_limiter_ratio"):
             self._histogram(name, ())
         self._update_throttled_gauges([])
-        scheduler.output_rate_observer = self.on_step
-        scheduler.output_rate_token_observer = self.on_outputs
-        scheduler.output_rate_finish_observer = self.on_aborted
-        from vllm_patch import engine_loop
-
-        engine_loop.idle_wait_observer = self.on_idle_wait
         self._thread = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name="output-rate-telemetry", daemon=True)
@@ -197,17 +215,25 @@ class EngineTelemetry:
             hist = self.histograms[key] = Histogram(BY_NAME[name].buckets)
         return hist
 
+    def _init_user_series(self, labels: Any) -> None:
+        """Configured users have their series from the start (rate() works)."""
+        for label in labels:
+            self.counters[("tokens_charged", (label,))] += 0
+            self.counters[("requests_skipped", (label,))] += 0
+            for reason in REFUND_REASONS:
+                self.counters[("tokens_refunded", (label, reason))] += 0
+            self._histogram("throttle_episode_seconds", (label,))
+
     def _set_limits(self) -> None:
-        cfg = self.scheduler.output_rate_config
-        self.gauges[("default_limit_tokens_per_second", ())] = float(cfg.default_rate)
-        limiter = self.scheduler.output_rate_limiter
+        view = self.view
+        self.gauges[("default_limit_tokens_per_second", ())] = float(view.default_rate)
         for user, label in self.labeler.labelled_users().items():
-            self.gauges[("user_limit_tokens_per_second", (label,))] = float(limiter.rate_of(user))
+            self.gauges[("user_limit_tokens_per_second", (label,))] = float(view.rate_of(user))
 
     # -- the scheduler's thread -------------------------------------------------
 
-    def on_step(self, record: Any) -> None:
-        """Fold one ``OutputRateStep`` in."""
+    def on_step(self, record: StepReport) -> None:
+        """Fold one ``StepReport`` in."""
         labeler, counters = self.labeler, self.counters
         charged = record.charged
         # Per user, as the scheduler settled them with the limiter (no work
@@ -249,42 +275,47 @@ class EngineTelemetry:
             # (set differences in C); each user's count of throttled requests
             # is folded into its counter when it changes and at each export.
             cur = set(throttled)
-            prev = self._thr_prev
+            prev, users = self._thr_prev, self._thr_users
             added = cur - prev if prev else cur
             skips = self._skips
             if len(prev) + len(added) > len(cur):  # some left
-                for request in prev - cur:
-                    skips.add(request.output_rate_user, -1)
-            for request in added:
-                skips.add(request.output_rate_user, 1)
+                for req_id in prev - cur:
+                    skips.add(users.pop(req_id), -1)
+            if added:
+                user_of = self.view.user_of
+                for req_id in added:
+                    user = users[req_id] = user_of(req_id) or OTHER
+                    skips.add(user, 1)
             self._thr_prev = cur
             self._thr_prev_list = throttled
             skips.steps += 1
             counters[("engine_requests_skipped", ())] += len(throttled)
             # A request throttled now but not in the step before opens an
             # episode unless one is open (it was not visited in between).
-            opened = [r for r in added if r.request_id not in episodes]
+            opened = [r for r in added if r not in episodes]
         if ended:
             self._end_episodes(ended, record.now_ns)
         if opened:
-            now = record.now_ns
-            for request in opened:
-                episodes[request.request_id] = (now, labeler.label(request.output_rate_user))
+            now, users = record.now_ns, self._thr_users
+            for req_id in opened:
+                episodes[req_id] = (now, labeler.label(users[req_id]))
         if self.spans is not None:
             self.spans.on_step(record, opened, ended)
         if record.limiter_share is not None:
-            self.histograms[("schedule_limiter_share", ())].observe(record.limiter_share)
+            self.histograms[("schedule_limiter_ratio", ())].observe(record.limiter_share)
         if self._export_due:
             # Gauges and label changes only when an export is coming: their
             # cost is per export interval, not per step.
             self._export_due = False
             self._fold()
             self._update_throttled_gauges(record.throttled)
+            self._update_user_states(record.now_ns)
             self._rebalance()
 
     def _charge_fold(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._charged_keys, "tokens_charged", user)] += n
         self._activity[user] += n
+        self._window_activity[user] += n
 
     def _skip_fold(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._skipped_keys, "requests_skipped", user)] += n
@@ -316,15 +347,15 @@ class EngineTelemetry:
             start_ns, label = episodes.pop(req_id)
             self._histogram("throttle_episode_seconds", (label,)).observe((now_ns - start_ns) / 1e9)
 
-    def on_aborted(self, requests: list[Any]) -> None:
+    def on_aborted(self, aborted: list[tuple[str, str]], now: int) -> None:
         """Requests finished from outside the scheduler (client aborts)."""
-        now = time.monotonic_ns()
         # The engine may go idle now, with no step to fold counts at.
         self._fold()
+        if not self.view.has_running():
+            self._update_user_states(now)
         if self._episodes:
-            self._end_episodes({r.request_id for r in requests}, now)
-        for request in requests:
-            req_id = request.request_id
+            self._end_episodes({req_id for req_id, _ in aborted}, now)
+        for req_id, user in aborted:
             self._last_token_ns.pop(req_id, None)
             if req_id in self._prev_ids:
                 self._label_count(req_id, -1)
@@ -332,10 +363,10 @@ class EngineTelemetry:
             self._request_label.pop(req_id, None)
             if self._events is not None:
                 seen = self._event_tokens.pop(req_id, None)
-                self._queue_event(("finished", now, req_id, request.output_rate_user,
+                self._queue_event(("finished", now, req_id, user,
                                    "abort", seen[1] if seen else 0))
         if self.spans is not None:
-            self.spans.on_aborted(requests, now)
+            self.spans.on_aborted(aborted, now)
 
     def _queue_event(self, event: tuple) -> None:
         events = self._events
@@ -344,17 +375,25 @@ class EngineTelemetry:
         else:
             events.append(event)
 
-    def _update_throttled_gauges(self, throttled: list[Any]) -> None:
-        manager = getattr(self.scheduler, "kv_cache_manager", None)
+    def _update_throttled_gauges(self, throttled: list[str]) -> None:
+        kv_blocks_held, users = self.view.kv_blocks_held, self._thr_users
         requests: dict[str, int] = defaultdict(int)
         blocks: dict[str, int] = defaultdict(int)
         total_blocks = 0
-        for request in throttled:
-            label = self.labeler.label(request.output_rate_user)
-            n = kv_blocks_held(manager, request.request_id)
+        by_user: dict[str, list[int]] = {}
+        for req_id in throttled:
+            user = users.get(req_id, OTHER)
+            label = self.labeler.label(user)
+            n = kv_blocks_held(req_id)
             requests[label] += 1
             blocks[label] += n
             total_blocks += n
+            counts = by_user.get(user)
+            if counts is None:
+                counts = by_user[user] = [0, 0]
+            counts[0] += 1
+            counts[1] += n
+        self._thr_by_user = {u: (c[0], c[1]) for u, c in by_user.items()}
         for key in [k for k in self.gauges if k[0] in ("throttled_requests", "throttled_kv_blocks")]:
             del self.gauges[key]
         for label in set(requests) | set(self.labeler.labelled_users().values()):
@@ -362,19 +401,74 @@ class EngineTelemetry:
             self.gauges[("throttled_kv_blocks", (label,))] = blocks.get(label, 0)
         self.gauges[("engine_throttled_requests", ())] = len(throttled)
         self.gauges[("engine_throttled_kv_blocks", ())] = total_blocks
-        self.gauges[("throttled_kv_cache_share", ())] = total_blocks / self._num_blocks
+        self.gauges[("throttled_kv_cache_ratio", ())] = total_blocks / self._num_blocks
         if self._events is not None:
             self._events_idle_written = False  # a step ran: the engine is busy
         if self._events is not None and (throttled or not self._events_idle):
-            by_user: dict[str, int] = defaultdict(int)
-            blocks_by_user: dict[str, int] = defaultdict(int)
-            for request in throttled:
-                by_user[request.output_rate_user] += 1
-                blocks_by_user[request.output_rate_user] += kv_blocks_held(
-                    manager, request.request_id)
             self._events_idle = not throttled
-            self._queue_event(("throttled", time.monotonic_ns(), dict(by_user),
-                               dict(blocks_by_user), total_blocks / self._num_blocks))
+            self._queue_event(("throttled", time.monotonic_ns(),
+                               {u: c[0] for u, c in by_user.items()},
+                               {u: c[1] for u, c in by_user.items()},
+                               total_blocks / self._num_blocks))
+
+    def _update_user_states(self, now_ns: int) -> None:
+        """What ``GET /output-rate/users/NAME`` shows, per user (scheduler's
+        thread: at each export step and when the engine goes idle): tokens
+        charged over the last 10 s and 60 s (in export intervals of about a
+        second), requests running, waiting and throttled, KV blocks held
+        while throttled, when the budget is next ready. At most
+        ``USER_STATES_CAP`` users (live requests first, then the most
+        charged)."""
+        activity, self._window_activity = self._window_activity, Counter()
+        if len(activity) > USER_STATES_CAP:
+            activity = Counter(dict(activity.most_common(USER_STATES_CAP)))
+        window = self._charged_window
+        window.append((now_ns, dict(activity)))
+        while window and now_ns - window[0][0] > 60 * NS:
+            window.popleft()
+        charged_10, charged_60 = _window_sums(window, now_ns)
+        view = self.view
+        requests = view.requests_by_user()
+        throttled = self._thr_by_user if requests else {}
+        users = list(requests)
+        if len(users) < USER_STATES_CAP:
+            users += [u for u, _ in charged_60.most_common(USER_STATES_CAP - len(users))
+                      if u not in requests]
+        states = {}
+        for user in users[:USER_STATES_CAP]:
+            running, waiting = requests.get(user, (0, 0))
+            n_thr, blocks = throttled.get(user, (0, 0))
+            ready = view.ready_at_ns(user)
+            states[user] = {
+                "limit": float(view.rate_of(user)),
+                "charged_10s": charged_10.get(user, 0),
+                "charged_60s": charged_60.get(user, 0),
+                "running": running,
+                "waiting": waiting,
+                "throttled": n_thr,
+                "throttled_kv_blocks": blocks,
+                "ready_in_s": max(0.0, (ready - now_ns) / NS) if ready else 0.0,
+            }
+        self._user_states = states
+        self._user_states_at = (now_ns, time.monotonic_ns(), time.time())
+
+    def _idle_user_states(self) -> dict[str, dict[str, Any]]:
+        """The user states of an idle engine, as of now (exporter thread):
+        no step runs to update them, so the charged windows slide here."""
+        now_ns, mono, _ = self._user_states_at
+        now_ns += time.monotonic_ns() - mono
+        try:
+            window = list(self._charged_window)
+        except RuntimeError:  # appended to right now: the engine is not idle
+            return self._user_states
+        charged_10, charged_60 = _window_sums(window, now_ns)
+        states = {}
+        for user, state in self._user_states.items():
+            ready_in = max(0.0, state["ready_in_s"] - (now_ns - self._user_states_at[0]) / NS)
+            states[user] = {**state, "charged_10s": charged_10.get(user, 0),
+                            "charged_60s": charged_60.get(user, 0), "running": 0,
+                            "throttled": 0, "throttled_kv_blocks": 0, "ready_in_s": ready_in}
+        return states
 
     def _rebalance(self) -> None:
         activity, self._activity = self._activity, Counter()
@@ -383,11 +477,14 @@ class EngineTelemetry:
         added, evicted = self.labeler.rebalance()
         if not evicted and not added:
             return
-        gone = set(evicted)  # (the overflow bucket is never evicted)
+        self._drop_labels(set(evicted))  # (the overflow bucket is never evicted)
+
+    def _drop_labels(self, gone: set[str]) -> None:
+        """End the series of users that lost their label; their future
+        counts go to ``__other__``."""
         for key in list(self.counters):
             name, labels = key
             if labels and labels[0] in gone and name in ("tokens_charged", "tokens_refunded", "requests_skipped"):
-                # The evicted user's series ends; its future counts go to __other__.
                 del self.counters[key]
         for key in list(self.histograms):
             if key[1] and key[1][0] in gone:
@@ -402,13 +499,31 @@ class EngineTelemetry:
         self._charged_keys.clear()
         self._skipped_keys.clear()
         # Requests keep the label of their first token until labels change.
-        requests, labels = self.scheduler.requests, self._request_label
+        user_of, labels = self.view.user_of, self._request_label
         for req_id in list(labels):
-            request = requests.get(req_id)
-            if request is not None:
-                labels[req_id] = self.labeler.label(request.output_rate_user)
+            user = user_of(req_id)
+            if user is not None:
+                labels[req_id] = self.labeler.label(user)
         self._prev_by_label = dict(Counter(labels.get(r) or OTHER for r in self._prev_ids))
         self._spacing_mark = {label: self._steady_now() for label in self._prev_by_label}
+
+    def on_limits(self, change: LimitsChange) -> None:
+        """Reloaded limits: pin the listed users' labels, give the new ones
+        their series at zero, set the limit gauges, log the change."""
+        self._fold()  # the counts so far, under the labels they had
+        # (a label a newly pinned user takes from an unpinned one with the
+        # same sanitized id goes on as the pinned user's series)
+        self.labeler.set_pinned(change.user_rates)
+        for key in [k for k in self.gauges if k[0] == "user_limit_tokens_per_second"]:
+            del self.gauges[key]
+        self._drop_labels(set())  # limit gauges, label caches, request labels
+        self._init_user_series(self.labeler.pinned.values())
+        if self._events is not None:
+            self._queue_event(("limits", change.now_ns, time.time_ns(), {
+                u: float(r) for u, r in change.user_rates.items()}, float(change.default_rate),
+                change.digest, list(change.added), list(change.removed), list(change.changed)))
+        if self.spans is not None:
+            self.spans.on_limits(change)
 
     def on_outputs(self, outputs: dict[int, Any]) -> None:
         """Token timing from the outputs of one ``update_from_output``.
@@ -456,9 +571,9 @@ class EngineTelemetry:
             if spans is not None:
                 spans.on_tokens(req_id, 1, prev, now)
             if prev is None:
-                request = self.scheduler.requests.get(req_id)
-                if request is not None:
-                    labels[req_id] = self.labeler.label(request.output_rate_user)
+                user = self.view.user_of(req_id)
+                if user is not None:
+                    labels[req_id] = self.labeler.label(user)
             self._label_count(req_id, 1)
             if prev is not None:
                 spacing = (now - prev) * 1e-9
@@ -490,8 +605,9 @@ class EngineTelemetry:
                     spans.on_finished(req_id, out, now)
         self._prev_ids = cur - finished if finished else cur
         self._prev_now = now
-        if finished and not self.scheduler.running:
+        if finished and not self.view.has_running():
             self._fold()  # going idle: no step may come to fold at
+            self._update_user_states(now)
 
     def _label_count(self, req_id: str, delta: int) -> None:
         """``req_id`` joins (1) or leaves (-1) the requests that had a token
@@ -552,8 +668,7 @@ class EngineTelemetry:
         req_id = out.request_id
         seen = self._event_tokens.get(req_id)
         if seen is None:
-            request = self.scheduler.requests.get(req_id)
-            user = request.output_rate_user if request is not None else "__unknown__"
+            user = self.view.user_of(req_id) or "__unknown__"
             seen = self._event_tokens[req_id] = [user, 0]
         if n:
             step_tokens.append((req_id, seen[0], n))
@@ -562,7 +677,7 @@ class EngineTelemetry:
             del self._event_tokens[req_id]
             step_finished.append(("finished", now, req_id, seen[0], str(out.finish_reason), seen[1]))
 
-    def on_idle_wait(self, wait: Any) -> None:
+    def on_idle_wait(self, wait: IdleWait) -> None:
         if self.spans is not None:
             self.spans.on_idle_wait(wait)
         self._histogram("idle_wait_seconds", (wait.reason,)).observe(
@@ -582,11 +697,32 @@ class EngineTelemetry:
             for reason, n in list(drops.counts.items()):
                 counters[("telemetry_dropped", (reason,))] = n
         gauges = self.gauges.copy()
-        if not self.scheduler.running:
+        idle = not self.view.has_running()
+        if idle:
             # No step runs on an idle engine: nothing can be throttled.
             for key in gauges:
                 if key[0] in _THROTTLED_GAUGES:
                     gauges[key] = 0
+        status = self.view.limits_status()
+        if status is not None:
+            for result in LIMITS_RESULTS:
+                counters[("limits_reloads", (result,))] = status.results.get(result, 0)
+            gauges[("limits_loaded_timestamp_seconds", ())] = status.loaded_unix
+            gauges[("limits_info", (status.digest, status.source))] = 1
+            if self._limits_doc[0] != status.digest:
+                self._limits_doc = (status.digest, self.view.limits_document())
+            doc = self._limits_doc[1]
+            # The limits loaded are in force from the next step on: an idle
+            # engine shows them at once (its gauges follow too).
+            gauges[("default_limit_tokens_per_second", ())] = doc["default"]
+            for user, label in self.labeler.labelled_users().items():
+                gauges[("user_limit_tokens_per_second", (label,))] = doc["users"].get(
+                    user, doc["default"])
+            limits = {"source": status.source, "sha256": status.digest,
+                      "loaded_unix": status.loaded_unix, "reloads": dict(status.results),
+                      "last_error": status.last_error, **self._limits_doc[1]}
+        else:
+            limits = None
         histograms = self.histograms.copy()
         total = Histogram(SPACING_BUCKETS)
         total.add(self._spacing_evicted)
@@ -602,6 +738,9 @@ class EngineTelemetry:
             "counters": [[n, list(l), v] for (n, l), v in counters.items()],
             "gauges": [[n, list(l), v] for (n, l), v in gauges.items()],
             "histograms": [[n, list(l), *h.snapshot()] for (n, l), h in histograms.items()],
+            "limits": limits,
+            "users": {"as_of_unix": written if idle else self._user_states_at[2],
+                      "states": self._idle_user_states() if idle else self._user_states},
         }
 
     def _write_events(self) -> None:
@@ -609,12 +748,11 @@ class EngineTelemetry:
         events = self._events
         if not self._events_started:
             self._events_started = True
-            limiter = self.scheduler.output_rate_limiter
-            cfg = self.scheduler.output_rate_config
+            view = self.view
             events.appendleft(("start", time.monotonic_ns(), time.time_ns(), {
-                user: float(limiter.rate_of(user)) for user in cfg.user_rates
-            }, float(cfg.default_rate)))
-        self._idle_exports = 0 if self.scheduler.running else self._idle_exports + 1
+                user: float(view.rate_of(user)) for user in view.user_rates
+            }, float(view.default_rate)))
+        self._idle_exports = 0 if self.view.has_running() else self._idle_exports + 1
         if self._idle_exports >= 2 and not self._events_idle_written:
             # The engine went idle: nothing throttled, stated once, after the
             # last step's events whatever the last export-due step said. Idle
@@ -624,7 +762,7 @@ class EngineTelemetry:
             events.append(("throttled", time.monotonic_ns(), {}, {}, 0.0))
         lines = []
         while events:
-            lines.append(_event_json(events.popleft(), self.engine))
+            lines.append(encode_event(events.popleft(), self.engine))
         if not lines:
             return
         try:
@@ -668,22 +806,6 @@ class EngineTelemetry:
         if self.spans is not None:
             self.spans.shutdown()
         self.export()
-
-
-def _event_json(event: tuple, engine: str) -> str:
-    kind, t_ns = event[0], event[1]
-    if kind == "tokens":
-        data: dict[str, Any] = {"kind": kind, "t_ns": t_ns, "tokens": event[2]}
-    elif kind == "finished":
-        data = {"kind": kind, "t_ns": t_ns, "request_id": event[2], "user": event[3],
-                "reason": event[4], "output_tokens": event[5]}
-    elif kind == "throttled":
-        data = {"kind": kind, "t_ns": t_ns, "requests": event[2], "kv_blocks": event[3],
-                "kv_share": event[4]}
-    else:  # start
-        data = {"kind": kind, "t_ns": t_ns, "unix_ns": event[2], "engine": engine,
-                "limits": event[3], "default_limit": event[4]}
-    return json.dumps(data) + "\n"
 
 
 class _StepCounts:
@@ -732,24 +854,27 @@ class _StepCounts:
             self.fold(user, n)
 
 
-def attach(scheduler: Any) -> EngineTelemetry | None:
-    """Start telemetry for ``scheduler`` when the plugin set a directory."""
-    out_dir = os.environ.get(TELEMETRY_DIR_ENV)
-    if not out_dir or os.environ.get(TELEMETRY_SWITCH_ENV, "1") == "0":
-        return None
+def attach(view: EngineView) -> EngineTelemetry | None:
+    """The observer factory (registered by ``telemetry.plugin``): telemetry
+    for one scheduler, when the serving process set a snapshot directory and
+    telemetry is on. Anything that fails here turns telemetry off with a
+    logged reason; the limiter runs on."""
     try:
+        out_dir = settings.get("TELEMETRY_DIR")
+        if not out_dir or not settings.get("TELEMETRY"):
+            return None
         os.makedirs(out_dir, exist_ok=True)
-        return EngineTelemetry(scheduler, out_dir, spans=_span_recorder(scheduler),
-                               events_path=os.environ.get(EVENTS_ENV) or None)
+        return EngineTelemetry(view, out_dir, spans=_span_recorder(view),
+                               events_path=settings.get("EVENTS"))
     except Exception:
         logger.exception("output-rate telemetry could not start; the limiter runs without it")
         return None
 
 
-def _span_recorder(scheduler: Any) -> Any:
+def _span_recorder(view: EngineView) -> Any:
     """Traces when asked for (``OTEL_*`` or ``--otlp-traces-endpoint``)."""
     try:
-        from tracing.spans import (
+        from vllm_output_rate.tracing.spans import (
             SpanRecorder,
             TraceDrops,
             max_queue_from_env,
@@ -757,12 +882,11 @@ def _span_recorder(scheduler: Any) -> Any:
             tracer_provider_from_env,
         )
 
-        endpoint = getattr(scheduler.vllm_config.observability_config, "otlp_traces_endpoint", None)
         drops = TraceDrops(max_queue_from_env())
-        provider = tracer_provider_from_env(endpoint, drops)
+        provider = tracer_provider_from_env(view.otlp_traces_endpoint, drops)
         if provider is None:
             return None
-        recorder = SpanRecorder(tracer_from(provider), scheduler)
+        recorder = SpanRecorder(tracer_from(provider), view)
         recorder.drops = drops
         recorder.provider = provider
         return recorder

@@ -72,11 +72,6 @@ class UserLabeler:
         self._promoted: list[str] = []
         self._unpinned_labels = 0
 
-    @property
-    def max_values(self) -> int:
-        """Most distinct label values this labeler can ever produce."""
-        return len(set(self.pinned.values())) + self.top_k + 1
-
     def label(self, user: str) -> str:
         """The label value of ``user`` now: its own, or ``__other__``."""
         return self._labels.get(user, OTHER)
@@ -84,6 +79,26 @@ class UserLabeler:
     def labelled_users(self) -> dict[str, str]:
         """user -> label value of every user with a label of its own."""
         return dict(self._labels)
+
+    def set_pinned(self, users: Iterable[str]) -> list[str]:
+        """Pin ``users`` instead (reloaded limits). Users no longer pinned
+        keep their label as unpinned ones (``rebalance`` evicts the idle);
+        an unpinned user whose label a newly pinned one needs loses it.
+        Returns the users that lost their label."""
+        new = {u: sanitize(u, self.max_len) for u in users}
+        lost = []
+        wanted = {value: u for u, value in new.items()}
+        for user, value in list(self._labels.items()):
+            owner = wanted.get(value)
+            if owner is not None and owner != user and user not in new:
+                del self._labels[user]
+                lost.append(user)
+        self.pinned = new
+        self._labels.update(new)
+        for user in new:
+            self._activity.pop(user, None)
+        self._unpinned_labels = len(self._labels) - len(self.pinned)
+        return lost
 
     def observe(self, user: str, tokens: float) -> None:
         """Count ``tokens`` of activity for ``user`` (bounded memory)."""

@@ -1,9 +1,12 @@
 """The one table of every metric this project exports.
 
 Code, dashboards and alert rules read names, types, units, help texts and
-buckets from here; nothing else spells a metric name. The prefix must not
-contain "vllm": vLLM's ``unregister_vllm_metrics()`` removes every collector
-whose name does.
+buckets from here; nothing else spells a metric name. Names follow the
+Prometheus naming guide (unit last, ``_total`` on counters, ``_ratio`` for
+shares of 1) under one prefix, ``vllm_output_rate_``, that sorts right
+after vLLM's own ``vllm:`` series. (It must not start with ``vllm:``:
+vLLM's ``unregister_vllm_metrics()`` removes collectors named so.) The
+names before 0.1.0's rename are in ``RENAMED_FROM`` (and the README).
 
 Every metric also carries vLLM's own ``model_name`` and ``engine`` labels.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREFIX = "output_rate_"
+PREFIX = "vllm_output_rate_"
 ENGINE_LABELS = ("model_name", "engine")
 
 #: Inter-token spacing: vLLM's own ITL buckets, with finer steps below 10 ms
@@ -78,7 +81,7 @@ METRICS: tuple[Metric, ...] = (
            "Requests throttled in the last step, all users."),
     Metric("engine_throttled_kv_blocks", "gauge", "blocks",
            "KV cache blocks held by throttled requests, all users."),
-    Metric("throttled_kv_cache_share", "gauge", "ratio",
+    Metric("throttled_kv_cache_ratio", "gauge", "ratio",
            "Share of the KV cache (0..1) held by throttled requests."),
     Metric("user_limit_tokens_per_second", "gauge", "tokens per second",
            "Configured output-token limit of each labelled user.", ("user",)),
@@ -100,19 +103,60 @@ METRICS: tuple[Metric, ...] = (
     Metric("idle_wait_seconds", "histogram", "seconds",
            "Idle waits of the engine loop while only throttled work remained, by what ended them.",
            ("reason",), IDLE_WAIT_BUCKETS),
-    Metric("schedule_limiter_share", "histogram", "ratio",
+    Metric("schedule_limiter_ratio", "histogram", "ratio",
            "Share of each schedule() call spent in the limiter's own code.",
            (), SHARE_BUCKETS),
     Metric("telemetry_snapshot_timestamp_seconds", "gauge", "seconds",
            "Unix time at which the engine core wrote the snapshot this scrape shows "
            "(falls behind time() when the engine's exporter stops)."),
+    Metric("limits_reloads", "counter", "reloads",
+           "Looks at the limits file that found it changed (or were asked by SIGHUP), by result: "
+           "loaded (new limits in force), unchanged (same content), invalid (refused, the limits "
+           "in force stay), unreadable.", ("result",)),
+    Metric("limits_loaded_timestamp_seconds", "gauge", "seconds",
+           "Unix time at which the limits in force were loaded."),
+    Metric("limits_info", "gauge", "info",
+           "1, labelled with the SHA-256 of the limits in force and where they come from "
+           "(the limits file, or the command line).", ("sha256", "source")),
     Metric("telemetry_dropped", "counter", "events",
            "Telemetry data dropped (export failed, event log write failed, event queue full), by reason.", ("reason",)),
 )
 
 BY_NAME = {m.name: m for m in METRICS}
 
+#: Scraped name now -> the name it had before the rename (prefix
+#: ``output_rate_``; the two shares were ``_share``).
+_OLD_SHORT = {"throttled_kv_cache_ratio": "throttled_kv_cache_share",
+              "schedule_limiter_ratio": "schedule_limiter_share"}
+RENAMED_FROM = {
+    m.full_name: "output_rate_" + _OLD_SHORT.get(m.name, m.name)
+    + ("_total" if m.kind == "counter" else "")
+    for m in METRICS
+}
+
 
 def metric(name: str) -> Metric:
     """Look a metric up by its short name (raises KeyError when unknown)."""
     return BY_NAME[name]
+
+
+#: The series a histogram exposes, after its family name.
+HISTOGRAM_SERIES = ("bucket", "count", "sum")
+
+
+def series_name(name: str, part: str | None = None) -> str:
+    """The name a series of metric ``name`` (its short name) has on
+    ``/metrics``, as ``telemetry.collector`` exposes it: a counter's with
+    ``_total``, a gauge's as is, a histogram's ``_bucket``, ``_count`` or
+    ``_sum`` series (``part``: one of HISTOGRAM_SERIES, required for a
+    histogram, refused for the others). Raises KeyError for an unknown
+    metric, ValueError for a wrong ``part``."""
+    m = BY_NAME[name]
+    if m.kind == "histogram":
+        if part not in HISTOGRAM_SERIES:
+            raise ValueError(f"{m.full_name} is a histogram: part must be one of "
+                             f"{', '.join(HISTOGRAM_SERIES)}, not {part!r}")
+        return f"{m.full_name}_{part}"
+    if part is not None:
+        raise ValueError(f"{m.full_name} is a {m.kind}: it has no {part!r} series")
+    return m.full_name

@@ -1,269 +1,111 @@
-"""Drive the real vLLM scheduler on the CPU: real KV cache manager, controlled
-model outputs, a fake clock. No engine, no model execution.
-
-Used by the scheduler tests and by ``scripts/bench_scheduler.py``.
-"""
+"""Test glue: the tiny model in the repository's cache, the scheduler driver
+bound to it, and a real OTLP/HTTP receiver."""
 
 from __future__ import annotations
 
-import itertools
 import os
-import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-from vllm.engine.arg_utils import EngineArgs
-from vllm.sampling_params import SamplingParams
-from vllm.utils.hashing import sha256
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.kv_cache_interface import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
+from vllm_output_rate.observers import OutputRateObserver
+from vllm_output_rate.tools import scheduler_driver
+from vllm_output_rate.tools.scheduler_driver import (  # noqa: F401  (re-exported)
+    EOS_TOKEN,
+    SAMPLED_TOKEN,
+    Driver,
+    FakeClock,
+    attach_telemetry,
+    make_request,
+    model_output_for,
+    scheduled_ids,
 )
-from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import Request
-from vllm.v1.structured_output import StructuredOutputManager
-
-from vllm_patch.plugin import configure_output_rate
-from vllm_patch.tiny_model import ensure_tiny_model
+from vllm_output_rate.tools.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-# Schedulers built here export no telemetry unless a test asks for it.
-os.environ.setdefault("VLLM_OUTPUT_RATE_TELEMETRY", "0")
 TINY_MODEL_DIR = Path(os.environ.get("TINY_MODEL_DIR", REPO / ".cache" / "tiny-llama"))
-SAMPLED_TOKEN = 7  # never EOS (1)
-EOS_TOKEN = 1
 
 
 def tiny_model() -> str:
     return str(ensure_tiny_model(TINY_MODEL_DIR))
 
 
-class FakeClock:
-    """Monotonic ns clock moved by hand."""
-
-    def __init__(self, start_ns: int = 1_000_000_000_000) -> None:
-        self.now_ns = start_ns
-
-    def __call__(self) -> int:
-        return self.now_ns
-
-    def advance_ms(self, ms: float) -> None:
-        self.now_ns += int(ms * 1_000_000)
+def limit_at(schedule, x):
+    """The limit in force at ``x`` of ``schedule`` = [(from ns, limit), ...]."""
+    return [r for start, r in schedule if start <= x][-1]
 
 
-def make_vllm_config(
-    limits: dict[str, Any] | None,
-    *,
-    async_scheduling: bool = False,
-    max_num_seqs: int = 16,
-    max_num_active_seqs: int | None = None,
-    max_num_batched_tokens: int = 2048,
-    enable_chunked_prefill: bool = True,
-    enable_prefix_caching: bool = True,
-    policy: str = "fcfs",
-    block_size: int = 16,
-    max_model_len: int = 2048,
-    long_prefill_token_threshold: int = 0,
-):
+def limit_integral(schedule, a, b):
+    """Tokens the limits of ``schedule`` allow over [a, b] ns (the old limit
+    up to a change, the new one after it), without burst."""
+    from fractions import Fraction
+
+    points = [a] + [s for s, _ in schedule if a < s <= b] + [b]
+    return sum((limit_at(schedule, lo) * Fraction(hi - lo, 1_000_000_000)
+                for lo, hi in zip(points, points[1:])), Fraction(0))
+
+
+def second_model() -> str:
+    """Another tokenizer (Unigram) and shape: tools are tried on it too."""
+    from vllm_output_rate.tools.tiny_model import ensure_second_model
+
+    return str(ensure_second_model(TINY_MODEL_DIR.parent / "second-llama"))
+
+
+def make_vllm_config(limits: dict[str, Any] | None, **kwargs: Any):
     """A VllmConfig for the tiny model; ``limits`` None means feature off."""
-    additional = {} if limits is None else {"output_rate": limits}
-    args = EngineArgs(
-        model=tiny_model(),
-        skip_tokenizer_init=True,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        enable_chunked_prefill=enable_chunked_prefill,
-        enable_prefix_caching=enable_prefix_caching,
-        scheduling_policy=policy,
-        block_size=block_size,
-        async_scheduling=async_scheduling,
-        additional_config=additional,
-        long_prefill_token_threshold=long_prefill_token_threshold,
-    )
-    if max_num_active_seqs is not None:
-        args.max_num_active_seqs = max_num_active_seqs
-    vllm_config = args.create_engine_config()
-    if async_scheduling and not vllm_config.scheduler_config.async_scheduling:
-        # vLLM's CPU platform turns async scheduling off; the scheduler itself
-        # runs anywhere, so put it back and pick the classes again.
-        vllm_config.scheduler_config.async_scheduling = True
-        configure_output_rate(vllm_config)
-    return vllm_config
+    return scheduler_driver.make_vllm_config(limits, model=tiny_model(), **kwargs)
 
 
-def make_scheduler(
-    limits: dict[str, Any] | None,
-    *,
-    num_blocks: int = 10_000,
-    clock: FakeClock | None = None,
-    **config_kwargs: Any,
-):
+def make_scheduler(limits: dict[str, Any] | None, **kwargs: Any):
     """The scheduler vLLM would build for this config (ours when limited)."""
-    vllm_config = make_vllm_config(limits, **config_kwargs)
-    block_size = vllm_config.cache_config.block_size
-    vllm_config.cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer"],
-                FullAttentionSpec(
-                    block_size=block_size,
-                    num_kv_heads=2,
-                    head_size=64,
-                    dtype=torch.float32,
-                ),
-            )
-        ],
-    )
-    cls = vllm_config.scheduler_config.get_scheduler_cls()
-    scheduler = cls(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=block_size,
-        log_stats=True,
-    )
-    if clock is not None and hasattr(scheduler, "output_rate_clock"):
-        scheduler.output_rate_clock = clock
-    return scheduler
+    return scheduler_driver.make_scheduler(limits, model=tiny_model(), **kwargs)
 
 
-_ids = itertools.count()
-init_none_hash(sha256)
-_HASHERS: dict[int, Any] = {}
+class StepTap(OutputRateObserver):
+    """Calls ``fn`` with every step report, then passes everything on to
+    the observer that was attached before (if any)."""
+
+    def __init__(self, fn, inner: OutputRateObserver | None) -> None:
+        self.fn, self.inner = fn, inner
+        self.limit_changes = []
+
+    def on_step(self, step):
+        self.fn(step)
+        if self.inner is not None:
+            self.inner.on_step(step)
+
+    def on_outputs(self, outputs):
+        if self.inner is not None:
+            self.inner.on_outputs(outputs)
+
+    def on_aborted(self, aborted, now_ns):
+        if self.inner is not None:
+            self.inner.on_aborted(aborted, now_ns)
+
+    def on_idle_wait(self, wait):
+        if self.inner is not None:
+            self.inner.on_idle_wait(wait)
+
+    def on_limits(self, change):
+        self.limit_changes.append(change)
+        if self.inner is not None:
+            self.inner.on_limits(change)
+
+    def close(self):
+        if self.inner is not None:
+            self.inner.close()
 
 
-def make_request(
-    user: str | None,
-    *,
-    prompt_len: int = 8,
-    max_tokens: int = 16,
-    priority: int = 0,
-    arrival_time: float | None = None,
-    prompt: list[int] | None = None,
-    block_size: int = 16,
-    req_id: str | None = None,
-    ignore_eos: bool = True,
-) -> Request:
-    """A request of ``user`` (None: no user field)."""
-    extra = None if user is None else {"output_rate_user": user}
-    params = SamplingParams(
-        max_tokens=max_tokens,
-        ignore_eos=ignore_eos,
-        stop_token_ids=None if ignore_eos else [EOS_TOKEN],
-        extra_args=extra,
-    )
-    n = next(_ids)
-    tokens = prompt if prompt is not None else [(n * 31 + i) % 1000 + 10 for i in range(prompt_len)]
-    hasher = _HASHERS.setdefault(block_size, get_request_block_hasher(block_size, sha256))
-    return Request(
-        request_id=req_id or f"req-{n}",
-        prompt_token_ids=tokens,
-        sampling_params=params,
-        pooling_params=None,
-        arrival_time=arrival_time if arrival_time is not None else time.time() + n * 1e-6,
-        priority=priority,
-        block_hasher=hasher,
-    )
-
-
-def model_output_for(scheduler, out: SchedulerOutput, token: int = SAMPLED_TOKEN) -> ModelRunnerOutput:
-    """What a model runner would return: one token for every sampling request."""
-    req_ids = list(out.num_scheduled_tokens)
-    sampled = []
-    for req_id in req_ids:
-        request = scheduler.requests.get(req_id)
-        samples = request is not None and not request.is_prefill_chunk
-        sampled.append([token] if samples else [])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-    )
-
-
-@dataclass
-class Driver:
-    """Steps a scheduler like the engine core does, with a fake clock.
-
-    Sync: schedule, "run", update. Async: schedule step k+1 before the
-    output of step k is applied (one batch in flight), as vLLM's batch queue.
-    """
-
-    scheduler: Any
-    clock: FakeClock | None = None
-    step_ms: float = 10.0
-    is_async: bool = False
-    #: request id -> list of (step, now_ns) for each delivered token
-    tokens: dict[str, list[tuple[int, int]]] = field(default_factory=lambda: defaultdict(list))
-    finished: dict[str, str] = field(default_factory=dict)
-    outputs: list[SchedulerOutput] = field(default_factory=list)
-    steps: int = 0
-    _pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = field(default_factory=list)
-
-    def add(self, *requests: Request) -> None:
-        for request in requests:
-            self.scheduler.add_request(request)
-
-    def step(self) -> SchedulerOutput:
-        out = self.scheduler.schedule()
-        self.outputs.append(out)
-        self.steps += 1
-        mro = model_output_for(self.scheduler, out)
-        self._pending.append((out, mro))
-        if not self.is_async or len(self._pending) > 1:
-            self._apply(*self._pending.pop(0))
-        if self.clock is not None:
-            self.clock.advance_ms(self.step_ms)
-        return out
-
-    def flush(self) -> None:
-        while self._pending:
-            self._apply(*self._pending.pop(0))
-
-    def _apply(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
-        now = self.clock() if self.clock is not None else 0
-        engine_outputs = self.scheduler.update_from_output(out, mro)
-        for eco in engine_outputs.values():
-            for o in eco.outputs:
-                for _ in o.new_token_ids:
-                    self.tokens[o.request_id].append((self.steps, now))
-                if o.finish_reason is not None:
-                    self.finished[o.request_id] = str(o.finish_reason)
-
-    def run(self, steps: int) -> None:
-        for _ in range(steps):
-            self.step()
-
-    def run_until_done(self, max_steps: int = 100_000) -> None:
-        for _ in range(max_steps):
-            if not self.scheduler.has_requests():
-                self.flush()
-                if not self.scheduler.has_requests():
-                    return
-            self.step()
-        raise AssertionError(f"not done after {max_steps} steps")
-
-    def count(self, req_id: str) -> int:
-        return len(self.tokens.get(req_id, ()))
-
-
-def scheduled_ids(out: SchedulerOutput) -> set[str]:
-    return set(out.num_scheduled_tokens)
+def observe_steps(sched, fn) -> None:
+    """``fn(step report)`` after every ``schedule()`` of ``sched``."""
+    sched.output_rate_observer = StepTap(fn, sched.output_rate_observer)
 
 
 class OtlpHttpReceiver:
     """An OTLP/HTTP trace receiver on loopback: decodes every export request
-    (protobuf, with the OpenTelemetry proto classes) into (name, attributes)."""
+    (protobuf, with the OpenTelemetry proto classes) into (name, attributes),
+    and keeps the path each request was sent to and the resource attributes
+    it carried."""
 
     def __init__(self) -> None:
         import threading
@@ -274,14 +116,18 @@ class OtlpHttpReceiver:
         )
 
         self.spans: list[tuple[str, dict]] = []
-        spans = self.spans
+        self.paths: list[str] = []
+        self.resources: list[dict] = []
+        spans, paths, resources = self.spans, self.paths, self.resources
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 req = ExportTraceServiceRequest()
                 req.ParseFromString(body)
+                paths.append(self.path)
                 for rs in req.resource_spans:
+                    resources.append({a.key: a.value.string_value for a in rs.resource.attributes})
                     for ss in rs.scope_spans:
                         for span in ss.spans:
                             spans.append((span.name, {a.key: a.value for a in span.attributes}))
@@ -293,8 +139,62 @@ class OtlpHttpReceiver:
                 pass
 
         self.httpd = HTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_port}/v1/traces"
+        #: the base URL (OTEL_EXPORTER_OTLP_ENDPOINT) and the traces URL
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_port}"
+        self.url = f"{self.base_url}/v1/traces"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def close(self) -> None:
         self.httpd.shutdown()
+
+
+def otlp_value(value: Any) -> Any:
+    """An OTLP ``AnyValue`` as plain Python (arrays as lists)."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return [otlp_value(v) for v in value.array_value.values]
+    return None if kind is None else getattr(value, kind)
+
+
+class OtlpSpanReceiver(OtlpHttpReceiver):
+    """An ``OtlpHttpReceiver`` that also keeps each span whole in
+    ``records``: dicts with ``name``, ``trace_id``, ``span_id``,
+    ``parent_span_id`` (hex; ``""`` for a root span), ``attributes`` (plain
+    values, ``otlp_value``) and the ``service`` (its resource's
+    ``service.name``)."""
+
+    def __init__(self) -> None:
+        import io
+
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        super().__init__()
+        self.records: list[dict[str, Any]] = []
+        records = self.records
+        base = self.httpd.RequestHandlerClass
+
+        class Handler(base):  # type: ignore[misc, valid-type]
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                req = ExportTraceServiceRequest()
+                req.ParseFromString(body)
+                for rs in req.resource_spans:
+                    service = next((a.value.string_value for a in rs.resource.attributes
+                                    if a.key == "service.name"), "")
+                    for ss in rs.scope_spans:
+                        for span in ss.spans:
+                            records.append({
+                                "name": span.name, "service": service,
+                                "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
+                                "parent_span_id": span.parent_span_id.hex(),
+                                "attributes": {a.key: otlp_value(a.value) for a in span.attributes},
+                            })
+                self.rfile = io.BytesIO(body)  # the base handler reads it again
+                super().do_POST()
+
+        self.httpd.RequestHandlerClass = Handler
+
+    def named(self, name: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["name"] == name]

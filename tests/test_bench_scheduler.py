@@ -10,8 +10,6 @@ import pytest
 
 from harness import REPO
 
-SCRIPT = REPO / "scripts" / "bench_scheduler.py"
-
 
 @pytest.mark.parametrize("args", [
     ["--same-scheduler"],
@@ -21,7 +19,7 @@ SCRIPT = REPO / "scripts" / "bench_scheduler.py"
 ])
 def test_the_benchmark_runs_and_prints_its_table(args):
     run = subprocess.run(
-        [sys.executable, str(SCRIPT), "--sizes", "8", "--users", "1", "2", "--shares", "0", "0.5",
+        [sys.executable, "-m", "vllm_output_rate.tools.bench_scheduler", "--sizes", "8", "--users", "1", "2", "--shares", "0", "0.5",
          "--blocks", "2", "--block-steps", "2", "--pairs", "1", *args],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert run.returncode == 0, run.stderr[-3000:]

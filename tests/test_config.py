@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_patch.config import (
+from vllm_output_rate.config import (
     ANONYMOUS_USER,
     DEFAULT_OPTION,
     MAX_USER_LEN,
@@ -104,3 +104,28 @@ def test_any_valid_object_parses(obj):
 )
 def test_resolve_user(extra, user):
     assert resolve_user(extra) == user
+
+
+_FIELD_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=300),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=5,
+)
+
+
+@given(_FIELD_VALUES)
+def test_one_rule_for_the_user_field(value):
+    """What the serving entry refuses (HTTP 400) and what the engine
+    resolves are the same rule: a value the entry lets through resolves to
+    the user it names; a refused one never reaches the engine, and would be
+    the anonymous user there."""
+    from vllm_output_rate.config import USER_FIELD, user_field_error, user_of_field
+
+    error = user_field_error({USER_FIELD: value})
+    if error is None:
+        assert resolve_user({USER_FIELD: value}) == user_of_field(value)
+        assert 0 < len(resolve_user({USER_FIELD: value})) <= MAX_USER_LEN
+    else:
+        assert USER_FIELD in error and type(value).__name__ in error
+        assert isinstance(value, (bool, list, dict))
+        assert resolve_user({USER_FIELD: value}) == ANONYMOUS_USER

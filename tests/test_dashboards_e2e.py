@@ -9,7 +9,9 @@ Prometheus on loopback scrapes the engine's /metrics every second and
 evaluates the project's rule files every second. Then every panel query is
 run the way Grafana would (variables filled in) and must return data for
 the right users; the over-limit alert must stay quiet while the throttled-KV
-expressions return data; the picture command draws from that Prometheus.
+expressions return data; the limits alerts stay quiet and the limits in
+force (command line) are scraped; the picture command draws from that
+Prometheus.
 """
 
 from __future__ import annotations
@@ -29,13 +31,10 @@ import pytest
 import yaml
 
 from harness import REPO, tiny_model
-from vllm_patch.client import Server, free_port, run_load
+from vllm_output_rate.tools.client import Server, free_port, run_load
 
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from dashboards import generate  # noqa: E402
-from dashboards.promql import render  # noqa: E402
+from vllm_output_rate.dashboards import generate
+from vllm_output_rate.dashboards.promql import render
 
 pytestmark = [
     pytest.mark.e2e,
@@ -129,7 +128,7 @@ class Prometheus:
 def stack(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("prometheus")
     server = Server(tiny_model(), SERVER_ARGS, REPO / ".cache" / "logs" / "dashboards-e2e-server.log",
-                    extra_env={"VLLM_OUTPUT_RATE_TELEMETRY": "1"})
+                    extra_env={"OUTPUT_RATE_TELEMETRY": "1"})
     server.start()
     prom = Prometheus(workdir, f"127.0.0.1:{server.port}")
     try:
@@ -231,7 +230,7 @@ def test_panel_query_returns_data_for_the_right_users(stack, panel, target):
 
 
 def _recording_expectation(name: str) -> str:
-    if name.endswith(":bool") or "throttled_kv_cache_share" in name:
+    if name.endswith(":bool") or "throttled_kv_cache_ratio" in name:
         return "throttled"
     return "users"
 
@@ -262,10 +261,26 @@ def test_over_limit_alert_is_quiet_and_throttled_kv_expressions_have_data(stack)
     # throttled KV: the alert's expression without its threshold, and per user
     share = prom.range(generate.throttled_kv_share_expr(), start, end)
     assert share and max(v for s in share for v in _values(s)) > 0
-    per_user = prom.range("engine_user:output_rate_throttled_kv_cache_share:ratio", start, end)
+    per_user = prom.range("engine_user:vllm_output_rate_throttled_kv_cache_ratio:ratio", start, end)
     check(per_user, "throttled")
     blocks = prom.range(generate.m("throttled_kv_blocks").full_name, start, end)
     check(blocks, "throttled")
+
+
+def test_limits_alerts_are_quiet_and_the_limits_in_force_are_scraped(stack):
+    """One engine with limits from the command line: no failed reload, one
+    set of limits; the digest and every reload result are on /metrics."""
+    prom, start, end = stack["prom"], stack["start"], stack["end"]
+    alerts = {a.name: a for a in generate.alerts()}
+    for name in ("OutputRateLimitsReloadFailed", "OutputRateLimitsDiffer"):
+        assert prom.range(alerts[name].expr, start, end) == [], name
+    info = prom.instant(generate.m("limits_info").full_name, end)
+    assert [s["metric"]["source"] for s in info] == ["command line"], info
+    assert len(info[0]["metric"]["sha256"]) == 64, info
+    assert prom.instant(generate.limit_sets_expr(), end)[0]["value"][1] == "1"
+    reloads = prom.instant(generate.m("limits_reloads").full_name, end)
+    assert {s["metric"]["result"] for s in reloads} == set(generate.LIMITS_RESULTS), reloads
+    assert all(float(s["value"][1]) == 0 for s in reloads), reloads
 
 
 def test_vllm_metrics_used_by_panels_are_scraped(stack):
@@ -279,7 +294,7 @@ def test_vllm_metrics_used_by_panels_are_scraped(stack):
 def test_picture_command_draws_from_prometheus(stack):
     out = stack["workdir"] / "pictures"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "prom_pictures.py"), "--prometheus", stack["prom"].url,
+        [sys.executable, "-m", "vllm_output_rate.tools.prom_pictures", "--prometheus", stack["prom"].url,
          "--start", str(stack["start"]), "--end", str(stack["end"]), "--out", str(out),
          "--step", "1s", "--rate-interval", RATE_INTERVAL],
         capture_output=True, text=True, timeout=300, env={**os.environ, "MPLBACKEND": "Agg"})

@@ -21,14 +21,11 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from dashboards import generate  # noqa: E402
-from dashboards import grafana as g  # noqa: E402
+from vllm_output_rate.dashboards import generate
+from vllm_output_rate.dashboards import grafana as g
 
 TOKEN = "test-token"
-SCRIPT = REPO / "scripts" / "grafana_provision.py"
+SCRIPT = ["-m", "vllm_output_rate.tools.grafana_provision"]
 
 
 class FakeGrafana:
@@ -184,7 +181,7 @@ def grafana():
 
 
 def provision(fake: FakeGrafana, *extra: str, token: str = TOKEN) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--url", fake.url, "--token", token, *extra],
+    return subprocess.run([sys.executable, *SCRIPT, "--url", fake.url, "--token", token, *extra],
                           capture_output=True, text=True, timeout=120)
 
 

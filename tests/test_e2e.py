@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from harness import REPO, tiny_model
-from vllm_patch.client import Samples, Server, metric_value, run_load, scrape_metrics, summarize
+from vllm_output_rate.tools.client import Samples, Server, metric_value, run_load, scrape_metrics, summarize
 
 pytestmark = pytest.mark.e2e
 
@@ -41,8 +41,8 @@ def async_server():
     """The async-scheduling variant: vLLM's CPU platform turns async
     scheduling off, the plugin's diagnostic switch turns it back on."""
     srv = Server(tiny_model(), SERVER_ARGS, REPO / ".cache" / "logs" / "e2e-async-server.log",
-                 extra_env={"VLLM_OUTPUT_RATE_TELEMETRY": "1",
-                            "VLLM_OUTPUT_RATE_FORCE_ASYNC_SCHEDULING": "1"})
+                 extra_env={"OUTPUT_RATE_TELEMETRY": "1",
+                            "OUTPUT_RATE_FORCE_ASYNC_SCHEDULING": "1"})
     srv.start()
     yield srv
     srv.stop()
@@ -51,7 +51,7 @@ def async_server():
 @pytest.fixture(scope="module")
 def server():
     srv = Server(tiny_model(), SERVER_ARGS, REPO / ".cache" / "logs" / "e2e-server.log",
-                 extra_env={"VLLM_OUTPUT_RATE_TELEMETRY": "1"})
+                 extra_env={"OUTPUT_RATE_TELEMETRY": "1"})
     srv.start()
     yield srv
     srv.stop()
@@ -75,23 +75,34 @@ def test_limited_users_get_their_limit_and_complete(mode, request):
     print(f"\nlimited users ({mode}):", {u: round(s.rate, 2) for u, s in summary.items()})
     for user in ("user-a", "user-b"):
         s, limit = summary[user], LIMITS[user]
-        # GCRA bound over the user's first-to-last-token span, one step of slack
-        assert s.tokens <= (s.span_s + 0.1 + STEP_SLACK_S) * limit + 1, s
+        # GCRA bound over the user's first-to-last-token span, one step of
+        # slack (two with async scheduling: a step is dispatched ahead)
+        slack = STEP_SLACK_S * (2 if mode == "async" else 1)
+        assert s.tokens <= (s.span_s + 0.1 + slack) * limit + 1, s
         # demand (several streams, >100 tok/s each) exceeds the limit throughout
         assert s.rate >= 0.97 * limit, s
 
 
 def _mean_spacing(before, after, user):
-    total = (value(after, "output_rate_inter_token_seconds_sum", user=user)
-             - value(before, "output_rate_inter_token_seconds_sum", user=user))
-    count = (value(after, "output_rate_inter_token_seconds_count", user=user)
-             - value(before, "output_rate_inter_token_seconds_count", user=user))
+    total = (value(after, "vllm_output_rate_inter_token_seconds_sum", user=user)
+             - value(before, "vllm_output_rate_inter_token_seconds_sum", user=user))
+    count = (value(after, "vllm_output_rate_inter_token_seconds_count", user=user)
+             - value(before, "vllm_output_rate_inter_token_seconds_count", user=user))
     return total / count, count
 
 
 def test_unlimited_user_is_not_slowed_by_limited_load(server):
     """Measured engine-side: at the client, chunks of a fast stream arrive
-    bunched (HTTP and event-loop buffering), which says nothing of spacing."""
+    bunched (HTTP and event-loop buffering), which says nothing of spacing.
+
+    The exact claim is that the limiter never holds user-c back while
+    user-a's and user-b's six streams are throttled beside it: not one step
+    skipped for user-c, every one of its tokens spaced as the engine steps.
+    Its spacing is also compared with a run alone, loosely: on a 2-core
+    machine the API server and this test's client (seven streams instead of
+    one) take CPU from the engine core, which stretches every step; a user
+    throttled by mistake (a wrong label, a refused budget) is slowed by its
+    limit's spacing, several times over."""
     s0 = scrape(server)
     (alone,) = load(server, [("user-c", 1, 900)])
     time.sleep(2.5)  # one engine export
@@ -103,11 +114,14 @@ def test_unlimited_user_is_not_slowed_by_limited_load(server):
     spacing_alone, n_alone = _mean_spacing(s0, s1, "user-c")
     spacing_load, n_load = _mean_spacing(s1, s2, "user-c")
     assert n_alone == n_load == 899
+    skipped = {u: value(s2, "vllm_output_rate_requests_skipped_total", user=u)
+               - value(s1, "vllm_output_rate_requests_skipped_total", user=u)
+               for u in ("user-a", "user-c")}
     print(f"\nuser-c engine-side mean spacing alone {spacing_alone * 1e3:.2f} ms, "
-          f"beside limited load {spacing_load * 1e3:.2f} ms")
-    # Without the limiter user-a's and user-b's six streams would share every
-    # step with user-c at full speed and stretch its spacing.
-    assert spacing_load <= spacing_alone / 0.7
+          f"beside limited load {spacing_load * 1e3:.2f} ms; skipped steps {skipped}")
+    assert skipped["user-a"] > 0  # the load was throttled beside user-c ...
+    assert skipped["user-c"] == 0  # ... and user-c never was
+    assert spacing_load <= 2.5 * spacing_alone
 
 
 def test_beam_search_is_refused_with_400(server):
@@ -173,7 +187,7 @@ value = metric_value
 
 
 def test_engine_metrics_on_vllm_metrics_endpoint(server):
-    from telemetry.metrics import METRICS
+    from vllm_output_rate.telemetry.metrics import METRICS
 
     before = scrape(server)
     results = load(server, [("user-a", 2, 40), ("user-b", 1, 60)])
@@ -184,18 +198,18 @@ def test_engine_metrics_on_vllm_metrics_endpoint(server):
                if not any(n == m.full_name or n.startswith(m.full_name + "_") for n in names)]
     assert missing == []
     # refunds happen only under KV pressure: the configured users' series exist, at zero
-    assert value(after, "output_rate_tokens_refunded_total", user="user-a", reason="preempted") == 0
-    assert ("output_rate_tokens_refunded_total", (("engine", "0"), ("model_name", "tiny"),
+    assert value(after, "vllm_output_rate_tokens_refunded_total", user="user-a", reason="preempted") == 0
+    assert ("vllm_output_rate_tokens_refunded_total", (("engine", "0"), ("model_name", "tiny"),
             ("reason", "preempted"), ("user", "user-a"))) in after
     assert any(n.startswith("vllm:") for n in names)  # vLLM's own metrics still served
     for user in ("user-a", "user-b"):
         received = sum(r.completion_tokens for r in results if r.user == user)
-        charged = (value(after, "output_rate_tokens_charged_total", user=user)
-                   - value(before, "output_rate_tokens_charged_total", user=user))
+        charged = (value(after, "vllm_output_rate_tokens_charged_total", user=user)
+                   - value(before, "vllm_output_rate_tokens_charged_total", user=user))
         # sync scheduling, ignore_eos, no cancels: charged exactly what was sent
         assert charged == received, (user, charged, received)
-    spacing = (value(after, "output_rate_inter_token_seconds_count", user="user-a")
-               - value(before, "output_rate_inter_token_seconds_count", user="user-a"))
+    spacing = (value(after, "vllm_output_rate_inter_token_seconds_count", user="user-a")
+               - value(before, "vllm_output_rate_inter_token_seconds_count", user="user-a"))
     assert spacing == sum(r.completion_tokens - 1 for r in results if r.user == "user-a")
 
 
@@ -209,8 +223,8 @@ def test_throttled_gauge_rises_and_returns_to_zero(server):
 
     during, results = asyncio.run(run())
     assert all(r.completion_tokens == 3 for r in results)
-    assert value(during, "output_rate_throttled_requests", user="user-slow") > 0
-    assert value(during, "output_rate_throttled_kv_blocks", user="user-slow") > 0
+    assert value(during, "vllm_output_rate_throttled_requests", user="user-slow") > 0
+    assert value(during, "vllm_output_rate_throttled_kv_blocks", user="user-slow") > 0
     time.sleep(2.5)
     after = scrape(server)
-    assert value(after, "output_rate_throttled_requests", user="user-slow") == 0
+    assert value(after, "vllm_output_rate_throttled_requests", user="user-slow") == 0

@@ -9,6 +9,7 @@ that never parsed our options (the parent did) must still refuse beam search.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 
@@ -16,21 +17,22 @@ import httpx
 import pytest
 
 from harness import REPO, tiny_model
-from vllm_patch.client import Server, metric_value, run_load, scrape_metrics
+from vllm_output_rate.tools.client import Server, metric_value, run_load, scrape_metrics
 
 pytestmark = pytest.mark.e2e
 
-LIMITS = {"user-a": 20}
-ARGS = ["--max-num-seqs", "16", "--max-model-len", "1024",
-        "--default-user-output-tokens-per-second", "100000",
-        "--user-output-tokens-per-second", json.dumps(LIMITS),
-        "--api-server-count", "2"]
+LIMITS = {"default": 100000, "users": {"user-a": 20}}
+ARGS = ["--max-num-seqs", "16", "--max-model-len", "1024", "--api-server-count", "2"]
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = Server(tiny_model(), ARGS, REPO / ".cache" / "logs" / "e2e-api-servers.log",
-                 extra_env={"VLLM_OUTPUT_RATE_TELEMETRY": "1"})
+def server(tmp_path_factory):
+    limits = tmp_path_factory.mktemp("api-servers") / "limits.json"
+    limits.write_text(json.dumps(LIMITS))
+    srv = Server(tiny_model(), [*ARGS, "--output-rate-limits-file", str(limits)],
+                 REPO / ".cache" / "logs" / "e2e-api-servers.log",
+                 extra_env={"OUTPUT_RATE_TELEMETRY": "1"})
+    srv.limits_path = limits
     srv.start()
     yield srv
     srv.stop()
@@ -47,13 +49,13 @@ def test_every_api_server_shows_the_engine_metrics_once(server):
         # the API servers (SO_REUSEPORT); 12 all on one server: p = 2**-11.
         samples = scrape_metrics(server.base_url)
         for user, n in delivered.items():
-            series = [k for k in samples if k[0] == "output_rate_tokens_charged_total"
+            series = [k for k in samples if k[0] == "vllm_output_rate_tokens_charged_total"
                       and dict(k[1]).get("user") == user]
             assert len(series) == 1, series  # once, not once per API server
-            assert metric_value(samples, "output_rate_tokens_charged_total", user=user) == n
-        assert metric_value(samples, "output_rate_engine_tokens_charged_total") == sum(
+            assert metric_value(samples, "vllm_output_rate_tokens_charged_total", user=user) == n
+        assert metric_value(samples, "vllm_output_rate_engine_tokens_charged_total") == sum(
             delivered.values())
-    assert metric_value(samples, "output_rate_user_limit_tokens_per_second", user="user-a") == 20
+    assert metric_value(samples, "vllm_output_rate_user_limit_tokens_per_second", user="user-a") == 20
 
 
 def test_every_api_server_refuses_beam_search(server):
@@ -63,3 +65,21 @@ def test_every_api_server_refuses_beam_search(server):
         resp = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
         assert resp.status_code == 400, resp.text
         assert "beam search" in resp.text.lower()
+
+
+def test_every_api_server_shows_the_limits_in_force_after_a_reload(server):
+    path = server.limits_path
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"default": 100000, "users": {"user-a": 30, "user-new": 5}}))
+    tmp.replace(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    time.sleep(3.0)  # in force within a second; one engine export after that
+    for _ in range(12):  # new connections, spread over both API servers
+        limits = httpx.get(f"{server.base_url}/output-rate/limits", timeout=30).json()
+        assert limits.get("sha256") == digest, limits and limits["agree"] is True
+        assert limits["users"] == {"user-a": 30, "user-new": 5}
+        samples = scrape_metrics(server.base_url)
+        assert metric_value(samples, "vllm_output_rate_limits_info", sha256=digest) == 1
+        assert metric_value(samples, "vllm_output_rate_user_limit_tokens_per_second", user="user-a") == 30
+        user = httpx.get(f"{server.base_url}/output-rate/users/user-new", timeout=30).json()
+        assert user["limit"] == 5 and user["listed"] is True

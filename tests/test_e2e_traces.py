@@ -2,7 +2,11 @@
 
 - A receiver on loopback (OTLP over HTTP, protobuf decoded with the
   OpenTelemetry proto classes) gets the throttle and generation spans of a
-  real engine serving a limited and an unlimited user.
+  real engine serving a limited and an unlimited user (identified by a
+  trusted header). The limited user's streams carry a W3C ``traceparent``:
+  their spans are children of it, beside vLLM's own ``llm_request`` span of
+  the same request (same ``gen_ai.request.id``); the unlimited user's spans
+  start traces of their own.
 - With the OTLP endpoint down (gRPC to a closed port), the engine serves at
   the limit exactly as before and the drop counter on /metrics rises.
 """
@@ -11,12 +15,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
+import httpx
 import pytest
 
-from harness import REPO, OtlpHttpReceiver, tiny_model
-from vllm_patch.client import Server, free_port, metric_value, run_load, scrape_metrics, summarize
+from harness import REPO, OtlpSpanReceiver, tiny_model
+from vllm_output_rate.tools.client import (
+    Server,
+    StreamResult,
+    chat_body,
+    free_port,
+    metric_value,
+    run_load,
+    scrape_metrics,
+    stream_into,
+    summarize,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -26,43 +42,83 @@ ARGS = ["--max-num-seqs", "16", "--max-model-len", "1024",
         "--user-output-tokens-per-second", json.dumps({"user-a": LIMIT, "user-b": 100000})]
 
 
-def _string(value) -> str:
-    return value.string_value
+async def _streams(base_url: str, plan: list[tuple[str, int, dict[str, str]]]) -> list[StreamResult]:
+    """Streams of (user, max_tokens, extra headers) at once, the user named
+    by the trusted X-User header (none in the body)."""
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        async def one(user: str, max_tokens: int, headers: dict[str, str]) -> StreamResult:
+            rec = StreamResult(user, max_tokens, started=time.monotonic())
+            body = chat_body("tiny", "Explain continuous batching.", max_tokens, None)
+            await stream_into(client, base_url, body, rec, headers={"X-User": user, **headers})
+            return rec
+
+        return list(await asyncio.gather(*(one(*p) for p in plan)))
 
 
-def test_spans_of_a_real_engine_reach_an_otlp_receiver():
-    receiver = OtlpHttpReceiver()
-    env = {"VLLM_OUTPUT_RATE_TELEMETRY": "1",
+def test_spans_of_a_real_engine_reach_an_otlp_receiver_in_the_requests_traces():
+    receiver = OtlpSpanReceiver()
+    env = {"OUTPUT_RATE_TELEMETRY": "1",
            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url,
            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
            "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    # vLLM passes a request's trace headers to the engine only with
+    # --otlp-traces-endpoint (its own request spans go there too)
+    args = [*ARGS, "--otlp-traces-endpoint", receiver.url, "--output-rate-user-header", "X-User"]
+    parents = {os.urandom(16).hex(): os.urandom(8).hex() for _ in range(3)}  # trace -> span
+    plan = [("user-a", 30, {"traceparent": f"00-{trace}-{span}-01"})
+            for trace, span in parents.items()] + [("user-b", 60, {})]
     try:
-        with Server(tiny_model(), ARGS, REPO / ".cache" / "logs" / "e2e-traces.log",
+        with Server(tiny_model(), args, REPO / ".cache" / "logs" / "e2e-traces.log",
                     extra_env=env) as server:
-            results = asyncio.run(run_load(server.base_url, [("user-a", 3, 30), ("user-b", 1, 60)]))
-            assert all(r.error is None and r.completion_tokens == r.max_tokens for r in results)
+            results = asyncio.run(_streams(server.base_url, plan))
+            assert all(r.error is None and r.completion_tokens == r.max_tokens for r in results), [
+                r.error for r in results]
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
-                gens = [a for n, a in receiver.spans if n == "output_rate.generation"]
-                if len(gens) >= 4:
+                if (len(receiver.named("output_rate.generation")) >= 4
+                        and len(receiver.named("llm_request")) >= 4):
                     break
                 time.sleep(0.5)
     finally:
         receiver.close()
-    gens = [a for n, a in receiver.spans if n == "output_rate.generation"]
-    assert sorted(a["output_rate.tokens"].int_value for a in gens) == [30, 30, 30, 60]
-    throttles = [a for n, a in receiver.spans if n == "output_rate.throttle"]
-    assert throttles and {_string(a["output_rate.user"]) for a in throttles} == {"user-a"}
-    assert all(a["output_rate.kv_blocks"].int_value > 0 for a in throttles)
+    gens = receiver.named("output_rate.generation")
+    assert sorted(g["attributes"]["gen_ai.usage.output_tokens"] for g in gens) == [30, 30, 30, 60]
+    throttles = receiver.named("output_rate.throttle")
+    assert throttles and {t["attributes"]["output_rate.user"] for t in throttles} == {"user-a"}
+    assert all(t["attributes"]["output_rate.kv_blocks"] > 0 for t in throttles)
+    # the limited user's spans are children of its requests' traceparents
+    for span in throttles + [g for g in gens if g["attributes"]["output_rate.user"] == "user-a"]:
+        assert parents.get(span["trace_id"]) == span["parent_span_id"], span
+        assert span["attributes"]["user.id"] == "user-a"  # a trusted header
+        assert span["attributes"]["output_rate.identity_source"] == "header"
+    by_trace = {g["trace_id"]: g for g in gens}
+    assert set(parents) <= set(by_trace)
+    for t in throttles:  # the same request as the generation span of its trace
+        assert t["attributes"]["gen_ai.request.id"] == by_trace[t["trace_id"]]["attributes"][
+            "gen_ai.request.id"]
+    (b,) = [g for g in gens if g["attributes"]["output_rate.user"] == "user-b"]
+    assert b["parent_span_id"] == "" and b["trace_id"] not in parents  # a trace of its own
+    for g in gens:
+        a = g["attributes"]
+        assert a["gen_ai.response.model"] == "tiny"
+        assert a["gen_ai.response.finish_reasons"] == ["length"]
+        assert len(a["output_rate.spacing_series_us"]) == a["gen_ai.usage.output_tokens"] - 1
+    # vLLM's own request span: in the same trace, under the same parent,
+    # with the same gen_ai.request.id
+    vllm_spans = {s["trace_id"]: s for s in receiver.named("llm_request")}
+    for trace, span in parents.items():
+        mine, theirs = by_trace[trace], vllm_spans[trace]
+        assert theirs["parent_span_id"] == span
+        assert theirs["attributes"]["gen_ai.request.id"] == mine["attributes"]["gen_ai.request.id"]
     # the limited user's streams: 3 streams sharing 20 tok/s -> p50 ~ 150 ms
-    a_p50 = sorted(a["output_rate.spacing_p50_us"].int_value for a in gens
-                   if a["output_rate.tokens"].int_value == 30)
+    a_p50 = sorted(g["attributes"]["output_rate.spacing_p50_us"] for g in gens
+                   if g["attributes"]["gen_ai.usage.output_tokens"] == 30)
     assert all(120_000 <= p <= 180_000 for p in a_p50), a_p50
 
 
 def test_an_unreachable_otlp_endpoint_costs_nothing_but_counted_drops():
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    env = {"VLLM_OUTPUT_RATE_TELEMETRY": "1",
+    env = {"OUTPUT_RATE_TELEMETRY": "1",
            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": dead,
            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc",
            "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1",
@@ -80,7 +136,7 @@ def test_an_unreachable_otlp_endpoint_costs_nothing_but_counted_drops():
         dropped = 0.0
         while time.monotonic() < deadline:
             dropped = metric_value(scrape_metrics(server.base_url),
-                                   "output_rate_telemetry_dropped_total",
+                                   "vllm_output_rate_telemetry_dropped_total",
                                    reason="trace_export_failed")
             if dropped > 0:
                 break

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import yaml
 
-from vllm_patch import loadgen
-from vllm_patch.loadgen import (
+from vllm_output_rate.tools import loadgen
+from vllm_output_rate.tools.loadgen import (
     ScenarioError,
     load_scenario,
     parse_scenario,
@@ -24,7 +24,7 @@ from vllm_patch.loadgen import (
 MINIMAL = {
     "name": "t",
     "users": {"a": 20, "c": "unlimited"},
-    "prompts": {"short": "hi", "long": {"words": 50, "seed": 3},
+    "prompts": {"short": "hi", "long": {"tokens": 50, "seed": 3},
                 "shared": {"prefix": "long", "text": "q", "unique": True}},
     "phases": [
         {"name": "one", "streams": [
@@ -48,7 +48,8 @@ def test_default_scenario_covers_what_verification_asks_for():
     by_user = {u: sum(st.count for st in streams if st.user == u) for u in s.users}
     assert by_user["user-a"] >= 3 and by_user["user-b"] >= 3  # several streams each
     assert any(s.prompts[st.prompt].prefix for st in streams)  # prefix-cache hits
-    assert any(len(s.prompts[st.prompt].text.split()) >= 400 for st in streams)  # long prompts
+    # long prompts: 400 tokens of the served model's tokenizer
+    assert any("tokens:400:" in s.prompts[st.prompt].text for st in streams)
     assert any(st.max_tokens <= 10 for st in streams)  # short answers
     assert any(not st.ignore_eos for st in streams)  # EOS
     assert any(st.cancel_after_tokens for st in streams) and any(st.cancel_after_s for st in streams)
@@ -67,7 +68,8 @@ def test_yaml_and_json_give_the_same_scenario(tmp_path):
     assert a.users == {"a": Fraction(20), "c": None}
     assert a.prompts["shared"].text.startswith(a.prompts["long"].text)
     assert a.prompts["shared"].unique and a.prompts["shared"].prefix == "long"
-    assert len(a.prompts["long"].text.split()) == 50
+    # sized in tokens of the server's tokenizer: resolved when the run starts
+    assert a.prompts["long"].text == "\x00tokens:50:3\x00"
     assert a.expected_tokens() == 2 * 10 + 3
 
 
@@ -117,7 +119,7 @@ REJECTS = [
     (lambda d: d["prompts"].update(x={"prefix": "y"}, y={"prefix": "x"}),
      ["prompts.", ".prefix", "cycle"]),
     (lambda d: d["prompts"].update(x={"prefix": "missing"}), ["prompts.x.prefix", "'missing'"]),
-    (lambda d: d["prompts"].update(x={"text": "a", "words": 3}), ["prompts.x", "either text or words"]),
+    (lambda d: d["prompts"].update(x={"text": "a", "tokens": 3}), ["prompts.x", "either text or tokens"]),
     (lambda d: d["prompts"].update(x=""), ["prompts.x", "must not be empty"]),
     (lambda d: d.update(server={"args": ["--user-output-tokens-per-second", "{}"]}),
      ["server.args", "limits come from users"]),
@@ -198,8 +200,43 @@ class _AsyncStream(httpx.AsyncByteStream):
         await self.gen.aclose()
 
 
+class WordTokenizer:
+    """vLLM's /tokenize and /detokenize for the fake servers: one token per
+    word (ids handed out as words come)."""
+
+    def __init__(self):
+        self.ids: dict[str, int] = {}
+        self.words: list[str] = []
+
+    def answer(self, request: httpx.Request) -> httpx.Response | None:
+        path = request.url.path
+        if path not in ("/tokenize", "/detokenize"):
+            return None
+        body = json.loads(request.content)
+        if path == "/tokenize":
+            ids = [self.ids.setdefault(w, len(self.ids)) for w in body["prompt"].split()]
+            self.words = sorted(self.ids, key=self.ids.get)
+            return httpx.Response(200, json={"tokens": ids, "count": len(ids)})
+        return httpx.Response(200, json={"prompt": " ".join(self.words[i] for i in body["tokens"])})
+
+
+def with_tokenizer(handler):
+    """``handler`` behind a word tokenizer (async or plain handlers)."""
+    tokenizer = WordTokenizer()
+
+    async def both(request: httpx.Request) -> httpx.Response:
+        answer = tokenizer.answer(request)
+        if answer is not None:
+            return answer
+        response = handler(request)
+        return await response if asyncio.iscoroutine(response) else response
+
+    return httpx.MockTransport(both)
+
+
 def fake_server(tokens_per_chunk=1, delay_s=0.0, finish_at=None, log=None):
-    """An OpenAI-like streaming endpoint: one chunk per token with continuous usage."""
+    """An OpenAI-like streaming endpoint: one chunk per token with continuous
+    usage (and a word tokenizer)."""
 
     async def handler(request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content)
@@ -222,7 +259,7 @@ def fake_server(tokens_per_chunk=1, delay_s=0.0, finish_at=None, log=None):
         return httpx.Response(200, stream=_AsyncStream(stream()),
                               headers={"content-type": "text/event-stream"})
 
-    return httpx.MockTransport(handler)
+    return with_tokenizer(handler)
 
 
 def test_run_records_every_chunk_and_cancels_after_n_tokens():
@@ -237,9 +274,12 @@ def test_run_records_every_chunk_and_cancels_after_n_tokens():
     assert not a0.cancelled and a0.error is None
     assert c.cancelled and c.completion_tokens == 3 and c.finish_reason is None
     bodies = {h: b for h, b in log}
-    # the shared-prefix prompt is made unique per request after its prefix
+    # the shared-prefix prompt is made unique per request after its prefix;
+    # the long prompt is exactly its tokens of the server's tokenizer
     text = bodies["orl-r1-0002"]["messages"][0]["content"]
-    assert text.startswith(s.prompts["long"].text) and text.endswith("[request 2]")
+    long_text, _, rest = text.partition("\n")
+    assert len(long_text.split()) == 50 and "\x00" not in text
+    assert rest == "q [request 2]"
     assert set(run.phases) == {"one"}
     again = loadgen.RunRecord.from_json(json.loads(json.dumps(run.to_json())))
     assert again.requests[0].chunks == a0.chunks
@@ -271,6 +311,72 @@ def test_the_run_stops_by_itself_at_its_timeout():
 
 def test_http_errors_are_recorded_not_raised():
     s = parse_scenario(copy.deepcopy(MINIMAL))
-    transport = httpx.MockTransport(lambda req: httpx.Response(400, text="beam search refused"))
+    transport = with_tokenizer(lambda req: httpx.Response(400, text="beam search refused"))
     run = asyncio.run(run_scenario("http://fake", s, transport=transport))
     assert all(r.error and r.error.startswith("HTTP 400") for r in run.requests)
+
+
+def error_mid_stream(tokens=2):
+    """HTTP 200, a few chunks, then vLLM's error payload and [DONE]."""
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        async def stream():
+            yield b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}], ' \
+                  b'"usage": {"prompt_tokens": 7, "completion_tokens": 0}}\n\n'
+            for i in range(1, tokens + 1):
+                chunk = {"choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}],
+                         "usage": {"prompt_tokens": 7, "completion_tokens": i}}
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+            error = {"error": {"message": "Internal server error", "type": "InternalServerError",
+                               "param": None, "code": 500}}
+            yield f"data: {json.dumps(error)}\n\n".encode()
+            yield b"data: [DONE]\n\n"
+
+        return httpx.Response(200, stream=_AsyncStream(stream()),
+                              headers={"content-type": "text/event-stream"})
+
+    return with_tokenizer(handler)
+
+
+def test_an_error_inside_a_200_stream_is_an_error():
+    s = parse_scenario(copy.deepcopy(MINIMAL))
+    run = asyncio.run(run_scenario("http://fake", s, transport=error_mid_stream()))
+    for r in run.requests:
+        assert r.error and "Internal server error" in r.error
+        assert r.completion_tokens == 2 and r.finish_reason is None and not r.cancelled
+
+
+def test_the_client_records_streams_with_the_same_loop():
+    from vllm_output_rate.tools.client import stream_chat
+
+    async def one(transport, **kw):
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await stream_chat(client, "http://fake", "tiny", "a", 5, **kw)
+
+    seen = []
+    ok = asyncio.run(one(fake_server(), on_tokens=seen.append))
+    assert ok.error is None and ok.finish_reason == "length" and ok.completion_tokens == 5
+    assert [n for _, n in ok.chunks] == [1, 2, 3, 4, 5] and sum(seen) == 5 and ok.prompt_tokens == 7
+    bad = asyncio.run(one(error_mid_stream()))
+    assert bad.error and "Internal server error" in bad.error
+    # the first chunk is kept even without tokens (its arrival), then one per new token
+    assert [n for _, n in bad.chunks] == [0, 1, 2] and bad.completion_tokens == 2
+    refused = asyncio.run(one(httpx.MockTransport(lambda req: httpx.Response(400, text="no"))))
+    assert refused.error == "HTTP 400: no"
+
+
+def test_a_server_started_from_here_makes_its_own_telemetry_and_limits(monkeypatch, tmp_path):
+    """A process that configured an engine itself (a test, a notebook) has
+    the snapshot directory and the checked limits in its environment; a
+    server it starts must not inherit them: it would show another engine's
+    stale snapshot on /metrics, or take limits it was not given."""
+    from vllm_output_rate import settings
+    from vllm_output_rate.tools.client import Server
+
+    monkeypatch.setenv(settings.name("TELEMETRY_DIR"), str(tmp_path))
+    monkeypatch.setenv(settings.name("ACTIVE_CONFIG"), '{"pid": 1, "config": {}}')
+    env = Server("m", [], tmp_path / "log").environment()
+    assert settings.name("TELEMETRY_DIR") not in env and settings.name("ACTIVE_CONFIG") not in env
+    given = Server("m", [], tmp_path / "log",
+                   extra_env=settings.child_env(TELEMETRY_DIR=tmp_path / "mine")).environment()
+    assert given[settings.name("TELEMETRY_DIR")] == str(tmp_path / "mine")

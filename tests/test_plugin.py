@@ -6,13 +6,14 @@ import json
 
 import pytest
 from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.entrypoints.launchers.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 from harness import make_vllm_config, tiny_model
-from vllm_patch import plugin
-from vllm_patch.config import DEFAULT_OPTION, USERS_OPTION, OutputRateConfigError
-from vllm_patch.internals import UnsupportedVllmVersion, check_vllm_version
+from vllm_output_rate import plugin
+from vllm_output_rate.config import DEFAULT_OPTION, USERS_OPTION, OutputRateConfigError
+from vllm_output_rate.internals import UnsupportedVllmVersion, check_vllm_version, serve_cli
+
+make_arg_parser = serve_cli()[0]
 
 
 def test_register_is_idempotent():
@@ -23,19 +24,51 @@ def test_register_is_idempotent():
     assert flags.count(DEFAULT_OPTION) == 1 and flags.count(USERS_OPTION) == 1
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "1.0.0", "0.3.2"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "0.3.2"])
 def test_other_vllm_versions_are_refused(version):
-    with pytest.raises(UnsupportedVllmVersion, match=rf"supports vLLM 0\.32\.x only.*found vLLM {version}"):
+    with pytest.raises(UnsupportedVllmVersion,
+                       match=rf"supports vLLM 0\.32\.x and 0\.33\.x only.*found vLLM {version}"):
         check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu"])
-def test_032_is_accepted(version):
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.33.0", "0.33.2"])
+def test_032_and_033_are_accepted(version):
     assert check_vllm_version(version) == version
 
 
+def test_an_unsupported_vllm_refuses_only_the_limit_options(monkeypatch, caplog):
+    """Beside a vLLM it does not support, registering warns instead of
+    failing (plain `vllm serve` works, upstream scheduler), and asking for
+    limits fails at start-up naming the version."""
+    from vllm_output_rate import internals
+
+    monkeypatch.setattr(internals, "installed_vllm_version", lambda: "0.34.1")
+    monkeypatch.setattr(plugin, "_registered", False)
+    monkeypatch.setattr(plugin, "_unsupported", None)
+    with caplog.at_level("WARNING", logger="vllm_output_rate"):
+        plugin.register()  # no exception
+    assert "found vLLM 0.34.1" in caplog.text and plugin._unsupported is not None
+    plain = _engine_args().create_engine_config()
+    assert plain.scheduler_config.scheduler_cls is None  # upstream's own
+    with pytest.raises(UnsupportedVllmVersion, match="found vLLM 0.34.1"):
+        _engine_args(DEFAULT_OPTION, "10").create_engine_config()
+
+
 def test_installed_vllm_is_supported():
-    check_vllm_version()
+    """Also says which vLLM the suite runs against: `make test` runs the
+    scheduler-level suites a second time with vLLM 0.33 first on the path
+    (EXPECT_VLLM_MINOR=0.33), and this fails if that did not take."""
+    import os
+
+    from vllm_output_rate.internals import installed_vllm_version, minor_version
+
+    version = check_vllm_version()
+    assert version == installed_vllm_version()
+    expected = os.environ.get("EXPECT_VLLM_MINOR", "0.32")
+    assert minor_version(version) == expected, (version, expected)
+    import vllm
+
+    assert minor_version(vllm.__version__) == expected
 
 
 def _engine_args(*extra: str) -> AsyncEngineArgs:
@@ -55,6 +88,24 @@ def test_cli_options_reach_the_engine_config():
         "user_output_tokens_per_second": {"user-a": "100", "user-b": "5/2"},
     }
     assert config.scheduler_config.scheduler_cls == plugin.SYNC_SCHEDULER
+
+
+def test_a_limits_file_reaches_the_engine_config(tmp_path):
+    path = tmp_path / "limits.yaml"
+    path.write_text("default: 5\ntiers: {gold: 50}\nusers: {alice: gold}\n")
+    config = _engine_args("--output-rate-limits-file", str(path),
+                          "--output-rate-unlisted-users", "shared").create_engine_config()
+    carried = config.additional_config["output_rate"]
+    assert carried["limits_file"] == str(path)
+    assert carried["user_output_tokens_per_second"] == {"alice": "50"}
+    assert carried["user_tiers"] == {"alice": "gold"} and carried["unlisted_users"] == "shared"
+    assert len(carried["digest"]) == 64
+    assert config.scheduler_config.scheduler_cls == plugin.SYNC_SCHEDULER
+    with pytest.raises(OutputRateConfigError, match="cannot be combined"):
+        _engine_args("--output-rate-limits-file", str(path), DEFAULT_OPTION, "5")
+    path.write_text("default: 5\nusers: {alice: platinum}\n")
+    with pytest.raises(OutputRateConfigError, match=r"users\.alice.*platinum"):
+        _engine_args("--output-rate-limits-file", str(path))
 
 
 def test_feature_off_leaves_vllm_alone():
@@ -89,6 +140,8 @@ def _limited_config():
         (lambda c: setattr(c, "ec_transfer_config", object()), "--ec-transfer-config"),
         (lambda c: setattr(c.cache_config, "kv_offloading_size", 4.0), "--kv-offloading-size"),
         (lambda c: setattr(c.scheduler_config, "scheduler_cls", "my.Scheduler"), "--scheduler-cls my.Scheduler"),
+        (lambda c: setattr(c.scheduler_config, "prefill_schedule_interval", 4),
+         "--prefill-schedule-interval 4"),
     ],
 )
 def test_unsupported_configurations_are_refused(mutate, option):
@@ -98,6 +151,15 @@ def test_unsupported_configurations_are_refused(mutate, option):
         plugin.configure_output_rate(config)
     assert option in str(err.value)
     assert DEFAULT_OPTION in str(err.value)
+
+
+def test_a_prefill_interval_is_refused_from_the_command_line():
+    """vLLM 0.33 holds prefills of a single engine between intervals; with
+    every running decode throttled that holds other users' first tokens."""
+    with pytest.raises(OutputRateConfigError, match="--prefill-schedule-interval 3"):
+        _engine_args(DEFAULT_OPTION, "10", "--prefill-schedule-interval", "3").create_engine_config()
+    plain = _engine_args("--prefill-schedule-interval", "3").create_engine_config()
+    assert plain.scheduler_config.prefill_schedule_interval == 3  # feature off: vLLM's own
 
 
 def test_model_kinds_are_checked(monkeypatch):
@@ -143,3 +205,27 @@ def test_a_malformed_user_field_is_refused_while_the_feature_is_on(monkeypatch, 
             make()
     else:
         assert make().extra_args == {"output_rate_user": user}
+
+
+def test_only_the_server_says_a_user_is_trusted(monkeypatch):
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_output_rate import frontend
+    from vllm_output_rate.config import TRUSTED_FIELD, trusted_source
+
+    plugin.register()
+    monkeypatch.setattr(plugin, "_feature_on", True)
+    forged = {"output_rate_user": "mallory", TRUSTED_FIELD: "header"}
+    req = CompletionRequest(model="tiny", prompt="hi", vllm_xargs=dict(forged))
+    params = req.to_sampling_params(4)
+    assert params.extra_args == {"output_rate_user": "mallory"}  # the claim is removed
+    assert trusted_source(params.extra_args) is None
+    user, source = frontend.IDENTITY.set("alice"), frontend.IDENTITY_SOURCE.set("api_key")
+    try:
+        req = CompletionRequest(model="tiny", prompt="hi", vllm_xargs=dict(forged))
+        params = req.to_sampling_params(4)
+    finally:
+        frontend.IDENTITY_SOURCE.reset(source)
+        frontend.IDENTITY.reset(user)
+    assert params.extra_args == {"output_rate_user": "alice", TRUSTED_FIELD: "api_key"}
+    assert trusted_source(params.extra_args) == "api_key"

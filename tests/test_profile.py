@@ -12,8 +12,8 @@ import textwrap
 
 import pytest
 
-from vllm_patch import profile as prof
-from vllm_patch.profile import (
+from vllm_output_rate.tools import profile_engine as prof
+from vllm_output_rate.tools.profile_engine import (
     CATEGORIES,
     IDLE,
     INPUT,
@@ -115,9 +115,21 @@ def test_parse_raw_frames_threads_counts():
         parse_raw(["f (a.py:1) notacount"])
 
 
+def _installed(line: str) -> str:
+    """The same stack from a wheel install: site-packages/vllm_output_rate/..."""
+    site = "/usr/lib/python3.11/site-packages/vllm_output_rate/"
+    return (line.replace("(vllm_patch/", "(" + site)
+            .replace("(telemetry/", "(" + site + "telemetry/")
+            .replace("(tracing/", "(" + site + "tracing/"))
+
+
+@pytest.mark.parametrize("layout", ["checkout", "wheel"])
 @pytest.mark.parametrize("line,want_self,want_incl", CASES,
                          ids=[f"{i}-{c[1]}" for i, c in enumerate(CASES)])
-def test_classify(line, want_self, want_incl):
+def test_classify(line, want_self, want_incl, layout):
+    if layout == "wheel":
+        line = _installed(line)
+        assert "vllm_patch/" not in line
     (stack,) = parse_raw([line])
     self_cat, inclusive = classify(stack.frames)
     assert self_cat == want_self
@@ -223,7 +235,7 @@ def test_profile_real_engine(tmp_path):
     under load has samples in schedule() and in the limiter, shares add up."""
     from harness import tiny_model
 
-    from vllm_patch.client import Server
+    from vllm_output_rate.tools.client import Server
 
     args = prof.serve_args(True, {"user-a": 20}, 100_000)
     with Server(tiny_model(), args, tmp_path / "server.log") as server:

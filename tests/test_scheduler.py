@@ -12,12 +12,30 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from harness import Driver, FakeClock, make_request, make_scheduler, scheduled_ids
-from vllm_patch import config as orl_config
-from vllm_patch import scheduler as orl_scheduler
-from vllm_patch.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
+from harness import Driver, FakeClock, make_request, make_scheduler, observe_steps, scheduled_ids
+from vllm_output_rate import config as orl_config
+from vllm_output_rate import scheduler as orl_scheduler
+from vllm_output_rate.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
+
+
+@pytest.fixture(autouse=True, params=["lean", "general"])
+def charge_path(request, monkeypatch):
+    """Every test here runs twice: with the lean charge hook the scheduler
+    uses where the active cap cannot bind, and with every step through the
+    general one (``_reserve_prefill_lookahead``): one set of charge rules."""
+    if request.param == "general":
+        monkeypatch.setattr(orl_scheduler.OutputRateSchedulerMixin, "output_rate_lean_hook", False)
+    return request.param
+
+
+def test_each_charge_path_is_the_one_that_runs(charge_path):
+    sched, drv, _ = setup(limits(1000))
+    drv.add(make_request("a", max_tokens=4))
+    drv.step()
+    lean = "_reserve_prefill_lookahead" in sched.__dict__  # the closure set per step
+    assert lean == (charge_path == "lean")
 
 
 def limits(default, **users):
@@ -84,11 +102,11 @@ def test_charge_only_on_sampling_steps(is_async):
     for _ in range(4):  # 32 + 32 + 32 + 4 prompt tokens
         out = drv.step()
         charges.append((out.num_scheduled_tokens[req.request_id],
-                        sched.output_rate_last_step.charged_users()))
+                        sched.output_rate_last_step.charged))
     assert [c[1] for c in charges[:3]] == [{}, {}, {}]
     assert charges[3] == (4, {req.request_id: "a"})  # final chunk samples: 1
     out = drv.step()
-    assert sched.output_rate_last_step.charged_users() == {req.request_id: "a"}  # decode: 1
+    assert sched.output_rate_last_step.charged == {req.request_id: "a"}  # decode: 1
 
 
 @pytest.mark.parametrize("is_async", MODES)
@@ -190,7 +208,7 @@ def test_chunked_prefill_stops_one_short_without_budget(is_async):
     drv.add(req)
     out = drv.step()
     assert out.num_scheduled_tokens == {req.request_id: 49}
-    assert sched.output_rate_last_step.charged_users() == {}
+    assert sched.output_rate_last_step.charged == {}
     assert req.status == RequestStatus.RUNNING
     for _ in range(10):
         out = drv.step()
@@ -345,9 +363,8 @@ def test_charged_by_user_is_the_net_of_charges_and_refunds(is_async):
     sched, drv, _ = setup(limits(1000, slow=30), is_async, num_blocks=12, block_size=16,
                           max_num_seqs=8, max_num_active_seqs=4, max_num_batched_tokens=256)
     steps = []
-    sched.output_rate_observer = lambda rec: steps.append(
-        (dict(rec.charged_by_user), Counter(r.output_rate_user for r in rec.charged.values()),
-         len(rec.refunded)))
+    observe_steps(sched, lambda rec: steps.append(
+        (dict(rec.charged_by_user), Counter(rec.charged.values()), len(rec.refunded))))
     for i in range(10):
         drv.add(make_request(["slow", "fast", "other"][i % 3], prompt_len=20 + i, max_tokens=30,
                              block_size=16))
@@ -361,7 +378,7 @@ def test_self_preempted_request_is_refunded():
     a = make_request("a", prompt_len=31, max_tokens=100, block_size=16)
     drv.add(a)
     refunds = []
-    sched.output_rate_observer = lambda rec: refunds.extend(rec.refunded)
+    observe_steps(sched, lambda rec: refunds.extend(rec.refunded))
     for _ in range(40):
         out = drv.step()
         if out.preempted_req_ids:
@@ -380,7 +397,7 @@ def test_async_lookahead_overcharges_at_most_one_per_request():
         for rid in rec.charged:
             charged[rid] = charged.get(rid, 0) + 1
 
-    sched.output_rate_observer = observe
+    observe_steps(sched, observe)
     reqs = [make_request("a", max_tokens=50, ignore_eos=False) for _ in range(5)]
     drv.add(*reqs)
     # the model emits EOS for request i after 10 + i tokens

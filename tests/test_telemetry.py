@@ -9,11 +9,10 @@ import os
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from harness import Driver, FakeClock, make_request, make_scheduler
-from telemetry.collector import SnapshotCollector
-from telemetry.engine import EngineTelemetry
-from telemetry.labels import OTHER
-from telemetry.metrics import METRICS, SPACING_BUCKETS
+from harness import Driver, FakeClock, attach_telemetry, make_request, make_scheduler, observe_steps
+from vllm_output_rate.telemetry.collector import SnapshotCollector
+from vllm_output_rate.telemetry.labels import OTHER
+from vllm_output_rate.telemetry.metrics import HISTOGRAM_SERIES, METRICS, SPACING_BUCKETS, series_name
 
 
 def limits(default, **users):
@@ -24,7 +23,7 @@ def limits(default, **users):
 def setup(tmp_path, lim, top_k=100, **kw):
     clock = FakeClock()
     sched = make_scheduler(lim, clock=clock, **kw)
-    tel = EngineTelemetry(sched, str(tmp_path), top_k=top_k, start_thread=False)
+    tel = attach_telemetry(sched, str(tmp_path), top_k=top_k, start_thread=False)
     return sched, Driver(sched, clock, step_ms=10.0), tel
 
 
@@ -57,17 +56,14 @@ def test_skip_and_charge_counters_equal_the_step_records(tmp_path, top_k):
     sched, drv, tel = setup(tmp_path, limits(1000, a=30, b=45, d=15), top_k=top_k)
     per_user: Counter = Counter()
     total = [0]
-    real = tel.on_step
-
     charged: Counter = Counter()
 
     def on_step(record):
-        per_user.update(r.output_rate_user for r in record.throttled)
+        per_user.update(sched.requests[rid].output_rate_user for rid in record.throttled)
         total[0] += len(record.throttled)
-        charged.update(r.output_rate_user for r in record.charged.values())
-        real(record)
+        charged.update(record.charged.values())
 
-    sched.output_rate_observer = on_step
+    observe_steps(sched, on_step)
     users = ["a", "a", "a", "b", "b", "c", "d", "d", "e", "e"]
     drv.add(*[make_request(u, max_tokens=20 + 7 * i) for i, u in enumerate(users)])
     checked = 0
@@ -107,7 +103,7 @@ def test_skip_and_charge_counters_equal_the_step_records(tmp_path, top_k):
 
 
 def test_spacing_histogram_matches_token_events(tmp_path, monkeypatch):
-    import telemetry.engine as engine_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
 
     sched, drv, tel = setup(tmp_path, limits(20))
     # engine-side timestamps follow the fake clock here
@@ -138,7 +134,7 @@ def test_spacing_per_label_matches_token_events_with_pauses_aborts_and_relabels(
     with users taking turns at their limits, aborts and label changes."""
     from collections import Counter
 
-    import telemetry.engine as engine_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
     from vllm.v1.request import RequestStatus
 
     sched, drv, tel = setup(tmp_path, limits(1000, a=30, b=45), top_k=top_k)
@@ -187,7 +183,7 @@ def test_throttled_gauges_follow_throttling(tmp_path):
     assert tel.gauges[("engine_throttled_requests", ())] == 3
     assert tel.gauges[("throttled_requests", ("a",))] == 3
     assert tel.gauges[("throttled_kv_blocks", ("a",))] >= 3 * 3  # 40+ tokens, 16 per block
-    assert 0 < tel.gauges[("throttled_kv_cache_share", ())] < 1
+    assert 0 < tel.gauges[("throttled_kv_cache_ratio", ())] < 1
     drv.run_until_done()
     tel.export()
     drv.add(make_request("b", max_tokens=2))
@@ -222,8 +218,47 @@ def test_export_and_collector_show_every_metric(tmp_path):
     text = generate_latest(registry).decode()
     for m in METRICS:
         assert m.full_name in text, m.full_name
-    assert 'output_rate_tokens_charged_total{engine="0",model_name="' in text
+    assert 'vllm_output_rate_tokens_charged_total{engine="0",model_name="' in text
     assert 'user="a"' in text
+
+
+def test_series_names_are_what_the_collector_exposes(tmp_path):
+    """series_name gives, for every metric of the table, exactly the sample
+    names a scrape of the collector shows (what the tools look up)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    snap = {"engine": "0", "model_name": "tiny", "counters": [], "gauges": [], "histograms": []}
+    expected = {}
+    for m in METRICS:
+        labels = [f"{label}-x" for label in m.labels]
+        if m.kind == "histogram":
+            snap["histograms"].append([m.name, labels, [1] * (len(m.buckets) + 1), 0.5,
+                                       len(m.buckets) + 1])
+            expected[m.name] = {series_name(m.name, part) for part in HISTOGRAM_SERIES}
+        else:
+            snap[m.kind + "s"].append([m.name, labels, 3.0])
+            expected[m.name] = {series_name(m.name)}
+    (tmp_path / "engine-0.json").write_text(json.dumps(snap))
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(str(tmp_path)))
+    exposed: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        exposed.setdefault(family.name, set()).update(s.name for s in family.samples)
+    by_family = {m.full_name: m.name for m in METRICS}
+    got = {by_family[name]: names for name, names in exposed.items() if name in by_family}
+    # the parser names a counter's family without _total
+    got.update({by_family[name + "_total"]: names for name, names in exposed.items()
+                if name + "_total" in by_family})
+    assert got == expected
+    assert series_name("tokens_charged") == "vllm_output_rate_tokens_charged_total"
+    assert series_name("inter_token_seconds", "count") == "vllm_output_rate_inter_token_seconds_count"
+    assert series_name("engine_throttled_requests") == "vllm_output_rate_engine_throttled_requests"
+    for bad in (("tokens_charged", "count"), ("inter_token_seconds", None),
+                ("inter_token_seconds", "total")):
+        with pytest.raises(ValueError):
+            series_name(*bad)
+    with pytest.raises(KeyError):
+        series_name("no_such_metric")
 
 
 def test_dead_export_target_is_counted_not_raised(tmp_path):
@@ -252,13 +287,13 @@ def test_snapshot_is_json(tmp_path):
 
 
 def events_setup(tmp_path, lim, monkeypatch, **kw):
-    import telemetry.engine as engine_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
 
     clock = FakeClock()
     sched = make_scheduler(lim, clock=clock, **kw)
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", clock)
     path = tmp_path / "events.jsonl"
-    tel = EngineTelemetry(sched, str(tmp_path), start_thread=False, events_path=str(path))
+    tel = attach_telemetry(sched, str(tmp_path), start_thread=False, events_path=str(path))
     return sched, Driver(sched, clock, step_ms=10.0), tel, path
 
 
@@ -362,7 +397,7 @@ def test_abort_mid_throttle_ends_episode_and_is_logged(tmp_path, monkeypatch):
 
 
 def test_event_queue_overflow_is_counted(tmp_path, monkeypatch):
-    import telemetry.engine as engine_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "EVENTS_QUEUE_CAP", 3)
     sched, drv, tel, path = events_setup(tmp_path, limits(1000), monkeypatch)
@@ -402,7 +437,7 @@ def test_no_per_request_state_outlives_its_request(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_kv_blocks_held_matches_vllms_block_ids(tmp_path, prefix_caching):
-    from vllm_patch.internals import kv_blocks_held
+    from vllm_output_rate.internals import kv_blocks_held
 
     sched, drv, tel = setup(tmp_path, limits(1000, a=2), enable_prefix_caching=prefix_caching)
     reqs = [make_request("a", prompt_len=40, max_tokens=30) for _ in range(3)]
@@ -421,3 +456,16 @@ def test_kv_blocks_held_matches_vllms_block_ids(tmp_path, prefix_caching):
             return ([1, 2], [3])
 
     assert kv_blocks_held(OtherLayout(), "x") == 3
+
+
+def test_the_readme_lists_every_renamed_metric():
+    from harness import REPO
+    from vllm_output_rate.telemetry.metrics import METRICS, PREFIX, RENAMED_FROM
+
+    readme = (REPO / "README.md").read_text()
+    assert PREFIX == "vllm_output_rate_"
+    assert set(RENAMED_FROM) == {m.full_name for m in METRICS}
+    for new, old in RENAMED_FROM.items():
+        assert f"| `{old}` | `{new}` |" in readme, new
+    shares = [m for m in METRICS if m.unit == "ratio"]
+    assert shares and all(m.name.endswith("_ratio") for m in shares)

@@ -9,10 +9,23 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from harness import Driver, FakeClock, OtlpHttpReceiver, make_request, make_scheduler
-from telemetry.engine import EngineTelemetry
-from tracing.spans import SpanRecorder, decode_series, tracer_provider_from_env
-from vllm_patch import engine_loop
+from harness import Driver, FakeClock, OtlpHttpReceiver, attach_telemetry, make_request, make_scheduler
+
+from vllm_output_rate.internals import SchedulerView
+from vllm_output_rate.tracing.spans import SpanRecorder, tracer_provider_from_env
+from vllm_output_rate import engine_loop
+
+
+SERIES = "output_rate.spacing_series_us"
+TOKENS = "gen_ai.usage.output_tokens"
+
+
+def series(span) -> list[int]:
+    """A generation span's spacing series (whole microseconds): an integer
+    array attribute."""
+    values = span.attributes[SERIES]
+    assert all(type(v) is int for v in values)
+    return list(values)
 
 
 def limits(default, **users):
@@ -25,14 +38,17 @@ def exporter():
     return InMemorySpanExporter()
 
 
-def setup(tmp_path, exporter, lim, **kw):
+def setup(tmp_path, exporter, lim, background=True, **kw):
+    """A scheduler with telemetry and a span recorder on a TracerProvider
+    made here (so from the OTEL_* variables set now: sampler, span limits)."""
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     clock = FakeClock()
     sched = make_scheduler(lim, clock=clock, **kw)
-    recorder = SpanRecorder(provider.get_tracer("test"), sched, clock_offset_ns=0)
+    recorder = SpanRecorder(provider.get_tracer("test"), SchedulerView(sched), clock_offset_ns=0,
+                            background=background)
     _RECORDERS[:] = [recorder]
-    tel = EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
+    tel = attach_telemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
     return sched, Driver(sched, clock, step_ms=10.0), tel, recorder
 
 
@@ -47,7 +63,7 @@ def spans(exporter, name):
 
 
 def test_throttle_episodes_are_spans(tmp_path, exporter, monkeypatch):
-    import telemetry.engine as engine_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
 
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10))
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
@@ -69,7 +85,7 @@ def test_throttle_episodes_are_spans(tmp_path, exporter, monkeypatch):
 
 
 def test_generation_span_carries_the_spacing_series(tmp_path, exporter, monkeypatch):
-    import telemetry.engine as engine_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
 
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(20))
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
@@ -77,10 +93,9 @@ def test_generation_span_carries_the_spacing_series(tmp_path, exporter, monkeypa
     drv.add(req)
     drv.run_until_done()
     (gen,) = spans(exporter, "output_rate.generation")
-    series = decode_series(gen.attributes["output_rate.spacing_series_us_b64u32"])
     times = [t for _, t in drv.tokens[req.request_id]]
-    assert series == [(b - a) // 1000 for a, b in zip(times, times[1:])]
-    assert gen.attributes["output_rate.tokens"] == 12
+    assert series(gen) == [(b - a) // 1000 for a, b in zip(times, times[1:])]
+    assert gen.attributes[TOKENS] == 12
     assert gen.attributes["output_rate.spacing_p50_us"] == pytest.approx(50_000, abs=10_000)
 
 
@@ -148,22 +163,185 @@ def test_no_tracing_without_configuration(monkeypatch):
     assert tracer_provider_from_env(None) is not None
 
 
-def test_generation_span_links_to_the_request_trace(tmp_path, exporter):
-    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000))
-    req = make_request("a", max_tokens=3)
-    trace_id, span_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-    req.trace_headers = {"traceparent": f"00-{trace_id}-{span_id}-01"}
+TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+
+
+def traceparent(trace_id=TRACE_ID, span_id=PARENT_ID, flags="01"):
+    return f"00-{trace_id}-{span_id}-{flags}"
+
+
+def by_request(span_list):
+    out = {}
+    for s in span_list:
+        out.setdefault(s.attributes["output_rate.request_id"], []).append(s)
+    return out
+
+
+def test_spans_of_a_request_with_a_traceparent_are_children_of_its_trace(tmp_path, exporter,
+                                                                         monkeypatch):
+    """A request with a valid traceparent: its throttle episodes and its
+    generation span are children of that span (same trace id, the header's
+    span as parent, its tracestate carried), not links; a request without
+    one, or with a broken one, keeps spans of their own. The header is
+    parsed by the span builder, not on the scheduler's thread."""
+    import vllm_output_rate.telemetry.engine as engine_mod
+
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10), background=False)
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    child, plain, broken = (make_request("a", max_tokens=8) for _ in range(3))
+    child.trace_headers = {"traceparent": traceparent(), "tracestate": "vendor=x"}
+    broken.trace_headers = {"traceparent": "00-not-a-trace-01"}
+    drv.add(child, plain, broken)
+    drv.run_until_done()
+    assert not exporter.get_finished_spans() and not rec._contexts  # nothing parsed yet
+    throttles = by_request(spans(exporter, "output_rate.throttle"))
+    gens = by_request(spans(exporter, "output_rate.generation"))
+    for req in (child, plain, broken):
+        assert throttles[req.request_id] and len(gens[req.request_id]) == 1
+    for s in throttles[child.request_id] + gens[child.request_id]:
+        assert format(s.context.trace_id, "032x") == TRACE_ID
+        assert s.parent is not None and s.parent.is_remote
+        assert format(s.parent.span_id, "016x") == PARENT_ID
+        assert s.context.trace_state.get("vendor") == "x"
+        assert not s.links
+    others = throttles[plain.request_id] + gens[plain.request_id] + throttles[
+        broken.request_id] + gens[broken.request_id]
+    assert all(s.parent is None and not s.links for s in others)
+    assert all(format(s.context.trace_id, "032x") != TRACE_ID for s in others)
+    assert len({s.context.trace_id for s in others}) == len(others)  # each its own trace
+    assert len(rec._contexts) == 2  # parsed once per distinct header
+
+
+@pytest.mark.parametrize("sampler", [None, "always_on"])
+def test_a_parent_that_is_not_sampled_is_followed_unless_the_sampler_says_otherwise(
+        tmp_path, exporter, monkeypatch, sampler):
+    """traceparent flags 00 (the caller did not sample): with the SDK's
+    default parent-based sampler the request's spans are not recorded (the
+    other requests' are); OTEL_TRACES_SAMPLER=always_on keeps them, still
+    in the caller's trace."""
+    if sampler is None:
+        monkeypatch.delenv("OTEL_TRACES_SAMPLER", raising=False)
+    else:
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10))
+    quiet, other = make_request("a", max_tokens=6), make_request("a", max_tokens=6)
+    quiet.trace_headers = {"traceparent": traceparent(flags="00")}
+    drv.add(quiet, other)
+    drv.run_until_done()
+    gens = by_request(spans(exporter, "output_rate.generation"))
+    throttles = by_request(spans(exporter, "output_rate.throttle"))
+    assert gens[other.request_id] and throttles[other.request_id]
+    if sampler is None:
+        assert quiet.request_id not in gens and quiet.request_id not in throttles
+    else:
+        (gen,) = gens[quiet.request_id]
+        assert format(gen.context.trace_id, "032x") == TRACE_ID
+        assert format(gen.parent.span_id, "016x") == PARENT_ID
+
+
+@pytest.mark.parametrize("source", [None, "header", "api_key"])
+def test_spans_carry_the_genai_attributes_and_user_id_only_when_trusted(
+        tmp_path, exporter, monkeypatch, source):
+    """GenAI conventions with vLLM's names: gen_ai.request.id is the id the
+    client and vLLM's llm_request span know (the engine's id without
+    vLLM's random suffix), gen_ai.response.model, gen_ai.usage.output_tokens,
+    gen_ai.response.finish_reasons; user.id only when the API server vouched
+    for the user (header or API key), output_rate.user always."""
+    import vllm_output_rate.telemetry.engine as engine_mod
+    from vllm_output_rate.config import TRUSTED_FIELD
+
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10))
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    reqs = [make_request("a", max_tokens=6, req_id=f"chatcmpl-{i}-0123abc{i}") for i in range(2)]
+    if source is not None:
+        for r in reqs:
+            r.sampling_params.extra_args[TRUSTED_FIELD] = source
+    drv.add(*reqs)
+    drv.run_until_done()
+    gens = by_request(spans(exporter, "output_rate.generation"))
+    throttles = by_request(spans(exporter, "output_rate.throttle"))
+    model = SchedulerView(sched).model_name
+    assert model
+    for i, r in enumerate(reqs):
+        (gen,) = gens[r.request_id]
+        a = gen.attributes
+        assert a["gen_ai.request.id"] == f"chatcmpl-{i}"
+        assert a["output_rate.request_id"] == r.request_id
+        assert a["gen_ai.response.model"] == model
+        assert a["gen_ai.usage.output_tokens"] == 6 == a["output_rate.tokens_charged"]
+        assert a["gen_ai.response.finish_reasons"] == ("length",)
+        assert "output_rate.tokens" not in a and "output_rate.finish_reason" not in a
+        for s in [gen] + throttles[r.request_id]:
+            a = s.attributes
+            assert a["gen_ai.request.id"] == f"chatcmpl-{i}"
+            assert a["output_rate.user"] == "a"
+            if source is None:  # the body named the user: no identity
+                assert "user.id" not in a and "output_rate.identity_source" not in a
+            else:
+                assert a["user.id"] == "a" and a["output_rate.identity_source"] == source
+    names = {k for s in exporter.get_finished_spans() for k in s.attributes}
+    assert all(k.startswith("output_rate.") or k in GENAI_NAMES for k in names), names
+
+
+#: the only attribute names outside the project's namespace
+GENAI_NAMES = {"gen_ai.request.id", "gen_ai.response.model", "gen_ai.usage.output_tokens",
+               "gen_ai.response.finish_reasons", "user.id"}
+
+
+def test_a_shared_budget_keeps_the_callers_user_id(tmp_path, exporter):
+    """In "shared" mode an unlisted user spends the one __unlisted__ budget
+    (output_rate.user); user.id, when trusted, is still the caller."""
+    from vllm_output_rate.config import TRUSTED_FIELD
+
+    sched, drv, tel, rec = setup(tmp_path, exporter,
+                                 {**limits(1000, a=10), "unlisted_users": "shared"})
+    req = make_request("someone", max_tokens=3)
+    req.sampling_params.extra_args[TRUSTED_FIELD] = "header"
     drv.add(req)
     drv.run_until_done()
     (gen,) = spans(exporter, "output_rate.generation")
-    (link,) = gen.links
-    assert format(link.context.trace_id, "032x") == trace_id
-    assert format(link.context.span_id, "016x") == span_id
+    assert gen.attributes["output_rate.user"] == "__unlisted__"
+    assert gen.attributes["output_rate.identity_source"] == "header"
+    assert gen.attributes["user.id"] == "someone"
+
+
+def test_external_request_id_is_vllms_client_facing_id(monkeypatch):
+    from vllm_output_rate.tracing.spans import external_request_id
+
+    assert external_request_id("chatcmpl-abc-0123abcd") == "chatcmpl-abc"
+    assert external_request_id("cmpl-9f2e4c1a7b3d4e5f-deadbeef") == "cmpl-9f2e4c1a7b3d4e5f"
+    assert external_request_id("my-id") == "my-id"  # no suffix of vLLM's: as it is
+    assert external_request_id("chatcmpl-abc-0123abcd", randomized=False) == "chatcmpl-abc-0123abcd"
+    monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
+    rec = SpanRecorder(None, None, clock_offset_ns=0, background=False)
+    assert rec._randomized_ids is False
+
+
+def test_the_spacing_series_survives_the_attribute_value_length_limit(tmp_path, exporter,
+                                                                      monkeypatch):
+    """OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT (read by the TracerProvider's
+    SpanLimits) cuts string values, here to 16 characters: the series is an
+    integer array and stays whole."""
+    import vllm_output_rate.telemetry.engine as engine_mod
+
+    monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "16")
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(20))
+    assert rec.tracer._span_limits.max_attribute_length == 16
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    user = "a-user-with-a-rather-long-id"
+    req = make_request(user, max_tokens=40)
+    drv.add(req)
+    drv.run_until_done()
+    (gen,) = spans(exporter, "output_rate.generation")
+    assert gen.attributes["output_rate.user"] == user[:16]  # the limit is in force
+    times = [t for _, t in drv.tokens[req.request_id]]
+    assert series(gen) == [(b - a) // 1000 for a, b in zip(times, times[1:])]
+    assert len(series(gen)) == 39 and gen.attributes["output_rate.spacing_series_truncated"] is False
 
 
 def test_client_abort_mid_throttle_ends_the_episode_and_the_generation(tmp_path, exporter,
                                                                       monkeypatch):
-    import telemetry.engine as engine_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
     from vllm.v1.request import RequestStatus
 
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=5))
@@ -176,8 +354,8 @@ def test_client_abort_mid_throttle_ends_the_episode_and_the_generation(tmp_path,
     gens = spans(exporter, "output_rate.generation")
     assert sorted(s.attributes["output_rate.request_id"] for s in gens) == sorted(
         r.request_id for r in reqs)
-    assert all(s.attributes["output_rate.finish_reason"] == "abort" for s in gens)
-    assert all(0 < s.attributes["output_rate.tokens"] < 50 for s in gens)
+    assert all(s.attributes["gen_ai.response.finish_reasons"] == ("abort",) for s in gens)
+    assert all(0 < s.attributes[TOKENS] < 50 for s in gens)
     aborted = [s for s in spans(exporter, "output_rate.throttle")
                if s.attributes["output_rate.outcome"] == "aborted"]
     assert len(aborted) == 2
@@ -207,7 +385,7 @@ class _FailingExporter:
 
 
 def _counting_provider(exporter, max_queue=2048):
-    from tracing.spans import TraceDrops, _counting_processor
+    from vllm_output_rate.tracing.spans import TraceDrops, _counting_processor
 
     drops = TraceDrops(max_queue)
     provider = TracerProvider()
@@ -220,9 +398,9 @@ def test_failed_exports_are_counted_and_reach_the_metrics(tmp_path, raise_instea
     provider, drops = _counting_provider(_FailingExporter(raise_instead))
     clock = FakeClock()
     sched = make_scheduler(limits(1000, a=10), clock=clock)
-    recorder = SpanRecorder(provider.get_tracer("test"), sched, clock_offset_ns=0)
+    recorder = SpanRecorder(provider.get_tracer("test"), SchedulerView(sched), clock_offset_ns=0)
     recorder.drops, recorder.provider = drops, provider
-    tel = EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
+    tel = attach_telemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
     drv = Driver(sched, clock, step_ms=10.0)
     drv.add(*[make_request("a", max_tokens=8) for _ in range(3)])
     drv.run_until_done()
@@ -264,23 +442,27 @@ def test_a_full_span_queue_drops_and_counts_without_blocking():
     provider.shutdown()
 
 
-def _three_requests_with_env_traces(tmp_path):
-    """Three requests of a limited user through a scheduler whose spans go
-    where the OTEL_* / project variables say, as the engine core builds
-    them; the recorder shut down (everything exported). (drops, driver,
+def _three_requests_with_env_traces(tmp_path, also_to=None):
+    """Three requests of a limited user (the first with a traceparent)
+    through a scheduler whose spans go where the OTEL_* / project variables
+    say, as the engine core builds them, and to the exporter ``also_to``
+    if given; the recorder shut down (everything exported). (drops, driver,
     requests)."""
-    from tracing.spans import TraceDrops, tracer_from
+    from vllm_output_rate.tracing.spans import TraceDrops, tracer_from
 
     drops = TraceDrops(2048)
     provider = tracer_provider_from_env(None, drops)
     assert provider is not None
+    if also_to is not None:
+        provider.add_span_processor(SimpleSpanProcessor(also_to))
     clock = FakeClock()
     sched = make_scheduler(limits(1000, a=10), clock=clock)
-    recorder = SpanRecorder(tracer_from(provider), sched, clock_offset_ns=0)
+    recorder = SpanRecorder(tracer_from(provider), SchedulerView(sched), clock_offset_ns=0)
     recorder.drops, recorder.provider = drops, provider
-    EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
+    attach_telemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
     drv = Driver(sched, clock, step_ms=10.0)
     reqs = [make_request("a", max_tokens=8) for _ in range(3)]
+    reqs[0].trace_headers = {"traceparent": traceparent()}
     drv.add(*reqs)
     drv.run_until_done()
     recorder.shutdown(timeout_s=10)
@@ -302,12 +484,85 @@ def test_spans_reach_a_real_otlp_http_receiver(tmp_path, monkeypatch):
     assert names.count("output_rate.generation") == 3
     assert "output_rate.throttle" in names
     gen = next(a for n, a in received if n == "output_rate.generation")
-    assert gen["output_rate.tokens"].int_value == 8
+    assert gen[TOKENS].int_value == 8
     assert drops.counts == {"trace_queue_full": 0, "trace_export_failed": 0}
 
 
+def _clear_otel_env(monkeypatch):
+    for var in ("OTEL_TRACES_EXPORTER", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+                "OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("service", [
+    pytest.param({}, id="defaults"),
+    pytest.param({"OTEL_SERVICE_NAME": "llm-gold"}, id="OTEL_SERVICE_NAME"),
+    pytest.param({"OTEL_RESOURCE_ATTRIBUTES": "service.name=llm-eu,service.version=7,deployment.environment=prod"},
+                 id="OTEL_RESOURCE_ATTRIBUTES"),
+])
+def test_a_base_endpoint_gets_the_traces_path_and_the_service_comes_from_the_environment(
+        tmp_path, monkeypatch, service):
+    """OTEL_EXPORTER_OTLP_ENDPOINT is a base URL: over http/protobuf spans go
+    to its /v1/traces (at a real receiver); service.name / service.version
+    come from the standard variables, ours only where they give none."""
+    from importlib import metadata
+
+    _clear_otel_env(monkeypatch)
+    for name, value in service.items():
+        monkeypatch.setenv(name, value)
+    receiver = OtlpHttpReceiver()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", receiver.base_url)
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        drops, _drv, _reqs = _three_requests_with_env_traces(tmp_path)
+    finally:
+        receiver.close()
+    assert receiver.paths and set(receiver.paths) == {"/v1/traces"}
+    assert [n for n, _ in receiver.spans].count("output_rate.generation") == 3
+    resource = receiver.resources[0]
+    want_name = {"OTEL_SERVICE_NAME": "llm-gold", "OTEL_RESOURCE_ATTRIBUTES": "llm-eu"}
+    assert resource["service.name"] == next(
+        (want_name[k] for k in service), "vllm-output-rate")
+    if "OTEL_RESOURCE_ATTRIBUTES" in service:
+        assert resource["service.version"] == "7" and resource["deployment.environment"] == "prod"
+    else:
+        assert resource["service.version"] == metadata.version("vllm-output-rate")
+    assert drops.counts == {"trace_queue_full": 0, "trace_export_failed": 0}
+
+
+def test_a_comma_separated_exporter_list_exports_to_each(monkeypatch):
+    """OTEL_TRACES_EXPORTER=otlp,console: every span to a real receiver and
+    to the console (in a process of its own, whose stdout is the console)."""
+    import os
+    import subprocess
+    import sys
+
+    _clear_otel_env(monkeypatch)
+    receiver = OtlpHttpReceiver()
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp, console",
+           "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url,
+           "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+    script = ("from vllm_output_rate.tracing.spans import tracer_from, tracer_provider_from_env\n"
+              "p = tracer_provider_from_env(None)\n"
+              "t = tracer_from(p)\n"
+              "for i in range(3):\n"
+              "    t.start_span('probe').end()\n"
+              "p.shutdown()\n")
+    try:
+        run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                             text=True, timeout=120)
+    finally:
+        receiver.close()
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count('"name": "probe"') == 3
+    assert [n for n, _ in receiver.spans] == ["probe"] * 3
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "console,none")
+    assert tracer_provider_from_env(None) is None  # none wins
+
+
 def test_refusal_only_steps_are_sampled_refund_steps_are_not(tmp_path, exporter, monkeypatch):
-    from tracing import spans as spans_mod
+    from vllm_output_rate.tracing import spans as spans_mod
 
     monkeypatch.setenv(spans_mod.STEP_SAMPLE_ENV, "10")
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=1))
@@ -322,8 +577,8 @@ def test_refusal_only_steps_are_sampled_refund_steps_are_not(tmp_path, exporter,
 
 
 def test_generation_series_is_capped_and_the_token_count_is_not(tmp_path, exporter, monkeypatch):
-    import telemetry.engine as engine_mod
-    from tracing import spans as spans_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
+    from vllm_output_rate.tracing import spans as spans_mod
 
     monkeypatch.setattr(spans_mod, "MAX_SERIES", 16)
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(100_000))
@@ -331,9 +586,9 @@ def test_generation_series_is_capped_and_the_token_count_is_not(tmp_path, export
     drv.add(make_request("a", max_tokens=40))
     drv.run_until_done()
     (gen,) = spans(exporter, "output_rate.generation")
-    assert gen.attributes["output_rate.tokens"] == 40
+    assert gen.attributes[TOKENS] == 40
     assert gen.attributes["output_rate.spacing_series_truncated"] is True
-    assert len(decode_series(gen.attributes["output_rate.spacing_series_us_b64u32"])) == 16
+    assert len(series(gen)) == 16
     assert not rec._overflow
 
 
@@ -342,8 +597,8 @@ def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter
     spacings and the open runs hold them, and every TRIM_EVERY updates the
     series past the cap are cut and the timeline is cut to the oldest open
     run; both stay bounded while the request runs, and the count is exact."""
-    import telemetry.engine as engine_mod
-    from tracing import spans as spans_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
+    from vllm_output_rate.tracing import spans as spans_mod
 
     monkeypatch.setattr(spans_mod, "MAX_SERIES", 16)
     monkeypatch.setattr(spans_mod, "TRIM_EVERY", 8)
@@ -362,18 +617,18 @@ def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter
     assert 16 < timeline <= 16 + 2 * 8  # the timeline was cut too
     drv.run_until_done()
     (gen,) = spans(exporter, "output_rate.generation")
-    assert gen.attributes["output_rate.tokens"] == 120
-    assert len(decode_series(gen.attributes["output_rate.spacing_series_us_b64u32"])) == 16
+    assert gen.attributes[TOKENS] == 120
+    assert len(series(gen)) == 16
     assert not rec._overflow and not rec._series and not rec._runs
     # a request that is never steady (its tokens come one by one after pauses)
     for i in range(100):
         rec.on_tokens("paused", 1, None if i == 0 else i * 1000, i * 1000 + 500)
         rec.on_zeros("paused", 2)
         assert len(rec._series["paused"]) <= 16 + 8 + 2
-    rec.on_aborted([type("R", (), {"request_id": "paused"})()], 200_000)
+    rec.on_aborted([("paused", "a")], 200_000)
     gen = [s for s in spans(exporter, "output_rate.generation")
            if s.attributes["output_rate.request_id"] == "paused"]
-    assert gen[0].attributes["output_rate.tokens"] == 300
+    assert gen[0].attributes[TOKENS] == 300
 
 
 @pytest.mark.parametrize("cap", [10_000, 5])
@@ -382,25 +637,30 @@ def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monk
     update, aborts, and the timeline cut every 3 updates while runs are
     open: every generation span's series is the spacings of the tokens its
     request delivered (the first ``cap`` of them), its count exact."""
-    import harness
-    import telemetry.engine as engine_mod
+    import itertools
     from collections import deque
 
-    from tracing import spans as spans_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
+    from vllm_output_rate.tools import scheduler_driver
+
+    from vllm_output_rate.tracing import spans as spans_mod
     from vllm.v1.request import RequestStatus
 
     monkeypatch.setattr(spans_mod, "MAX_SERIES", cap)
     monkeypatch.setattr(spans_mod, "TRIM_EVERY", 3)
-    plain = harness.model_output_for
+    plain = scheduler_driver.model_output_for
 
-    def sometimes_two(scheduler, out, token=harness.SAMPLED_TOKEN):
+    calls = itertools.count()
+
+    def sometimes_two(scheduler, out, token=scheduler_driver.SAMPLED_TOKEN):
         mro = plain(scheduler, out, token)
-        for i, req_id in enumerate(mro.req_ids):  # a second token now and then
-            if mro.sampled_token_ids[i] and (hash(req_id) + len(scheduler.requests)) % 7 == 0:
+        n = next(calls)
+        for i, _req_id in enumerate(mro.req_ids):  # a second token now and then
+            if mro.sampled_token_ids[i] and (n + i) % 7 == 0:
                 mro.sampled_token_ids[i] = [token, token]
         return mro
 
-    monkeypatch.setattr(harness, "model_output_for", sometimes_two)
+    monkeypatch.setattr(scheduler_driver, "model_output_for", sometimes_two)
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=30, b=70))
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
     users = ["a", "a", "a", "b", "b", "c", "c", "d"]
@@ -427,11 +687,11 @@ def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monk
         want = [(b - a) // 1000 for a, b in zip(times, times[1:])]
         twos += want.count(0)
         attrs = gens[r.request_id].attributes
-        assert decode_series(attrs["output_rate.spacing_series_us_b64u32"]) == want[:cap]
-        assert attrs["output_rate.tokens"] == len(times)
+        assert series(gens[r.request_id]) == want[:cap]
+        assert attrs[TOKENS] == len(times)
         assert attrs["output_rate.spacing_series_truncated"] == (len(want) >= cap)
     assert twos > 3  # the two-token updates did happen
-    assert not rec._series and not rec._runs and not rec._overflow
+    assert not rec._series and not rec._runs and not rec._overflow and not rec._who
 
 
 def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(tmp_path, exporter):
@@ -443,9 +703,9 @@ def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     clock = FakeClock()
     sched = make_scheduler(limits(1000, a=20), clock=clock)
-    rec = SpanRecorder(provider.get_tracer("test"), sched, clock_offset_ns=0, background=False)
+    rec = SpanRecorder(provider.get_tracer("test"), SchedulerView(sched), clock_offset_ns=0, background=False)
     rec.drops.max_queue = 6
-    EngineTelemetry(sched, str(tmp_path), start_thread=False, spans=rec)
+    attach_telemetry(sched, str(tmp_path), start_thread=False, spans=rec)
     drv = Driver(sched, clock, step_ms=10.0)
     drv.add(*[make_request("a", max_tokens=6) for _ in range(4)])
     drv.run_until_done()
@@ -466,8 +726,8 @@ def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(
 @pytest.mark.parametrize("raw, spans_expected", [("0.15", "long only"), ("bad", "all"), ("-1", "all")])
 def test_throttle_spans_only_for_episodes_past_the_minimum(tmp_path, exporter, monkeypatch, raw,
                                                           spans_expected):
-    import telemetry.engine as engine_mod
-    from tracing import spans as spans_mod
+    import vllm_output_rate.telemetry.engine as engine_mod
+    from vllm_output_rate.tracing import spans as spans_mod
 
     monkeypatch.setenv(spans_mod.THROTTLE_MIN_ENV, raw)
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10))
@@ -485,28 +745,122 @@ def test_throttle_spans_only_for_episodes_past_the_minimum(tmp_path, exporter, m
         assert all(s.end_time - s.start_time >= 150_000_000 for s in throttles)
 
 
-@pytest.mark.parametrize("writable", [True, False])
-def test_offline_traces_go_to_a_json_lines_file(tmp_path, monkeypatch, writable):
-    """VLLM_OUTPUT_RATE_TRACES_FILE: spans appended as JSON lines; a file
-    that cannot be written is a counted export failure, the engine goes on."""
-    import json
+def _any_value(value):
+    """An OTLP AnyValue as the SDK holds attribute values (arrays as tuples)."""
+    kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(_any_value(v) for v in value.array_value.values)
+    return getattr(value, kind)
 
-    from tracing.spans import TRACES_FILE_ENV
+
+def _from_otlp_json(line: str):
+    """One line of the traces file back into an ExportTraceServiceRequest:
+    the ids are hex there (OTLP/JSON), base64 in protobuf's own JSON
+    mapping, which json_format.Parse reads (and refuses unknown fields)."""
+    import base64
+    import json
+    import re
+
+    from google.protobuf import json_format
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
+
+    doc = json.loads(line)
+    assert set(doc) == {"resourceSpans"}
+    for rs in doc["resourceSpans"]:
+        for ss in rs["scopeSpans"]:
+            for span in ss["spans"]:
+                assert isinstance(span["kind"], int)  # enums as integers
+                assert isinstance(span["startTimeUnixNano"], str)  # int64 as a string
+                for obj in [span, *span.get("links", ())]:
+                    for field, digits in (("traceId", 32), ("spanId", 16), ("parentSpanId", 16)):
+                        if field in obj:
+                            assert re.fullmatch(f"[0-9a-f]{{{digits}}}", obj[field]), obj[field]
+                            obj[field] = base64.b64encode(bytes.fromhex(obj[field])).decode()
+    return json_format.Parse(json.dumps(doc), ExportTraceServiceRequest())
+
+
+@pytest.mark.parametrize("writable", [True, False])
+def test_offline_traces_are_an_otlp_json_file(tmp_path, monkeypatch, writable):
+    """OUTPUT_RATE_TRACES_FILE: every line one ExportTraceServiceRequest in
+    OTLP/JSON (lowerCamelCase, hex ids, integer enums), as the Collector's
+    otlpjsonfile receiver reads it; parsed back it holds exactly the spans
+    the SDK made (names, ids, parents, times, attributes including the
+    integer series). A file that cannot be written is a counted export
+    failure, the engine goes on."""
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vllm_output_rate.tracing.spans import TRACES_FILE_ENV
 
     path = tmp_path / ("traces.jsonl" if writable else "missing-dir/traces.jsonl")
-    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    _clear_otel_env(monkeypatch)
     monkeypatch.setenv(TRACES_FILE_ENV, str(path))
-    drops, drv, reqs = _three_requests_with_env_traces(tmp_path)
+    made = InMemorySpanExporter()
+    drops, drv, reqs = _three_requests_with_env_traces(tmp_path, also_to=made)
     assert all(drv.count(r.request_id) == 8 for r in reqs)
-    if writable:
-        spans_ = [json.loads(line) for line in path.read_text().splitlines()]
-        names = [s["name"] for s in spans_]
-        assert names.count("output_rate.generation") == 3 and "output_rate.throttle" in names
-        gen = next(s for s in spans_ if s["name"] == "output_rate.generation")
-        assert gen["attributes"]["output_rate.tokens"] == 8
-        assert drops.counts == {"trace_queue_full": 0, "trace_export_failed": 0}
-    else:
+    if not writable:
         assert not path.exists()
         assert drops.counts["trace_export_failed"] >= 3 + 1  # every span, counted
+        return
+    assert drops.counts == {"trace_queue_full": 0, "trace_export_failed": 0}
+    lines = path.read_text().splitlines()
+    assert lines
+    got = {}
+    for line in lines:
+        request = _from_otlp_json(line)
+        for rs in request.resource_spans:
+            resource = {a.key: _any_value(a.value) for a in rs.resource.attributes}
+            assert resource["service.name"] == "vllm-output-rate"
+            for ss in rs.scope_spans:
+                assert ss.scope.name == "vllm_output_rate"
+                for span in ss.spans:
+                    got[span.span_id] = span
+    sdk = {s.context.span_id.to_bytes(8, "big"): s for s in made.get_finished_spans()}
+    assert set(got) == set(sdk)  # every span, once
+    for span_id, span in got.items():
+        want = sdk[span_id]
+        assert span.name == want.name
+        assert span.trace_id == want.context.trace_id.to_bytes(16, "big")
+        assert span.parent_span_id == (
+            want.parent.span_id.to_bytes(8, "big") if want.parent else b"")
+        assert (span.start_time_unix_nano, span.end_time_unix_nano) == (want.start_time,
+                                                                        want.end_time)
+        assert {a.key: _any_value(a.value) for a in span.attributes} == dict(want.attributes)
+    names = [s.name for s in got.values()]
+    assert names.count("output_rate.generation") == 3 and "output_rate.throttle" in names
+    child = [s for s in got.values() if s.attributes and any(
+        a.key == "output_rate.request_id" and a.value.string_value == reqs[0].request_id
+        for a in s.attributes)]
+    assert {s.name for s in child} == {"output_rate.generation", "output_rate.throttle"}
+    assert all(s.trace_id.hex() == TRACE_ID and s.parent_span_id.hex() == PARENT_ID
+               for s in child)
+    gen = next(s for s in child if s.name == "output_rate.generation")
+    attrs = {a.key: a.value for a in gen.attributes}
+    assert attrs["gen_ai.usage.output_tokens"].int_value == 8
+    values = attrs["output_rate.spacing_series_us"].array_value.values
+    assert len(values) == 7 and all(v.WhichOneof("value") == "int_value" for v in values)
+
+
+def test_a_limits_reload_is_a_span(tmp_path, exporter, monkeypatch):
+    from vllm_output_rate.config import load_limits_file
+    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+
+    monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
+    path = tmp_path / "limits.yaml"
+    path.write_text("default: 10\nusers: {a: 5, gone: 1}\n")
+    sched, drv, tel, rec = setup(tmp_path, exporter, load_limits_file(str(path)).to_dict())
+    old = sched.output_rate_config.digest
+    path.write_text("default: 20\nusers: {a: 7, new: 3}\n")
+    assert sched.output_rate_limits_watcher.check() == "loaded"
+    drv.step()
+    (span,) = spans(exporter, "output_rate.limits_reload")
+    a = span.attributes
+    assert a["output_rate.limits.previous_sha256"] == old
+    assert a["output_rate.limits.sha256"] == sched.output_rate_config.digest != old
+    assert a["output_rate.limits.default_tokens_per_second"] == 20
+    assert a["output_rate.limits.previous_default_tokens_per_second"] == 10
+    assert (a["output_rate.limits.users_added"], a["output_rate.limits.users_removed"],
+            a["output_rate.limits.users_changed"]) == (1, 1, 1)
+    assert list(a["output_rate.limits.added"]) == ["new"]
+    assert list(a["output_rate.limits.removed"]) == ["gone"]

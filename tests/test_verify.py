@@ -14,9 +14,9 @@ from fractions import Fraction
 
 import pytest
 
-from vllm_patch import verify
-from vllm_patch.loadgen import RequestRecord, RunRecord, parse_scenario
-from vllm_patch.verify import (
+from vllm_output_rate.tools import verify
+from vllm_output_rate.tools.loadgen import RequestRecord, RunRecord, parse_scenario
+from vllm_output_rate.tools.verify import (
     Analysis,
     EngineLog,
     Metrics,
@@ -29,7 +29,7 @@ from vllm_patch.verify import (
 SCENARIO = {
     "name": "synthetic",
     "users": {"a": 20, "b": 60, "c": "unlimited"},
-    "prompts": {"short": "hi", "long": {"words": 40},
+    "prompts": {"short": "hi", "long": {"tokens": 40},
                 "shared": {"prefix": "long", "text": "q", "unique": True}},
     "phases": [
         {"name": "baseline", "streams": [{"user": "c", "prompt": "short", "max_tokens": 300}]},
@@ -141,10 +141,10 @@ def simulate(scenario_dict=SCENARIO, *, engine_limits=None, step_ms=5.0, compare
 
     before, after = {}, {}
     for user in sc.users:
-        before |= sample("output_rate_tokens_charged_total", 0, user=user)
-        before |= sample("output_rate_requests_skipped_total", 0, user=user)
-        after |= sample("output_rate_tokens_charged_total", charged.get(user, 0), user=user)
-        after |= sample("output_rate_requests_skipped_total", skipped.get(user, 0), user=user)
+        before |= sample("vllm_output_rate_tokens_charged_total", 0, user=user)
+        before |= sample("vllm_output_rate_requests_skipped_total", 0, user=user)
+        after |= sample("vllm_output_rate_tokens_charged_total", charged.get(user, 0), user=user)
+        after |= sample("vllm_output_rate_requests_skipped_total", skipped.get(user, 0), user=user)
     before |= sample("vllm:prefix_cache_hits_total", 0)
     after |= sample("vllm:prefix_cache_hits_total", 64)
     final = {}
@@ -338,7 +338,7 @@ def test_a_user_never_throttled_or_a_stalled_request_fails_resumed(good):
 
 def test_under_charging_fails(good):
     sc, run, log, metrics = copy.deepcopy(good)
-    key = ("output_rate_tokens_charged_total", (("user", "b"),))
+    key = ("vllm_output_rate_tokens_charged_total", (("user", "b"),))
     metrics.after[key] -= 1
     checks, _ = checks_of(sc, run, log, metrics)
     assert failed(checks) == ["charged[b]"]
@@ -384,7 +384,7 @@ def test_events_missing_or_unreadable_fail(good):
 
 def test_events_dropped_by_the_engine_fail(good):
     sc, run, log, metrics = copy.deepcopy(good)
-    metrics.after[("output_rate_telemetry_dropped_total", (("reason", "events_queue_full"),))] = 3
+    metrics.after[("vllm_output_rate_telemetry_dropped_total", (("reason", "events_queue_full"),))] = 3
     checks, _ = checks_of(sc, run, log, metrics)
     assert failed(checks) == ["events[all]"]
     assert "dropped 3" in " ".join(checks["events[all]"].details)
@@ -450,3 +450,21 @@ def test_the_log_is_read_once_every_request_finished_and_the_engine_went_idle(go
     path.write_text("".join(json.dumps(e) + "\n" for e in fin + [idle]))
     done = verify._wait_for_engine_log(path, run, timeout_s=60)
     assert len(done.finished) == len(run.requests) and done.throttled[-1]["t_ns"] == 10_000
+
+
+def test_the_reports_quantile_interpolates_linearly_between_ranks():
+    import math
+    import random
+
+    import numpy as np
+
+    from vllm_output_rate.tools.stats import quantile
+
+    assert math.isnan(quantile([], 0.5))
+    assert quantile([3.0], 0.99) == 3.0
+    assert quantile([4.0, 1.0, 2.0, 3.0], 0.5) == 2.5
+    rng = random.Random(7)
+    for n in (1, 2, 5, 100):
+        values = [rng.uniform(0, 50) for _ in range(n)]
+        for q in (0.0, 0.1, 0.5, 0.9, 0.99, 1.0):
+            assert quantile(values, q) == pytest.approx(float(np.quantile(values, q)), abs=1e-12)

@@ -1,16 +1,17 @@
 """OpenTelemetry spans of the limiter, from the engine-core process.
 
-Built from the same plain data the metrics use (``OutputRateStep`` per step,
-``IdleWait`` per idle wait, the engine outputs per ``update_from_output``).
+Built from the same plain data the metrics use (``StepReport`` per step,
+``IdleWait`` per idle wait, the engine outputs per ``update_from_output``;
+see ``vllm_output_rate.observers``), driven by ``telemetry.engine``.
 On the scheduler's thread a span is one append of its plain data to a
 bounded queue; a builder thread of ours makes the SDK spans from it (every
 ``BUILD_INTERVAL_S``, and at shutdown) and hands them to a
 ``BatchSpanProcessor``, whose queue and exporter thread export them. A full
 queue drops spans and a failing exporter loses them, both counted
-(``TraceDrops``, exported as ``output_rate_telemetry_dropped_total``) and
+(``TraceDrops``, exported as ``vllm_output_rate_telemetry_dropped_total``) and
 logged once, never blocking. Building and exporting a span costs the
 process some tens of microseconds of CPU (BENCHMARKS.md); the standard
-``OTEL_TRACES_SAMPLER`` thins all spans, and ``THROTTLE_MIN_ENV`` skips the
+``OTEL_TRACES_SAMPLER`` thins all spans, and ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S`` skips the
 short throttle episodes of users pacing at their limit.
 
 Spans:
@@ -18,33 +19,53 @@ Spans:
   first step it was skipped for lack of budget to the step it was dispatched
   again (or finished): user, request id, priority, tokens charged so far,
   expected ready time, KV blocks held, preempted meanwhile (episodes shorter
-  than ``VLLM_OUTPUT_RATE_TRACE_THROTTLE_MIN_S``, default 0, get none).
+  than ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S``, default 0, get none).
 - ``output_rate.step``: only for steps in which a token was refunded or a
   user refused (not for every step): charged / refunded counts and one event
   per refund with its reason.
 - ``output_rate.idle_wait``: every idle wait of the engine loop: planned
   timeout, ready time waited for, lateness, what woke it.
 - ``output_rate.generation``: one per finished request: token count,
-  engine-side spacing p50 / p90 / p99 / max, and the spacing series itself in
-  microseconds, base64 of little-endian uint32, at most ``MAX_SERIES`` values
-  (an attribute, not one event per token: span events are capped at 128);
-  linked to vLLM's own request trace when the request carried trace headers.
+  engine-side spacing p50 / p90 / p99 / max, and the spacing series itself,
+  ``output_rate.spacing_series_us``: an integer array of whole microseconds,
+  at most ``MAX_SERIES`` values (an attribute, not one event per token: span
+  events are capped at 128; integers are not cut by
+  ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``, which cuts strings only).
+
+A request's throttle and generation spans belong to its own trace: when it
+came with a valid W3C ``traceparent`` (vLLM passes the trace headers to the
+engine when tracing is on: ``--otlp-traces-endpoint``), they are children of
+that span, beside vLLM's own ``llm_request`` span, and follow its sampling
+decision (the SDK's default sampler is parent-based; ``OTEL_TRACES_SAMPLER``
+changes that); without one they start a trace of their own.
+
+Attributes follow the OpenTelemetry GenAI conventions where one exists, with
+the names vLLM's own request span uses (``vllm.tracing.SpanAttributes``):
+``gen_ai.request.id`` (the request id the client and vLLM's ``llm_request``
+span know, i.e. the engine's id without the random suffix vLLM adds),
+``gen_ai.response.model``, ``gen_ai.usage.output_tokens``,
+``gen_ai.response.finish_reasons``, and ``user.id`` when the API server
+vouched for the user (a gateway's header or an API key); everything else is
+under ``output_rate.`` (``output_rate.request_id`` is the engine's own id, as
+in the event log; ``output_rate.user`` whose budget the request spends, also
+when the request body named it).
 """
 
 from __future__ import annotations
 
-import base64
 import logging
-import struct
+import os
+import re
 import threading
 import time
 from array import array
 from collections import deque
 from collections.abc import Callable
-from operator import attrgetter
 from typing import Any
 
-from vllm_patch.internals import kv_blocks_held
+from vllm_output_rate import settings
+from vllm_output_rate.config import ANONYMOUS_USER, UNLISTED_USER
+from vllm_output_rate.observers import EngineView, IdleWait, RequestFacts, StepReport
 
 MAX_SERIES = 2048
 #: The scheduler's thread queues spans as plain data; a thread of ours builds
@@ -55,45 +76,37 @@ BUILD_INTERVAL_S = 0.2
 #: rest counted, and the timeline is cut to the oldest open run.
 TRIM_EVERY = 256
 #: One ``output_rate.step`` span per this many steps that only refused users
-#: (steps with refunds always get one). Environment variable, default 50.
-STEP_SAMPLE_ENV = "VLLM_OUTPUT_RATE_TRACE_REFUSAL_STEP_EVERY"
-DEFAULT_STEP_SAMPLE = 50
+#: (steps with refunds always get one). Default 50.
+STEP_SAMPLE_ENV = settings.name("TRACE_REFUSAL_STEP_EVERY")
 #: A file path: spans appended there as JSON lines (offline use).
-TRACES_FILE_ENV = "VLLM_OUTPUT_RATE_TRACES_FILE"
+TRACES_FILE_ENV = settings.name("TRACES_FILE")
 #: Throttle episodes shorter than this many seconds get no span (they are
 #: still in the episode histogram). Default 0: a span for every episode. A
 #: user at its limit with several streams has one short episode per token.
-THROTTLE_MIN_ENV = "VLLM_OUTPUT_RATE_TRACE_THROTTLE_MIN_S"
+THROTTLE_MIN_ENV = settings.name("TRACE_THROTTLE_MIN_S")
 _TRACER_NAME = "vllm_output_rate"
-_REQUEST_ID = attrgetter("request_id")
+
+# Attribute names of the OpenTelemetry GenAI conventions, as vLLM's own
+# request span spells them (``vllm.tracing.SpanAttributes``; not imported:
+# the span builder must not need vLLM's tracing module).
+GEN_AI_REQUEST_ID = "gen_ai.request.id"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_USAGE_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_RESPONSE_FINISH_REASONS = "gen_ai.response.finish_reasons"
+USER_ID = "user.id"
+#: where the API server took a trusted user from
+TRUSTED_SOURCES = ("header", "api_key")
+#: users that are not a person's id (the anonymous user, the shared budget of
+#: unlisted users): never a ``user.id``
+_PLACEHOLDER_USERS = (ANONYMOUS_USER, UNLISTED_USER)
+#: vLLM makes the engine's request id from the client's: ``f"{id}-{8 hex}"``
+#: (``InputProcessor.assign_request_id``) unless this is set
+_NO_RANDOM_ID_ENV = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
+#: parsed trace contexts kept by the span builder (cleared when full)
+_MAX_CONTEXTS = 4096
 
 logger = logging.getLogger("vllm_output_rate.tracing")
-
-
-def _step_sample_every() -> int:
-    import os
-
-    raw = os.environ.get(STEP_SAMPLE_ENV, "")
-    try:
-        return max(int(raw), 1) if raw else DEFAULT_STEP_SAMPLE
-    except ValueError:
-        logger.warning("%s=%r is not an integer; using %d", STEP_SAMPLE_ENV, raw, DEFAULT_STEP_SAMPLE)
-        return DEFAULT_STEP_SAMPLE
-
-
-def _throttle_min_ns() -> int:
-    import os
-
-    raw = os.environ.get(THROTTLE_MIN_ENV, "")
-    try:
-        value = float(raw) if raw else 0.0
-        if not value >= 0:  # (also NaN)
-            raise ValueError(raw)
-        return int(value * 1e9)
-    except ValueError:
-        logger.warning("%s=%r is not a number of seconds >= 0; every throttle episode gets "
-                       "a span", THROTTLE_MIN_ENV, raw)
-        return 0
 
 
 def _spacing_us(ns: int) -> int:
@@ -101,23 +114,57 @@ def _spacing_us(ns: int) -> int:
     return min(ns // 1000, 0xFFFFFFFF)
 
 
+def _env_flag(name: str) -> bool:
+    """A 0/1 variable as vLLM reads its own (anything else: off)."""
+    try:
+        return bool(int(os.environ.get(name, "0")))
+    except ValueError:
+        return False
+
+
 def _epoch_offset_ns() -> int:
     """Monotonic ns -> epoch ns, for span timestamps."""
     return time.time_ns() - time.monotonic_ns()
 
 
-def encode_series(spacings_us: array) -> str:
-    """Spacing series as base64 of little-endian uint32 microseconds."""
-    values = spacings_us[:MAX_SERIES]
-    return base64.b64encode(struct.pack(f"<{len(values)}I", *values)).decode()
+def series_attribute(spacings_us: array) -> list[int]:
+    """The spacing series as the span attribute holds it: a list of whole
+    microseconds, at most ``MAX_SERIES``."""
+    return spacings_us[:MAX_SERIES].tolist()
 
 
-def decode_series(text: str) -> list[int]:
-    raw = base64.b64decode(text)
-    return list(struct.unpack(f"<{len(raw) // 4}I", raw))
+def external_request_id(engine_id: str, randomized: bool = True) -> str:
+    """The request id vLLM's API server and its ``llm_request`` span use
+    (``gen_ai.request.id``), from the engine's: vLLM appends ``-`` and 8 hex
+    digits to the client's id unless ``VLLM_DISABLE_REQUEST_ID_RANDOMIZATION``
+    is set (``randomized`` False). (The children of an ``n`` > 1 request keep
+    the ``{index}_`` prefix vLLM gives them.)"""
+    if randomized:
+        return _RANDOM_SUFFIX.sub("", engine_id)
+    return engine_id
+
+
+def _identity_attributes(facts: RequestFacts | None, attributes: dict[str, Any]) -> None:
+    """``output_rate.user`` (whose budget the request spends), and ``user.id``
+    and ``output_rate.identity_source`` only when the API server vouched for
+    the user (a client's own claim in the body is no identity)."""
+    if facts is None:
+        return
+    attributes["output_rate.user"] = facts.user
+    source = facts.identity_source
+    if source in TRUSTED_SOURCES:
+        attributes["output_rate.identity_source"] = source
+        who = facts.identity or facts.user  # the caller, not a shared budget
+        if who not in _PLACEHOLDER_USERS:
+            attributes[USER_ID] = who
 
 
 def _quantile(sorted_values: list[int], q: float) -> int:
+    """The sample nearest to rank q x (n - 1) of already sorted integers (0
+    when empty). Not the tools' interpolating quantile
+    (``vllm_output_rate.tools.stats.quantile``) on purpose: a span attribute
+    is an integer number of microseconds and must be a spacing that occurred,
+    and the engine side does not import the tools."""
     if not sorted_values:
         return 0
     index = min(len(sorted_values) - 1, max(0, int(round(q * (len(sorted_values) - 1)))))
@@ -125,12 +172,14 @@ def _quantile(sorted_values: list[int], q: float) -> int:
 
 
 class _Episode:
-    __slots__ = ("start_ns", "user", "priority", "ready_ns", "blocks", "preempted", "request_id")
+    __slots__ = ("start_ns", "facts", "ready_ns", "blocks", "preempted", "request_id")
 
-    def __init__(self, request: Any, start_ns: int, ready_ns: int, blocks: int) -> None:
-        self.request_id = request.request_id
-        self.user = request.output_rate_user
-        self.priority = request.priority
+    def __init__(self, request_id: str, facts: RequestFacts, start_ns: int, ready_ns: int,
+                 blocks: int) -> None:
+        self.request_id = request_id
+        #: the request's facts (user, priority, trace headers, identity
+        #: source), read once per request
+        self.facts = facts
         self.start_ns = start_ns
         self.ready_ns = ready_ns
         self.blocks = blocks
@@ -143,10 +192,10 @@ class SpanRecorder:
     ``clock_offset_ns`` maps the scheduler's monotonic clock to epoch ns.
     """
 
-    def __init__(self, tracer: Any, scheduler: Any, clock_offset_ns: int | None = None,
+    def __init__(self, tracer: Any, view: EngineView, clock_offset_ns: int | None = None,
                  background: bool = True) -> None:
         self.tracer = tracer
-        self.scheduler = scheduler
+        self.view = view
         self.offset = _epoch_offset_ns() if clock_offset_ns is None else clock_offset_ns
         #: TraceDrops of the provider's processor (the engine sets its own)
         self.drops = TraceDrops(max_queue_from_env())
@@ -156,9 +205,9 @@ class SpanRecorder:
         #: request id -> spacings past MAX_SERIES (counted, not kept)
         self._overflow: dict[str, int] = {}
         #: refusal-only steps get one step span in this many (refund steps: always)
-        self.step_sample_every = _step_sample_every()
+        self.step_sample_every = settings.get_or_default("TRACE_REFUSAL_STEP_EVERY")
         #: episodes shorter than this (ns) get no span
-        self.throttle_min_ns = _throttle_min_ns()
+        self.throttle_min_ns = int(settings.get_or_default("TRACE_THROTTLE_MIN_S") * 1e9)
         self._refusal_steps = 0
         self._series: dict[str, array] = {}
         #: request id -> the update its open run of steady tokens began at
@@ -169,8 +218,15 @@ class SpanRecorder:
         self._gaps = array("I")
         self._index = -1
         self._last_ns: int | None = None
-        #: request id -> vLLM's own request trace headers, if it carried any
-        self._parents: dict[str, Any] = {}
+        #: request id -> its RequestFacts (user, priority, trace headers,
+        #: identity source), from its first token or throttle episode to its end
+        self._who: dict[str, RequestFacts] = {}
+        #: (traceparent, tracestate) -> the parsed parent context, or None
+        #: when invalid; only the span builder touches it
+        self._contexts: dict[tuple[str, str | None], Any] = {}
+        self._propagator: Any = None
+        #: whether vLLM appended its random suffix to the client's request id
+        self._randomized_ids = not _env_flag(_NO_RANDOM_ID_ENV)
         #: spans to build: (builder, args) queued by the scheduler's thread as
         #: plain data, built into SDK spans by a thread of our own (or flush())
         self._pending: deque[tuple[Callable[..., None], tuple]] = deque()
@@ -184,18 +240,50 @@ class SpanRecorder:
             self._builder.start()
 
     def _span(self, name: str, start_ns: int, end_ns: int, attributes: dict[str, Any],
-              links: Any = None) -> None:
-        span = self.tracer.start_span(name, start_time=start_ns + self.offset,
+              links: Any = None, context: Any = None) -> None:
+        span = self.tracer.start_span(name, context=context, start_time=start_ns + self.offset,
                                       attributes=attributes, links=links)
         span.end(end_time=max(end_ns, start_ns) + self.offset)
 
-    def _remember_parent(self, req_id: str) -> None:
-        """Keep the request's trace headers, if it carried any (the link to
-        its trace is made when its generation span is built)."""
-        request = self.scheduler.requests.get(req_id)
-        headers = getattr(request, "trace_headers", None) if request is not None else None
-        if headers:
-            self._parents[req_id] = dict(headers)
+    def _remember_request(self, req_id: str) -> None:
+        """At its first token: keep the request's facts (user, priority,
+        trace headers, identity source) for its throttle episodes and its
+        generation span: read once per request, not per episode. The trace
+        headers are parsed by the span builder."""
+        facts = self.view.request_facts(req_id)
+        if facts is not None:
+            self._who[req_id] = facts
+
+    def _parent_context(self, facts: RequestFacts | None) -> Any:
+        """The OpenTelemetry context of the request's ``traceparent`` (the
+        span builder's thread), or None: no header, or not a valid one (the
+        span then starts a trace of its own). Parsed once per distinct
+        header, as vLLM parses it (``TraceContextTextMapPropagator``)."""
+        headers = None if facts is None else facts.trace_headers
+        if not headers:
+            return None
+        traceparent = headers.get("traceparent")
+        if not traceparent:
+            return None
+        key = (traceparent, headers.get("tracestate"))
+        contexts = self._contexts
+        if key in contexts:
+            return contexts[key]
+        from opentelemetry import trace
+
+        if self._propagator is None:
+            from opentelemetry.trace.propagation.tracecontext import (
+                TraceContextTextMapPropagator,
+            )
+
+            self._propagator = TraceContextTextMapPropagator()
+        context = self._propagator.extract(headers)
+        if not trace.get_current_span(context).get_span_context().is_valid:
+            context = None
+        if len(contexts) >= _MAX_CONTEXTS:
+            contexts.clear()
+        contexts[key] = context
+        return context
 
     # -- building spans, off the scheduler's thread -------------------------
 
@@ -230,9 +318,9 @@ class SpanRecorder:
 
     # -- per step ---------------------------------------------------------
 
-    def on_step(self, record: Any, opened: Any = None, ended: Any = None) -> None:
-        """Per step. ``opened``: the requests throttled now and not in the
-        step before; ``ended``: the ids of throttled requests dispatched
+    def on_step(self, record: StepReport, opened: Any = None, ended: Any = None) -> None:
+        """Per step. ``opened``: the ids of requests throttled now and not in
+        the step before; ``ended``: the ids of throttled requests dispatched
         again; both computed once by ``telemetry.engine`` with set
         operations (computed here when not given)."""
         now = record.now_ns
@@ -244,15 +332,20 @@ class SpanRecorder:
             if episode is not None:
                 self._end_episode(episode, now, "dispatched")
         if opened is None:
-            new = set(map(_REQUEST_ID, record.throttled)).difference(episodes)
-            opened = [r for r in record.throttled if r.request_id in new] if new else ()
+            opened = [r for r in record.throttled if r not in episodes]
         if opened:
-            manager = self.scheduler.kv_cache_manager
-            for request in opened:
-                if request.request_id not in episodes:
-                    blocks = kv_blocks_held(manager, request.request_id)
-                    episodes[request.request_id] = _Episode(
-                        request, now, record.refused.get(request.output_rate_user, 0), blocks)
+            view, who = self.view, self._who
+            for req_id in opened:
+                if req_id not in episodes:
+                    facts = who.get(req_id)
+                    if facts is None:  # throttled before its first token
+                        facts = view.request_facts(req_id)
+                        if facts is None:
+                            continue
+                        who[req_id] = facts
+                    episodes[req_id] = _Episode(
+                        req_id, facts, now,
+                        record.refused.get(facts.user, 0), view.kv_blocks_held(req_id))
         for req_id in record.preempted_throttled:
             if req_id in episodes:
                 episodes[req_id].preempted = True
@@ -287,27 +380,31 @@ class SpanRecorder:
                     self._tokens_charged(episode.request_id, outcome))
 
     def _build_throttle(self, episode: _Episode, end_ns: int, outcome: str, tokens: int) -> None:
-        self._span("output_rate.throttle", episode.start_ns, end_ns, {
-            "output_rate.user": episode.user,
+        facts = episode.facts
+        attributes = {
+            GEN_AI_REQUEST_ID: external_request_id(episode.request_id, self._randomized_ids),
             "output_rate.request_id": episode.request_id,
-            "output_rate.priority": episode.priority,
+            "output_rate.priority": facts.priority,
             "output_rate.tokens_charged": tokens,
             "output_rate.expected_ready_unix_ns": episode.ready_ns + self.offset,
             "output_rate.held_kv": episode.blocks > 0,
             "output_rate.kv_blocks": episode.blocks,
             "output_rate.preempted": episode.preempted,
             "output_rate.outcome": outcome,
-        })
+        }
+        _identity_attributes(facts, attributes)
+        self._span("output_rate.throttle", episode.start_ns, end_ns, attributes,
+                   context=self._parent_context(facts))
 
     def _tokens_charged(self, req_id: str, outcome: str) -> int:
         """Tokens charged to the request so far: its output tokens, plus the
         one charged by the dispatch that ended the episode."""
-        request = self.scheduler.requests.get(req_id)
-        if request is None:
+        tokens = self.view.num_output_tokens(req_id)
+        if tokens is None:
             if req_id not in self._series:
                 return 0
             return self._spacings(req_id) + 1
-        return request.num_output_tokens + (1 if outcome == "dispatched" else 0)
+        return tokens + (1 if outcome == "dispatched" else 0)
 
     # -- per update_from_output -------------------------------------------
     #
@@ -366,7 +463,7 @@ class SpanRecorder:
         s = self._series.get(req_id)
         if s is None:
             s = self._series[req_id] = array("I")
-            self._remember_parent(req_id)
+            self._remember_request(req_id)
         if prev_ns is not None:
             s.append(_spacing_us(now_ns - prev_ns))
         if n > 1:
@@ -404,13 +501,17 @@ class SpanRecorder:
         """The request finished (``out`` is its last engine output)."""
         self._finish(req_id, str(out.finish_reason), now)
 
-    def on_aborted(self, requests: list[Any], now: int) -> None:
-        """Requests finished from outside (client aborts): their open
-        episodes end and their generation spans are emitted."""
-        for request in requests:
-            self._finish(request.request_id, "abort", now)
+    def on_aborted(self, aborted: list[tuple[str, str]], now: int) -> None:
+        """Requests finished from outside (client aborts), as (request id,
+        user): their open episodes end and their generation spans are
+        emitted."""
+        for req_id, _user in aborted:
+            self._finish(req_id, "abort", now)
 
     def _finish(self, req_id: str, reason: str, now: int) -> None:
+        facts = self._who.pop(req_id, None)
+        if facts is None:  # no token and no throttle episode: read it now, if it is still there
+            facts = self.view.request_facts(req_id)
         episode = self._episodes.pop(req_id, None)
         if episode is not None:
             self._end_episode(episode, now, "aborted" if reason == "abort" else "finished")
@@ -420,15 +521,17 @@ class SpanRecorder:
         self._trim(req_id)
         s = self._series.pop(req_id, array("I"))
         tokens = len(s) + 1 + self._overflow.pop(req_id, 0) if had_tokens else 0
-        self._queue(self._build_generation, req_id, reason, now, s, tokens,
-                    self._parents.pop(req_id, None))
+        self._queue(self._build_generation, req_id, reason, now, s, tokens, facts)
 
     def _build_generation(self, req_id: str, reason: str, now: int, s: array, tokens: int,
-                          parent_headers: dict[str, str] | None) -> None:
+                          facts: RequestFacts | None) -> None:
         ordered = sorted(s)
         attributes = {
+            GEN_AI_REQUEST_ID: external_request_id(req_id, self._randomized_ids),
+            GEN_AI_RESPONSE_MODEL: self.view.model_name,
+            GEN_AI_USAGE_OUTPUT_TOKENS: tokens,
+            GEN_AI_RESPONSE_FINISH_REASONS: [reason],
             "output_rate.request_id": req_id,
-            "output_rate.tokens": tokens,
             # charged at dispatch, one per token: equal to the tokens with
             # synchronous scheduling (async may charge one more, refunded
             # only if the request is not dispatched again)
@@ -437,21 +540,13 @@ class SpanRecorder:
             "output_rate.spacing_p90_us": _quantile(ordered, 0.9),
             "output_rate.spacing_p99_us": _quantile(ordered, 0.99),
             "output_rate.spacing_max_us": ordered[-1] if ordered else 0,
-            "output_rate.spacing_series_us_b64u32": encode_series(s),
+            "output_rate.spacing_series_us": series_attribute(s),
             "output_rate.spacing_series_truncated": len(s) >= MAX_SERIES,
-            "output_rate.finish_reason": reason,
         }
+        _identity_attributes(facts, attributes)
         start = now - sum(s) * 1000
-        links = None
-        if parent_headers:
-            from opentelemetry import trace
-            from opentelemetry.propagate import extract
-            from opentelemetry.trace import Link
-
-            context = trace.get_current_span(extract(parent_headers)).get_span_context()
-            if context.is_valid:
-                links = [Link(context)]
-        self._span("output_rate.generation", start, now, attributes, links)
+        self._span("output_rate.generation", start, now, attributes,
+                   context=self._parent_context(facts))
 
     # -- per idle wait --------------------------------------------------------
 
@@ -474,8 +569,30 @@ class SpanRecorder:
         thread.start()
         thread.join(timeout_s)
 
-    def on_idle_wait(self, wait: Any) -> None:
+    def on_idle_wait(self, wait: IdleWait) -> None:
         self._queue(self._build_idle_wait, wait)
+
+    def on_limits(self, change: Any) -> None:
+        """New limits in force (``observers.LimitsChange``): one span, at
+        the step boundary where they took effect."""
+        self._queue(self._build_limits, change)
+
+    def _build_limits(self, change: Any) -> None:
+        cap = 64  # user ids listed in the span (the counts are exact)
+        self._span("output_rate.limits_reload", change.now_ns, change.now_ns, {
+            "output_rate.limits.sha256": change.digest,
+            "output_rate.limits.previous_sha256": change.old_digest,
+            "output_rate.limits.default_tokens_per_second": float(change.default_rate),
+            "output_rate.limits.previous_default_tokens_per_second":
+                float(change.old_default_rate),
+            "output_rate.limits.users": len(change.user_rates),
+            "output_rate.limits.users_added": len(change.added),
+            "output_rate.limits.users_removed": len(change.removed),
+            "output_rate.limits.users_changed": len(change.changed),
+            "output_rate.limits.added": list(change.added[:cap]),
+            "output_rate.limits.removed": list(change.removed[:cap]),
+            "output_rate.limits.changed": list(change.changed[:cap]),
+        })
 
     def _build_idle_wait(self, wait: Any) -> None:
         attributes = {
@@ -498,7 +615,7 @@ class TraceDrops:
     span). ``trace_export_failed``: the exporter reported failure or raised
     (an unreachable OTLP endpoint, say), or a span could not be built. Each
     reason is logged once; the counts go to
-    ``output_rate_telemetry_dropped_total``.
+    ``vllm_output_rate_telemetry_dropped_total``.
 
     ``pending`` is a deque whose append and popleft are atomic; counts are
     written by several threads (scheduler, span builder, exporter), only
@@ -519,7 +636,7 @@ class TraceDrops:
             self._logged.add(reason)
         if first:
             logger.warning("output-rate traces: %d span(s) dropped (%s)%s; further drops are "
-                           "only counted in output_rate_telemetry_dropped_total",
+                           "only counted in vllm_output_rate_telemetry_dropped_total",
                            n, reason, f": {detail}" if detail else "")
 
 
@@ -579,39 +696,51 @@ def tracer_provider_from_env(otlp_endpoint: str | None = None,
     """A TracerProvider from the standard ``OTEL_*`` variables or vLLM's
     ``--otlp-traces-endpoint``; None when tracing is not asked for.
 
-    ``OTEL_TRACES_EXPORTER``: ``otlp`` (default when an endpoint is set),
-    ``console``, or ``none``; ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` /
-    ``OTEL_EXPORTER_OTLP_PROTOCOL``: ``grpc`` (default) or ``http/protobuf``.
-    For offline use, ``VLLM_OUTPUT_RATE_TRACES_FILE``: append the spans to
-    that file as JSON lines (instead of the console or an OTLP endpoint;
-    ``OTEL_TRACES_EXPORTER=none`` still turns traces off).
+    ``OTEL_TRACES_EXPORTER``: a comma-separated list of ``otlp`` (the default
+    when an endpoint is set), ``console`` and ``none``;
+    ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL``:
+    ``grpc`` (default) or ``http/protobuf``. The endpoint variables keep
+    their OpenTelemetry meaning, read by the SDK's exporter itself:
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` is the traces URL as given,
+    ``OTEL_EXPORTER_OTLP_ENDPOINT`` a base URL (over HTTP the exporter adds
+    ``/v1/traces``). vLLM's ``--otlp-traces-endpoint`` is a traces endpoint,
+    as vLLM uses it. The resource is the SDK's (``OTEL_RESOURCE_ATTRIBUTES``,
+    ``OTEL_SERVICE_NAME``), with ``service.name`` ``vllm-output-rate`` and
+    ``service.version`` this package's version where they set none.
+    For offline use, ``OUTPUT_RATE_TRACES_FILE``: append the spans to
+    that file in OTLP/JSON, one export request per line, as the
+    Collector's ``otlpjsonfile`` receiver reads them (instead of the
+    console or an OTLP endpoint; ``OTEL_TRACES_EXPORTER=none`` still turns
+    traces off).
     """
     import os
 
-    exporter_name = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
-    endpoint = otlp_endpoint or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") \
+    names = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")]
+    names = [n for n in names if n]
+    env_endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") \
         or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    path = os.environ.get(TRACES_FILE_ENV, "").strip()
-    if exporter_name == "none" or (not exporter_name and not endpoint and not path):
+    path = settings.get("TRACES_FILE") or ""
+    if "none" in names or (not names and not otlp_endpoint and not env_endpoint and not path):
         return None
-    from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-    provider = TracerProvider(resource=Resource.create(
-        {"service.name": os.environ.get("OTEL_SERVICE_NAME", "vllm-output-rate")}))
+    provider = TracerProvider(resource=_resource())
+    exporters: list[Any] = []
     if path:
-        exporter = JsonLinesFileExporter(path)
-    elif exporter_name == "console":
-        exporter = ConsoleSpanExporter()
+        exporters.append(OtlpJsonFileExporter(path))
     else:
-        protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
-                    or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
-        if protocol.startswith("http"):
-            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        else:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        exporter = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
+        for name in names or ["otlp"]:
+            if name == "console":
+                exporters.append(ConsoleSpanExporter())
+            elif name == "otlp":
+                exporters.append(_otlp_exporter(otlp_endpoint))
+            else:
+                logger.warning("OTEL_TRACES_EXPORTER: %r is not an exporter of "
+                               "vllm-output-rate (otlp, console, none); ignored", name)
+        if not exporters:
+            return None
+    exporter = exporters[0] if len(exporters) == 1 else _FanOutExporter(exporters)
     if drops is None:
         provider.add_span_processor(BatchSpanProcessor(exporter))
     else:
@@ -619,10 +748,108 @@ def tracer_provider_from_env(otlp_endpoint: str | None = None,
     return provider
 
 
-class JsonLinesFileExporter:
-    """Spans appended to a file, one JSON object per line (the SDK's own
-    ``to_json``), a batch per write. A file that cannot be written fails
-    the export (counted as ``trace_export_failed`` by the processor)."""
+def _resource() -> Any:
+    """The SDK's resource from the environment, with our name and version
+    where the environment gives none."""
+    from importlib import metadata
+
+    from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
+
+    detected = Resource.create()
+    ours: dict[str, str] = {}
+    if str(detected.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
+        ours[SERVICE_NAME] = "vllm-output-rate"
+    if SERVICE_VERSION not in detected.attributes:
+        try:
+            ours[SERVICE_VERSION] = metadata.version("vllm-output-rate")
+        except metadata.PackageNotFoundError:  # pragma: no cover - not installed
+            pass
+    return detected.merge(Resource(ours)) if ours else detected
+
+
+def _otlp_exporter(traces_endpoint: str | None) -> Any:
+    import os
+
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "grpc")
+    if protocol.startswith("http"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    # Only vLLM's flag is passed: the exporter reads the OTEL_* endpoints
+    # itself, and adds the signal path to a base URL where the spec says so.
+    return OTLPSpanExporter(endpoint=traces_endpoint) if traces_endpoint else OTLPSpanExporter()
+
+
+class _FanOutExporter:
+    """Several exporters as one (``OTEL_TRACES_EXPORTER=otlp,console``): each
+    gets every batch; the batch failed if any of them failed."""
+
+    def __init__(self, exporters: list[Any]) -> None:
+        self.exporters = exporters
+
+    def export(self, spans: Any) -> Any:
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        ok = True
+        for exporter in self.exporters:
+            try:
+                ok &= exporter.export(spans) is SpanExportResult.SUCCESS
+            except Exception:
+                ok = False
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        for exporter in self.exporters:
+            exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return all(exporter.force_flush(timeout_millis) for exporter in self.exporters)
+
+
+#: the fields of OTLP's trace messages that hold a trace or span id (bytes):
+#: hex strings in OTLP/JSON, not protobuf JSON's base64
+_OTLP_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+def otlp_json(spans: Any) -> str:
+    """``spans`` (SDK ReadableSpans) as one ``ExportTraceServiceRequest`` in
+    OTLP/JSON, as the OpenTelemetry protocol specifies it (and the
+    Collector's ``otlpjsonfile`` receiver and file exporter use it, one
+    request per line): the SDK's own protobuf encoding (the one its OTLP
+    exporters send) in protobuf's JSON mapping, field names lowerCamelCase,
+    enums as integers, 64-bit integers as strings, and trace and span ids
+    (also of links) as hex strings. No newline in it."""
+    import json
+
+    from google.protobuf import json_format
+    from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+    message = json_format.MessageToDict(encode_spans(spans), use_integers_for_enums=True)
+    for resource_spans in message.get("resourceSpans", ()):
+        for scope_spans in resource_spans.get("scopeSpans", ()):
+            for span in scope_spans.get("spans", ()):
+                _hex_ids(span)
+                for link in span.get("links", ()):
+                    _hex_ids(link)
+    return json.dumps(message, separators=(",", ":"))
+
+
+def _hex_ids(obj: dict[str, Any]) -> None:
+    import base64
+
+    for field in _OTLP_ID_FIELDS:
+        value = obj.get(field)
+        if value:
+            obj[field] = base64.b64decode(value).hex()
+
+
+class OtlpJsonFileExporter:
+    """Spans appended to a file in OTLP/JSON: one ``ExportTraceServiceRequest``
+    per line (a batch per line, ``otlp_json``), each line written with one
+    ``write`` on a file opened for appending (engines of several processes
+    may share the file). A file that cannot be written fails the export
+    (counted as ``trace_export_failed`` by the processor)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -630,9 +857,16 @@ class JsonLinesFileExporter:
     def export(self, spans: Any) -> Any:
         from opentelemetry.sdk.trace.export import SpanExportResult
 
-        lines = "".join(span.to_json(indent=None) + "\n" for span in spans)
-        with open(self.path, "a") as f:
-            f.write(lines)
+        if not spans:
+            return SpanExportResult.SUCCESS
+        data = (otlp_json(spans) + "\n").encode()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:

@@ -7,14 +7,18 @@ request.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+import os
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
 DEFAULT_OPTION = "--default-user-output-tokens-per-second"
 USERS_OPTION = "--user-output-tokens-per-second"
+LIMITS_FILE_OPTION = "--output-rate-limits-file"
+UNLISTED_OPTION = "--output-rate-unlisted-users"
 
 #: Key under ``VllmConfig.additional_config`` that carries the limits from
 #: the front-end process to the engine-core process.
@@ -24,6 +28,9 @@ ADDITIONAL_CONFIG_KEY = "output_rate"
 ANONYMOUS_USER = "__anonymous__"
 #: The request field (``vllm_xargs`` in the OpenAI API) naming the user.
 USER_FIELD = "output_rate_user"
+#: The request field the API server sets to say where a trusted user came
+#: from ("header" or "api_key"); a client's own value is removed.
+TRUSTED_FIELD = "output_rate_identity"
 #: Longest user id kept; longer ids are cut (they are still one user each).
 MAX_USER_LEN = 256
 
@@ -111,87 +118,329 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a valid limit")
 
 
+#: How users missing from the limits are budgeted: each its own default
+#: budget ("own", as without a file) or one shared default budget ("shared").
+UNLISTED_MODES = ("own", "shared")
+#: The user every unlisted id is charged as in "shared" mode.
+UNLISTED_USER = "__unlisted__"
+
+_CONFIG_KEYS = {
+    "default_user_output_tokens_per_second",
+    "user_output_tokens_per_second",
+    "tiers",
+    "user_tiers",
+    "limits_file",
+    "digest",
+    "unlisted_users",
+}
+
+
 @dataclass(frozen=True)
 class OutputRateConfig:
-    """The limits of one engine. Present means the feature is on."""
+    """The limits of one engine. Present means the feature is on.
+
+    ``user_rates`` is what the limiter reads (every listed user's limit, a
+    tier already resolved); ``tiers`` and ``user_tiers`` say where a limit
+    came from (introspection). ``limits_file`` is the file the engine core
+    keeps reloading (None: the command-line options, fixed). ``digest`` is
+    the SHA-256 of what the limits were read from.
+    """
 
     default_rate: Fraction
     user_rates: dict[str, Fraction] = field(default_factory=dict)
+    tiers: dict[str, Fraction] = field(default_factory=dict)
+    user_tiers: dict[str, str] = field(default_factory=dict)
+    limits_file: str | None = None
+    digest: str = ""
+    unlisted_users: str = "own"
+
+    def __post_init__(self) -> None:
+        if not self.digest:
+            object.__setattr__(self, "digest", _digest_of(self._limits_dict()))
+        if self.unlisted_users not in UNLISTED_MODES:
+            raise OutputRateConfigError(
+                f"{UNLISTED_OPTION}: expected one of {', '.join(UNLISTED_MODES)}, "
+                f"got {self.unlisted_users!r}"
+            )
 
     @classmethod
     def from_options(
-        cls, default: Any, users: Any = None
+        cls, default: Any, users: Any = None, limits_file: Any = None,
+        unlisted_users: Any = None,
     ) -> OutputRateConfig | None:
-        """From the two CLI options; None (feature off) without a default."""
+        """From the CLI options; None (feature off) without a default limit
+        or a limits file."""
+        if limits_file not in (None, ""):
+            if default is not None or users not in (None, "", {}):
+                raise OutputRateConfigError(
+                    f"{LIMITS_FILE_OPTION} cannot be combined with {DEFAULT_OPTION} "
+                    f"or {USERS_OPTION}: the file holds the default and every "
+                    f"user's limit (its 'default' and 'users' keys)"
+                )
+            config = load_limits_file(str(limits_file))
+            if unlisted_users is not None:
+                config = replace(config, unlisted_users=_unlisted_mode(unlisted_users))
+            return config
         if default is None:
             if users not in (None, "", {}):
                 raise OutputRateConfigError(
                     f"{USERS_OPTION} needs {DEFAULT_OPTION}: without a default "
                     f"limit the feature is off, so the overrides would be ignored"
                 )
+            if unlisted_users is not None:
+                raise OutputRateConfigError(
+                    f"{UNLISTED_OPTION} needs {DEFAULT_OPTION} or "
+                    f"{LIMITS_FILE_OPTION}: without limits the feature is off"
+                )
             return None
-        return cls(parse_rate(default, DEFAULT_OPTION), parse_user_rates(users))
+        return cls(parse_rate(default, DEFAULT_OPTION), parse_user_rates(users),
+                   unlisted_users=_unlisted_mode(unlisted_users or "own"))
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain data for ``VllmConfig.additional_config`` (exact, as strings)."""
-        return {
+    def _limits_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
             "default_user_output_tokens_per_second": str(self.default_rate),
             "user_output_tokens_per_second": {
                 u: str(r) for u, r in self.user_rates.items()
             },
         }
+        if self.tiers:
+            data["tiers"] = {t: str(r) for t, r in self.tiers.items()}
+        if self.user_tiers:
+            data["user_tiers"] = dict(self.user_tiers)
+        return data
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for ``VllmConfig.additional_config`` (exact, as strings)."""
+        data = self._limits_dict()
+        if self.limits_file is not None:
+            # (the options' digest is recomputed from their values)
+            data["limits_file"] = self.limits_file
+            data["digest"] = self.digest
+        if self.unlisted_users != "own":
+            data["unlisted_users"] = self.unlisted_users
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> OutputRateConfig:
         """Inverse of ``to_dict``; also what Python API users pass."""
+        where = f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]"
         if not isinstance(data, dict):
-            raise OutputRateConfigError(
-                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]: expected an object, "
-                f"got {data!r}"
-            )
-        unknown = set(data) - {
-            "default_user_output_tokens_per_second",
-            "user_output_tokens_per_second",
-        }
+            raise OutputRateConfigError(f"{where}: expected an object, got {data!r}")
+        unknown = set(data) - _CONFIG_KEYS
         if unknown:
-            raise OutputRateConfigError(
-                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]: unknown keys "
-                f"{sorted(unknown)}"
-            )
+            raise OutputRateConfigError(f"{where}: unknown keys {sorted(unknown)}")
         if data.get("default_user_output_tokens_per_second") is None:
             raise OutputRateConfigError(
-                f"additional_config[{ADDITIONAL_CONFIG_KEY!r}]: "
-                f"'default_user_output_tokens_per_second' is required"
+                f"{where}: 'default_user_output_tokens_per_second' is required"
             )
-        config = cls.from_options(
-            data["default_user_output_tokens_per_second"],
-            data.get("user_output_tokens_per_second"),
+        tiers = {
+            str(t): parse_rate(r, f"{where} (tier {t!r})")
+            for t, r in (data.get("tiers") or {}).items()
+        }
+        user_tiers = {str(u): str(t) for u, t in (data.get("user_tiers") or {}).items()}
+        missing = sorted(set(user_tiers.values()) - set(tiers))
+        if missing:
+            raise OutputRateConfigError(f"{where}: users name unknown tiers {missing}")
+        return cls(
+            parse_rate(data["default_user_output_tokens_per_second"], DEFAULT_OPTION),
+            parse_user_rates(data.get("user_output_tokens_per_second")),
+            tiers=tiers,
+            user_tiers=user_tiers,
+            limits_file=data.get("limits_file"),
+            digest=str(data.get("digest") or ""),
+            unlisted_users=_unlisted_mode(data.get("unlisted_users") or "own"),
         )
-        assert config is not None
-        return config
 
     def rate_of(self, user: str) -> Fraction:
         return self.user_rates.get(user, self.default_rate)
 
+    def tier_of(self, user: str) -> str | None:
+        """The tier a listed user's limit comes from, if it names one."""
+        return self.user_tiers.get(user)
+
+    def charged_user(self, user: str) -> str:
+        """Whose budget a request of ``user`` spends: ``user`` itself, or in
+        "shared" mode the one ``UNLISTED_USER`` when ``user`` is not listed
+        (the anonymous user is one shared budget already and stays itself)."""
+        if (self.unlisted_users == "shared" and user not in self.user_rates
+                and user != ANONYMOUS_USER):
+            return UNLISTED_USER
+        return user
+
+    def same_limits(self, other: OutputRateConfig) -> bool:
+        return self._limits_dict() == other._limits_dict() and (
+            self.unlisted_users == other.unlisted_users)
+
+
+def _unlisted_mode(value: Any) -> str:
+    if value not in UNLISTED_MODES:
+        raise OutputRateConfigError(
+            f"{UNLISTED_OPTION}: expected one of {', '.join(UNLISTED_MODES)}, got {value!r}"
+        )
+    return str(value)
+
+
+def _digest_of(data: Any) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+# -- the limits file ------------------------------------------------------------
+
+#: Top-level keys of a limits file.
+LIMITS_FILE_KEYS = ("default", "tiers", "users")
+
+
+def read_limits_file(path: str) -> bytes:
+    """The file's bytes; a clear error when it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as exc:
+        raise OutputRateConfigError(
+            f"{LIMITS_FILE_OPTION} {path}: cannot read it ({exc.strerror or exc})"
+        ) from None
+
+
+def load_limits_file(path: str) -> OutputRateConfig:
+    """Read and check a limits file (YAML or JSON)."""
+    path = os.path.abspath(path)
+    return parse_limits_document(read_limits_file(path), path)
+
+
+def parse_limits_document(content: bytes, path: str) -> OutputRateConfig:
+    """A limits file's content, checked: every error names the file, the key
+    path and the value.
+
+    ``default``: the limit of users not listed (required); ``tiers``: named
+    limits; ``users``: user id -> a limit or a tier name. Limits are numbers
+    of tokens per second, exact as on the command line (0.1 is 1/10).
+    """
+    import yaml  # JSON is YAML: one parser for both
+
+    def fail(where: str, what: str) -> OutputRateConfigError:
+        return OutputRateConfigError(f"{path}: {where}: {what}")
+
+    try:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise OutputRateConfigError(f"{path}: not UTF-8 text ({exc})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise OutputRateConfigError(f"{path}: not valid YAML or JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise OutputRateConfigError(
+            f"{path}: expected a mapping with keys {', '.join(LIMITS_FILE_KEYS)}, "
+            f"got {type(data).__name__}"
+        )
+    unknown = [k for k in data if k not in LIMITS_FILE_KEYS]
+    if unknown:
+        raise OutputRateConfigError(
+            f"{path}: unknown key(s) {', '.join(repr(k) for k in unknown)} "
+            f"(expected {', '.join(LIMITS_FILE_KEYS)})"
+        )
+    if "default" not in data:
+        raise OutputRateConfigError(
+            f"{path}: 'default' is required (the limit of users not listed)"
+        )
+
+    def rate(value: Any, where: str) -> Fraction:
+        try:
+            return parse_rate(value, where)
+        except OutputRateConfigError as exc:
+            raise OutputRateConfigError(f"{path}: {exc}") from None
+
+    default = rate(data["default"], "default")
+    tiers_in = data.get("tiers") or {}
+    if not isinstance(tiers_in, dict):
+        raise fail("tiers", f"expected a mapping of tier name -> limit, got {tiers_in!r}")
+    tiers: dict[str, Fraction] = {}
+    for name, value in tiers_in.items():
+        if not isinstance(name, str) or not name:
+            raise fail("tiers", f"tier names must be non-empty strings, got {name!r}")
+        tiers[name] = rate(value, f"tiers.{name}")
+    users_in = data.get("users") or {}
+    if not isinstance(users_in, dict):
+        raise fail("users", f"expected a mapping of user id -> limit or tier, got {users_in!r}")
+    user_rates: dict[str, Fraction] = {}
+    user_tiers: dict[str, str] = {}
+    for user, value in users_in.items():
+        if isinstance(user, bool) or not isinstance(user, (str, int)) or user == "":
+            raise fail("users", f"user ids must be non-empty strings, got {user!r}")
+        user = str(user)
+        if len(user) > MAX_USER_LEN:
+            raise fail("users", f"user id {user[:40]!r}... is longer than {MAX_USER_LEN} characters")
+        if isinstance(value, str) and value.strip() in tiers:
+            user_tiers[user] = value.strip()
+            user_rates[user] = tiers[value.strip()]
+            continue
+        if isinstance(value, str):
+            try:
+                Fraction(value.strip())
+            except (ValueError, ZeroDivisionError):
+                raise fail(f"users.{user}", f"{value!r} is neither a limit nor a tier "
+                           f"(tiers: {', '.join(tiers) or 'none'})") from None
+        user_rates[user] = rate(value, f"users.{user}")
+    return OutputRateConfig(default, user_rates, tiers=tiers, user_tiers=user_tiers,
+                            limits_file=path, digest=hashlib.sha256(content).hexdigest())
+
+
+def user_of_field(value: Any) -> str:
+    """The user a value of the user field names: the one rule, used where
+    requests are served (to refuse) and in the engine (to resolve).
+
+    None or empty -> the shared anonymous user; a string -> itself, cut to
+    ``MAX_USER_LEN`` characters; a number -> its string form. Anything else
+    (a boolean, a list, an object) is not a user: ``UserFieldError``.
+    """
+    if value is None or value == "":
+        return ANONYMOUS_USER
+    if isinstance(value, str):
+        return value[:MAX_USER_LEN]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)[:MAX_USER_LEN]
+    raise UserFieldError(
+        f"vllm_xargs.{USER_FIELD} must be a string (the user the output-rate "
+        f"limit applies to), got {type(value).__name__}"
+    )
+
+
+class UserFieldError(ValueError):
+    """A request's user field holds something that is not a user id."""
+
+
+def user_field_error(xargs: Any) -> str | None:
+    """Why a request's ``vllm_xargs`` user field is unusable, or None (also
+    when it is absent): what the serving entry refuses with HTTP 400."""
+    if not isinstance(xargs, dict) or USER_FIELD not in xargs:
+        return None
+    try:
+        user_of_field(xargs[USER_FIELD])
+    except UserFieldError as exc:
+        return str(exc)
+    return None
+
+
+def trusted_source(extra_args: Any) -> str | None:
+    """Where the user of a request was taken from by the API server
+    ("header", "api_key"), or None (the body field: not authenticated)."""
+    if not extra_args:
+        return None
+    try:
+        value = extra_args.get(TRUSTED_FIELD)
+    except AttributeError:
+        return None
+    return value if value in ("header", "api_key") else None
+
 
 def resolve_user(extra_args: Any) -> str:
-    """The user of a request from ``SamplingParams.extra_args``.
-
-    Missing, None or empty -> the shared anonymous user. Other scalars are
-    taken as their string form; ids are cut to ``MAX_USER_LEN`` characters.
-    Never raises: a malformed field must not fail a request in the engine.
-    """
+    """The user of a request from ``SamplingParams.extra_args``, by
+    ``user_of_field``. Never raises: a malformed field must not fail a
+    request in the engine (the serving entry refused it already; other
+    entries get the anonymous user)."""
     if not extra_args:
         return ANONYMOUS_USER
     try:
-        value = extra_args.get(USER_FIELD)
-    except AttributeError:
+        return user_of_field(extra_args.get(USER_FIELD))
+    except (AttributeError, UserFieldError):
         return ANONYMOUS_USER
-    if value is None or value == "":
-        return ANONYMOUS_USER
-    if not isinstance(value, str):
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = str(value)
-        else:
-            return ANONYMOUS_USER
-    return value[:MAX_USER_LEN]

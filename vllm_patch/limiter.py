@@ -100,11 +100,6 @@ class OutputRateLimiter:
             return 0
         return -(-(st.tat - st.burst) // st.num)
 
-    def would_allow(self, user: str, now_ns: int) -> bool:
-        """Whether ``try_take(user, now_ns)`` would succeed; changes nothing."""
-        st = self._users.get(user)
-        return st is None or st.tat - now_ns * st.num <= st.burst
-
     def available(self, user: str, now_ns: int) -> int:
         """How many ``try_take`` calls at ``now_ns`` would succeed in a row."""
         st = self._users.get(user)
@@ -162,6 +157,42 @@ class OutputRateLimiter:
         st = self._users.get(user)
         if st is not None:
             st.tat -= st.step
+
+    def set_limits(
+        self,
+        default_rate: Fraction,
+        user_rates: Mapping[str, Fraction] | None,
+        now_ns: int,
+    ) -> list[str]:
+        """Put new limits in force at ``now_ns`` (a step boundary).
+
+        A user with live state keeps its debt counted in tokens: ``(TAT -
+        now) * rate`` is the same before and after (rounded up, never in the
+        user's favour), so a user who was ahead of its old limit by ``d``
+        tokens is ahead of the new one by ``d`` tokens. In any window
+        ``[a, b]`` around the change at ``t`` the user then gets at most
+        ``old * (t - a) + new * (b - t + burst) + 1`` tokens: what the old
+        limit allows up to the change, the new one after it, plus one.
+        Returns the users with live state whose limit changed.
+        """
+        if default_rate <= 0:
+            raise ValueError(f"default rate must be positive, got {default_rate}")
+        self.default_rate = Fraction(default_rate)
+        self.user_rates = {u: Fraction(r) for u, r in (user_rates or {}).items()}
+        changed: list[str] = []
+        for user, st in self._users.items():
+            rate = self.rate_of(user)
+            step = rate.denominator * NS_PER_S
+            if rate.numerator == st.num and step == st.step:
+                continue
+            changed.append(user)
+            debt = st.tat - now_ns * st.num  # old rate-scaled units
+            new = _UserState(rate, self.burst_ns, now_ns * rate.numerator)
+            if debt > 0:
+                # debt / st.step tokens, in the new units: * step, rounded up
+                new.tat += -(-debt * step // st.step)
+            self._users[user] = new
+        return changed
 
     def cleanup_idle_users(self, now_ns: int) -> list[str]:
         """Drop users whose TAT is not ahead of ``now_ns``.

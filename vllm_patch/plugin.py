@@ -4,7 +4,9 @@
 every process (API server, engine core, workers), possibly more than once, so
 it is idempotent and does nothing costly. It
 
-1. refuses any vLLM but 0.32.x;
+1. checks the vLLM version: on one it does not support (``internals.SUPPORTED``)
+   it logs a warning and refuses only the limit options (plain ``vllm serve``
+   keeps working);
 2. adds ``--default-user-output-tokens-per-second`` and
    ``--user-output-tokens-per-second`` to vLLM's own argument parser and
    carries them to the engine in ``additional_config["output_rate"]``;
@@ -22,20 +24,26 @@ import logging
 import os
 from typing import Any
 
-from vllm_patch.config import (
+from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
     DEFAULT_OPTION,
-    USER_FIELD,
+    LIMITS_FILE_OPTION,
+    UNLISTED_MODES,
+    UNLISTED_OPTION,
     USERS_OPTION,
     OutputRateConfig,
+    TRUSTED_FIELD,
+    USER_FIELD,
     OutputRateConfigError,
+    user_field_error,
 )
-from vllm_patch.internals import check_vllm_version
+from vllm_output_rate import frontend, observers, settings
+from vllm_output_rate.internals import UnsupportedVllmVersion, check_vllm_version
 
 logger = logging.getLogger("vllm_output_rate")
 
-SYNC_SCHEDULER = "vllm_patch.scheduler.OutputRateScheduler"
-ASYNC_SCHEDULER = "vllm_patch.scheduler.OutputRateAsyncScheduler"
+SYNC_SCHEDULER = "vllm_output_rate.scheduler.OutputRateScheduler"
+ASYNC_SCHEDULER = "vllm_output_rate.scheduler.OutputRateAsyncScheduler"
 _OUR_SCHEDULERS = (SYNC_SCHEDULER, ASYNC_SCHEDULER)
 
 BEAM_SEARCH_REFUSAL = (
@@ -44,30 +52,58 @@ BEAM_SEARCH_REFUSAL = (
     "one-token-per-step path the limiter charges. Use sampling instead."
 )
 
-#: "1": with the feature on, run async scheduling even where the platform
-#: turned it off (vLLM's CPU platform always does). For tests and diagnosis.
-FORCE_ASYNC_ENV = "VLLM_OUTPUT_RATE_FORCE_ASYNC_SCHEDULING"
-
 #: Set by configure_output_rate() in the process that parsed the options, to
 #: the checked configuration (JSON); processes it spawns that build their own
 #: config without the options (the API servers of ``--api-server-count N``)
 #: take it from there.
-ACTIVE_CONFIG_ENV = "VLLM_OUTPUT_RATE_ACTIVE_CONFIG"
+ACTIVE_CONFIG_ENV = settings.name("ACTIVE_CONFIG")
 
 _registered = False
 #: Whether the feature is on in this process (set by configure_output_rate).
 _feature_on = False
+#: Why this vLLM cannot run the feature (an unsupported version), if so.
+_unsupported: UnsupportedVllmVersion | None = None
 
 
 def register() -> None:
     """Entry point of the ``vllm.general_plugins`` group. Idempotent."""
-    global _registered
+    global _registered, _unsupported
     if _registered:
         return
-    check_vllm_version()
+    _registered = True
+    _share_vllm_log_handlers()
+    settings.check_legacy_names()
+    try:
+        check_vllm_version()
+    except UnsupportedVllmVersion as exc:
+        # Installed beside a vLLM it does not know: vLLM runs as upstream,
+        # and only asking for limits fails (with this message).
+        _unsupported = exc
+        logger.warning("%s Output-rate limits are off; giving their options fails.", exc)
+        try:
+            _patch_engine_args()
+        except Exception:  # an unknown vLLM's EngineArgs: leave it alone
+            logger.warning("vllm-output-rate: cannot add its options to this vLLM")
+        return
     _patch_engine_args()
     _patch_beam_search()
-    _registered = True
+
+
+def _share_vllm_log_handlers() -> None:
+    """Log where vLLM logs, at its level: vLLM configures only its own
+    ``vllm`` logger (``VLLM_CONFIGURE_LOGGING``), so a plugin's INFO lines
+    (limits on, limits reloaded) would otherwise be dropped."""
+    ours = logging.getLogger("vllm_output_rate")
+    if ours.handlers:
+        return
+    upstream = logging.getLogger("vllm")
+    for handler in upstream.handlers:
+        if type(handler) is logging.StreamHandler:  # vLLM's own, not a capture
+            mine = logging.StreamHandler(handler.stream)
+            mine.setFormatter(handler.formatter)
+            ours.addHandler(mine)
+            ours.setLevel(upstream.level)
+            return
 
 
 # -- options ------------------------------------------------------------------
@@ -100,6 +136,52 @@ def add_output_rate_args(parser: Any) -> Any:
         help='Per-user overrides as a JSON object, e.g. \'{"user-a": 100, '
         '"user-b": 0.5}\'.',
     )
+    group.add_argument(
+        LIMITS_FILE_OPTION,
+        dest="output_rate_limits_file",
+        default=None,
+        type=str,
+        help="A YAML or JSON file of limits: 'default' (tok/s of users not "
+        "listed), 'tiers' (name -> tok/s) and 'users' (user -> tok/s or a tier "
+        "name). Turns the feature on, instead of the two options above. The "
+        "engine re-reads it when it changes (within a second) and on SIGHUP; "
+        "a file that fails the checks changes nothing and is counted.",
+    )
+    group.add_argument(
+        UNLISTED_OPTION,
+        dest="output_rate_unlisted_users",
+        default=None,
+        choices=UNLISTED_MODES,
+        help="Users not listed in the limits: 'own' (default) gives each its "
+        "own default budget; 'shared' gives all of them one default budget "
+        "(user __unlisted__), so that inventing new user ids gains nothing.",
+    )
+    group.add_argument(
+        frontend.HEADER_OPTION,
+        dest="output_rate_user_header",
+        default=None,
+        type=str,
+        help="Take the user from this request header (set by a gateway that "
+        "authenticated the caller, e.g. X-User-Id); the body field is then "
+        "ignored. A request without it is the anonymous user.",
+    )
+    group.add_argument(
+        frontend.REQUIRE_OPTION,
+        dest="output_rate_require_user",
+        action="store_true",
+        default=False,
+        help=f"Refuse requests without the {frontend.HEADER_OPTION} header (HTTP 401).",
+    )
+    group.add_argument(
+        frontend.API_KEYS_OPTION,
+        dest="output_rate_api_keys",
+        default=None,
+        type=str,
+        help="A YAML/JSON file 'keys: {SHA-256 hex of an API key: user}': the "
+        "request's bearer key decides the user, an unknown key gets HTTP 401. "
+        "Keys of vLLM's --api-key stay valid as service keys (their user comes "
+        "from the header option or the body). Reloaded when it changes.",
+    )
     return parser
 
 
@@ -121,7 +203,11 @@ def _patch_engine_args() -> None:
         config = OutputRateConfig.from_options(
             getattr(args, "default_user_output_tokens_per_second", None),
             getattr(args, "user_output_tokens_per_second", None),
+            getattr(args, "output_rate_limits_file", None),
+            getattr(args, "output_rate_unlisted_users", None),
         )
+        frontend.configure_frontend(frontend.settings_from_args(args),
+                                    config is not None or _inherited_config() is not None, args)
         if config is not None:
             engine_args.additional_config = {
                 **(engine_args.additional_config or {}),
@@ -139,7 +225,10 @@ def _patch_engine_args() -> None:
             if vllm_config.additional_config is None:
                 vllm_config.additional_config = {}
             vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = inherited
-        if os.environ.get(FORCE_ASYNC_ENV) == "1" and output_rate_on(vllm_config):
+            options = _inherited_frontend()
+            if options is not None and frontend.current_identity() is None:
+                frontend.configure_frontend(options, True)
+        if output_rate_on(vllm_config) and settings.get("FORCE_ASYNC_SCHEDULING"):
             # vLLM's CPU platform turns async scheduling off ("not required
             # on CPU"); the engine runs it fine, and this is how the async
             # variant is tested end to end on CPU machines.
@@ -159,7 +248,7 @@ def _patch_engine_args() -> None:
 def _inherited_config() -> dict[str, Any] | None:
     """The configuration a parent process checked, when this process was
     spawned by it (never the one this process set itself)."""
-    raw = os.environ.get(ACTIVE_CONFIG_ENV)
+    raw = settings.get("ACTIVE_CONFIG")
     if not raw:
         return None
     try:
@@ -169,6 +258,15 @@ def _inherited_config() -> dict[str, Any] | None:
         return dict(data["config"])
     except (ValueError, KeyError, TypeError):
         raise OutputRateConfigError(f"{ACTIVE_CONFIG_ENV} is malformed: {raw[:200]!r}") from None
+
+
+def _inherited_frontend() -> dict[str, Any] | None:
+    """The identity options the parent process checked (no secrets)."""
+    raw = settings.get("ACTIVE_CONFIG")
+    try:
+        return json.loads(raw).get("frontend") if raw else None
+    except (ValueError, AttributeError):
+        return None
 
 
 def unsupported_reasons(vllm_config: Any) -> list[str]:
@@ -223,6 +321,13 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
         reasons.append("--ec-transfer-config: EC connectors are not supported")
     if getattr(vllm_config.aux_output_config, "enabled", False):
         reasons.append("aux output connector (--aux-output-config) is not supported")
+    interval = getattr(vllm_config.scheduler_config, "prefill_schedule_interval", 1)
+    if interval > 1:
+        reasons.append(
+            f"--prefill-schedule-interval {interval}: steps that may not prefill "
+            f"(vLLM 0.33 applies it to a single engine) would hold other users' "
+            f"first tokens while every running decode is throttled"
+        )
     scheduler_cls = vllm_config.scheduler_config.scheduler_cls
     if scheduler_cls is not None and _qualname(scheduler_cls) not in _OUR_SCHEDULERS:
         reasons.append(
@@ -250,11 +355,13 @@ def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
     Idempotent. Raises ``OutputRateConfigError`` naming the options at fault.
     """
     global _feature_on
-    from vllm_patch.scheduler import output_rate_config_of
+    from vllm_output_rate.scheduler import output_rate_config_of
 
     config = output_rate_config_of(vllm_config)
     if config is None:
         return None
+    if _unsupported is not None:
+        raise _unsupported
     reasons = unsupported_reasons(vllm_config)
     if reasons:
         raise OutputRateConfigError(
@@ -263,64 +370,34 @@ def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
         )
     sched = vllm_config.scheduler_config
     sched.scheduler_cls = ASYNC_SCHEDULER if sched.async_scheduling else SYNC_SCHEDULER
-    _setup_telemetry()
+    # Telemetry (or any other observer) gets ready in this process, before
+    # the engine core is spawned.
+    observers.prepare_observers(vllm_config)
     # Canonical form, so the engine core parses exactly what we checked.
     vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = config.to_dict()
-    os.environ[ACTIVE_CONFIG_ENV] = json.dumps({"pid": os.getpid(), "config": config.to_dict()})
+    os.environ.update(settings.child_env(
+        ACTIVE_CONFIG=json.dumps({"pid": os.getpid(), "config": config.to_dict(),
+                                  "frontend": frontend.current_options()})))
     _feature_on = True
+    if config.limits_file is not None:
+        # `kill -HUP` on this process reaches the engine core (which reloads).
+        from vllm_output_rate.limits_watch import install_sighup
+
+        install_sighup()
     logger.info(
         "output-rate limits on: default %s tok/s per user, %d override(s), "
-        "scheduler %s",
+        "from %s (sha256 %s), unlisted users: %s, scheduler %s",
         config.default_rate,
         len(config.user_rates),
+        config.limits_file or "the command line",
+        config.digest[:12],
+        config.unlisted_users,
         sched.scheduler_cls,
     )
     return config
 
 
-def _setup_telemetry() -> None:
-    """In the serving process: a directory for engine snapshots (inherited by
-    the engine core through the environment) and the collector that shows
-    them on vLLM's ``/metrics``. ``VLLM_OUTPUT_RATE_TELEMETRY=0`` turns it off."""
-    import os
-    import tempfile
-
-    from telemetry import collector
-    from telemetry.engine import TELEMETRY_DIR_ENV, TELEMETRY_SWITCH_ENV
-
-    if os.environ.get(TELEMETRY_SWITCH_ENV, "1") == "0":
-        return
-    directory = os.environ.get(TELEMETRY_DIR_ENV)
-    if not directory:
-        directory = tempfile.mkdtemp(prefix="vllm-output-rate-telemetry-")
-        os.environ[TELEMETRY_DIR_ENV] = directory
-        # Ours to remove when this process (the server's top process, which
-        # outlives its engine core and API servers) exits.
-        import atexit
-        import shutil
-
-        atexit.register(shutil.rmtree, directory, True)
-    collector.install(directory)
-
-
 # -- beam search ----------------------------------------------------------------
-
-
-def user_field_error(xargs: Any) -> str | None:
-    """Why a request's ``vllm_xargs.output_rate_user`` is unusable, or None.
-
-    A string, a number (taken as its string form), null or absent are
-    fine; anything else (a boolean, an object, a list) is refused rather
-    than silently served as the anonymous user."""
-    if not isinstance(xargs, dict) or USER_FIELD not in xargs:
-        return None
-    value = xargs[USER_FIELD]
-    if value is None or isinstance(value, str):
-        return None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return None
-    return (f"vllm_xargs.{USER_FIELD} must be a string (the user the output-rate "
-            f"limit applies to), got {type(value).__name__}")
 
 
 def _patch_beam_search() -> None:
@@ -339,11 +416,23 @@ def _patch_beam_search() -> None:
 
             def to_sampling_params(self: Any, *args: Any, __up=upstream_sampling, **kw: Any):
                 if _feature_on:
-                    error = user_field_error(getattr(self, "vllm_xargs", None))
-                    if error is not None:
-                        from vllm.exceptions import VLLMValidationError
+                    trusted = frontend.IDENTITY.get()
+                    xargs = self.vllm_xargs
+                    if trusted is not None:
+                        # the gateway's header or the API key decides; the
+                        # body field is ignored
+                        self.vllm_xargs = {**(xargs or {}), USER_FIELD: trusted,
+                                           TRUSTED_FIELD: frontend.IDENTITY_SOURCE.get()}
+                    else:
+                        if isinstance(xargs, dict) and TRUSTED_FIELD in xargs:
+                            # only the server says a user is trusted
+                            self.vllm_xargs = {k: v for k, v in xargs.items()
+                                               if k != TRUSTED_FIELD}
+                        error = user_field_error(getattr(self, "vllm_xargs", None))
+                        if error is not None:
+                            from vllm.exceptions import VLLMValidationError
 
-                        raise VLLMValidationError(error, parameter="vllm_xargs")
+                            raise VLLMValidationError(error, parameter="vllm_xargs")
                 return __up(self, *args, **kw)
 
             to_sampling_params._output_rate = True  # type: ignore[attr-defined]

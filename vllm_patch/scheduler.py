@@ -3,7 +3,7 @@
 One mixin holds the behaviour; ``OutputRateScheduler`` and
 ``OutputRateAsyncScheduler`` put it over vLLM's ``Scheduler`` and
 ``AsyncScheduler``. vLLM's own ``schedule()`` does the scheduling; the mixin
-works at the hook points listed in ``vllm_patch.internals``:
+works at the hook points listed in ``vllm_output_rate.internals``:
 
 * before ``schedule()``: read the clock once, rotate each user's streams so
   the one after the last served goes first, move requests whose user has no
@@ -19,14 +19,15 @@ works at the hook points listed in ``vllm_patch.internals``:
   this step that is not in ``num_scheduled_tokens``.
 
 What the limiter did in a step is kept as plain data
-(``output_rate_last_step``) for telemetry; the engine loop asks
+(``output_rate_last_step``, an ``observers.StepReport``) and reported to the
+registered observers (``vllm_output_rate.observers``: telemetry registers
+itself there; this module imports none of it). The engine loop asks
 ``output_rate_idle_wait_s()`` how long it may wait when no model ran.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -34,13 +35,21 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
-from vllm_patch.config import (
+from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
     OutputRateConfig,
     OutputRateConfigError,
     resolve_user,
+    trusted_source,
 )
-from vllm_patch.limiter import Clock, OutputRateLimiter, monotonic_clock
+from vllm_output_rate.internals import SchedulerView
+from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock
+from vllm_output_rate.observers import (
+    LimitsChange,
+    OutputRateObserver,
+    StepReport,
+    create_observer,
+)
 
 #: Idle users are dropped from the limiter every this many steps.
 CLEANUP_EVERY_STEPS = 256
@@ -49,40 +58,6 @@ CLEANUP_EVERY_STEPS = 256
 MAX_IDLE_WAIT_S = 0.05
 
 _RUNNING = RequestStatus.RUNNING
-
-
-@dataclass(slots=True)
-class OutputRateStep:
-    """What the limiter did in one ``schedule()`` call. Plain data."""
-
-    step: int
-    now_ns: int
-    #: request id -> request, for every token charged (and kept) in this step.
-    charged: dict[str, Request] = field(default_factory=dict)
-    #: (request id, user, reason) for every token given back.
-    refunded: list[tuple[str, str, str]] = field(default_factory=list)
-    #: running requests skipped because their user had no budget.
-    throttled: list[Request] = field(default_factory=list)
-    #: users refused in this step -> when their budget returns (ns).
-    refused: dict[str, int] = field(default_factory=dict)
-    #: final prefill chunks held one position short for lack of budget.
-    prefill_held: int = 0
-    #: waiting requests left waiting for lack of budget.
-    waiting_skipped: int = 0
-    #: running requests left out because the active cap was full.
-    cap_deferred: int = 0
-    #: throttled requests preempted in place of a request with budget.
-    preempted_throttled: list[str] = field(default_factory=list)
-    #: user -> tokens charged and kept in this step (net of refunds; users
-    #: asked but not charged are absent): what was settled with the limiter
-    charged_by_user: dict[str, int] = field(default_factory=dict)
-    #: share of this schedule() call spent in the limiter's step-level code
-    #: (ordering, settling; not the per-request charge hook)
-    limiter_share: float | None = None
-
-    def charged_users(self) -> dict[str, str]:
-        """request id -> user of every token charged and kept in this step."""
-        return {rid: r.output_rate_user for rid, r in self.charged.items()}
 
 
 def output_rate_config_of(vllm_config: Any) -> OutputRateConfig | None:
@@ -97,12 +72,18 @@ class OutputRateSchedulerMixin:
 
     #: Monotonic ns clock; tests replace it on the instance.
     output_rate_clock: Clock = staticmethod(monotonic_clock)
-    #: Called with each ``OutputRateStep`` when set (telemetry).
-    output_rate_observer: Callable[[OutputRateStep], None] | None = None
-    #: Called with the engine outputs of each update_from_output (telemetry).
-    output_rate_token_observer: Callable[[dict], None] | None = None
-    #: Called with the requests finished from outside (aborts) when set.
-    output_rate_finish_observer: Callable[[list], None] | None = None
+    #: The registered observers as one (``observers.create_observer``), or
+    #: None: told of every step, the outputs, aborts and idle waits.
+    output_rate_observer: OutputRateObserver | None = None
+    #: Use the lean charge hook (``_orl_lean_hook``) in steps where the active
+    #: cap cannot bind. Both hooks apply the same charge rules; the scheduler
+    #: test suite runs once with each (this set False for the second run).
+    output_rate_lean_hook: bool = True
+    #: Watch the limits file from a thread of its own (tests set False and
+    #: call ``output_rate_limits_watcher.check()`` themselves).
+    output_rate_watch_thread: bool = True
+    #: The watcher of ``--output-rate-limits-file``, if limits come from one.
+    output_rate_limits_watcher: Any = None
 
     # Per-step counters read by the ``max_num_active_reqs`` property while
     # vLLM's __init__ runs, before ours has set anything.
@@ -116,12 +97,18 @@ class OutputRateSchedulerMixin:
             raise OutputRateConfigError(
                 f"{type(self).__name__} needs additional_config"
                 f"[{ADDITIONAL_CONFIG_KEY!r}]; install it with "
-                f"vllm_patch.plugin.configure_output_rate()"
+                f"vllm_output_rate.plugin.configure_output_rate()"
             )
         self.output_rate_config = config
         self.output_rate_limiter = OutputRateLimiter(
             config.default_rate, config.user_rates
         )
+        if config.limits_file is not None:
+            from vllm_output_rate.limits_watch import LimitsWatcher, install_sighup
+
+            self.output_rate_limits_watcher = LimitsWatcher(
+                config, start_thread=self.output_rate_watch_thread)
+            install_sighup(self.output_rate_limits_watcher)
         self._orl_chunked = bool(self.scheduler_config.enable_chunked_prefill)
         self._orl_prefix_caching = bool(self.cache_config.enable_prefix_caching)
         self._orl_priority = self.policy == SchedulingPolicy.PRIORITY
@@ -130,14 +117,12 @@ class OutputRateSchedulerMixin:
         self.output_rate_last_step = self._orl_record
         self._orl_upstream_allocate = self.kv_cache_manager.allocate_slots
         # The lean charge hook (see _orl_lean_hook) needs no MTP look-ahead.
-        self._orl_lean_ok = not self.num_prefill_lookahead
+        self._orl_lean_ok = self.output_rate_lean_hook and not self.num_prefill_lookahead
 
-        from vllm_patch import engine_loop
+        from vllm_output_rate import engine_loop
 
         engine_loop.install()
-        from telemetry.engine import attach
-
-        self.output_rate_telemetry = attach(self)
+        self.output_rate_observer = create_observer(SchedulerView(self))
 
     # -- vLLM's admission cap -------------------------------------------
 
@@ -157,9 +142,13 @@ class OutputRateSchedulerMixin:
 
     def add_request(self, request: Request) -> None:
         # Resolved once per request; read by attribute on every step after.
-        request.output_rate_user = resolve_user(
-            request.sampling_params.extra_args if request.sampling_params else None
-        )
+        # The identity is who the request says it is; the user is whose
+        # budget it spends (the same, or __unlisted__ in "shared" mode).
+        extra_args = request.sampling_params.extra_args if request.sampling_params else None
+        identity = request.output_rate_identity = resolve_user(extra_args)
+        #: "header" / "api_key" when the API server vouches for the user
+        request.output_rate_trusted = trusted_source(extra_args)
+        request.output_rate_user = self.output_rate_config.charged_user(identity)
         # When a token was last dispatched for it (rotation, cross-user order).
         request.output_rate_served_ns = 0
         super().add_request(request)
@@ -169,6 +158,9 @@ class OutputRateSchedulerMixin:
     def schedule(self, *args: Any, **kwargs: Any):
         t0 = time.perf_counter()
         now = self.output_rate_clock()
+        watcher = self.output_rate_limits_watcher
+        if watcher is not None and watcher.current is not self.output_rate_config:
+            self._orl_apply_limits(watcher.current, now)
         # Reordering only matters once some user ran short (a step refused
         # someone: until then every sampling stream was served in running
         # order) or when more requests are resident than may run.
@@ -198,33 +190,62 @@ class OutputRateSchedulerMixin:
         if observer is not None:
             t3 = time.perf_counter()
             self._orl_record.limiter_share = ((t1 - t0) + (t3 - t2)) / (t3 - t0)
-            observer(self._orl_record)
+            observer.on_step(self._orl_record)
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
         outputs = super().update_from_output(scheduler_output, model_runner_output)
-        observer = self.output_rate_token_observer
+        observer = self.output_rate_observer
         if observer is not None:
-            observer(outputs)
+            observer.on_outputs(outputs)
         return outputs
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> list[Request]:
         finished = super().finish_requests(request_ids, finished_status)
-        observer = self.output_rate_finish_observer
+        observer = self.output_rate_observer
         if observer is not None and finished:
-            observer(finished)
+            observer.on_aborted([(r.request_id, r.output_rate_user) for r in finished],
+                                self.output_rate_clock())
         return finished
 
+    def _orl_apply_limits(self, config: OutputRateConfig, now: int) -> None:
+        """Put reloaded limits in force at this step boundary: the limiter
+        converts live users' state (``OutputRateLimiter.set_limits``), the
+        requests' budgets are re-resolved when unlisted users share one,
+        and the observers are told."""
+        from vllm_output_rate.limits_watch import diff_limits
+
+        old = self.output_rate_config
+        self.output_rate_limiter.set_limits(config.default_rate, config.user_rates, now)
+        self.output_rate_config = config
+        if "shared" in (old.unlisted_users, config.unlisted_users):
+            charged_user = config.charged_user
+            for request in self.requests.values():
+                request.output_rate_user = charged_user(request.output_rate_identity)
+        added, removed, changed = diff_limits(old, config)
+        observer = self.output_rate_observer
+        if observer is not None:
+            observer.on_limits(LimitsChange(
+                now, old.digest, config.digest, config.default_rate, old.default_rate,
+                dict(config.user_rates), tuple(added), tuple(removed), tuple(changed)))
+
     def shutdown(self) -> None:
-        telemetry = getattr(self, "output_rate_telemetry", None)
-        if telemetry is not None:
-            telemetry.close()
+        watcher = self.output_rate_limits_watcher
+        if watcher is not None:
+            from vllm_output_rate.limits_watch import forget
+
+            forget(watcher)
+            watcher.close()
+        observer = self.output_rate_observer
+        if observer is not None:
+            self.output_rate_observer = None
+            observer.close()
         super().shutdown()
 
     def _orl_begin(self, now: int) -> None:
         self._orl_step_no += 1
         self._orl_now = now
-        record = OutputRateStep(self._orl_step_no, now)
+        record = StepReport(self._orl_step_no, now)
         self._orl_record = record
         self._orl_charged = record.charged
         self._orl_refused = record.refused
@@ -343,7 +364,7 @@ class OutputRateSchedulerMixin:
                 if left <= 0:
                     return self._orl_refuse(request, user, num_computed_tokens)
                 self._orl_allow[user] = left - 1
-                charged[req_id] = request
+                charged[req_id] = user
         if running:
             self._orl_active += 1
         return num_new_tokens
@@ -376,7 +397,7 @@ class OutputRateSchedulerMixin:
                         allow[user] = left
                         return refuse(request, user, num_computed_tokens)
                     allow[user] = left - 1
-                    charged[req_id] = request
+                    charged[req_id] = user
             return num_new_tokens
 
         return charge
@@ -401,7 +422,7 @@ class OutputRateSchedulerMixin:
                 return held
         if running:
             self._orl_throttled_running += 1
-            self._orl_throttled.append(request)
+            self._orl_throttled.append(request.request_id)
         return 0
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
@@ -493,7 +514,7 @@ class OutputRateSchedulerMixin:
         allow = self._orl_allow
         for req_id in () if charged.keys() <= scheduled.keys() else charged.keys() - scheduled.keys():
             # The single refund point: charged but not dispatched.
-            user = charged.pop(req_id).output_rate_user
+            user = charged.pop(req_id)
             allow[user] += 1
             reason = "preempted" if req_id in preempted else "not_scheduled"
             record.refunded.append((req_id, user, reason))
@@ -509,9 +530,9 @@ class OutputRateSchedulerMixin:
         if refused or len(self.running) > self._orl_base_active:
             # Served times feed the next step's rotation, which only runs
             # after a step that refused someone (see schedule()).
-            now = self._orl_now
-            for request in charged.values():
-                request.output_rate_served_ns = now
+            now, requests = self._orl_now, self.requests
+            for req_id in charged:
+                requests[req_id].output_rate_served_ns = now
         self.output_rate_last_step = record
 
     def output_rate_idle_wait_s(self) -> float | None:

@@ -19,18 +19,23 @@ import time
 from dataclasses import dataclass, field
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
+
+from vllm_output_rate import settings
+from vllm_output_rate.config import ANONYMOUS_USER, USER_FIELD
 
 
 @dataclass
 class StreamResult:
     user: str
     max_tokens: int
-    #: (arrival time in s, completion tokens counted so far) per chunk
+    #: (arrival time in s, completion tokens counted so far) per chunk that
+    #: added tokens, and the first chunk whatever it carried
     chunks: list[tuple[float, int]] = field(default_factory=list)
     completion_tokens: int = 0
+    prompt_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
     started: float = 0.0
@@ -43,26 +48,108 @@ class StreamResult:
     def last(self) -> float | None:
         return self.chunks[-1][0] if self.chunks else None
 
-    @property
-    def request_rate(self) -> float:
-        """Tokens per second from sending the request to the last token:
-        robust to chunks that arrive bunched (HTTP buffering)."""
-        if not self.chunks or self.last is None or self.last <= self.started:
-            return 0.0
-        return self.completion_tokens / (self.last - self.started)
+
+class StreamRecord(Protocol):
+    """What ``stream_into`` fills in: ``StreamResult`` here,
+    ``loadgen.RequestRecord`` for the load generator."""
+
+    chunks: list[tuple[float, int]]
+    completion_tokens: int
+    prompt_tokens: int
+    finish_reason: str | None
+    error: str | None
+
+
+class StreamError(Exception):
+    """An error the server sent inside a stream it had answered with HTTP
+    200 (vLLM: a ``data: {"error": {...}}`` line, then ``data: [DONE]``)."""
 
 
 def parse_chunk(line: str) -> tuple[dict[str, Any], str | None] | None:
     """One server-sent-events line of a streamed completion: (usage, the
-    last finish reason in it), or None for lines that carry no chunk."""
+    last finish reason in it), or None for lines that carry no chunk.
+    Raises StreamError for an error payload."""
     if not line.startswith("data: ") or line == "data: [DONE]":
         return None
     data = json.loads(line[6:])
+    if "error" in data or data.get("object") == "error":  # the latter: older vLLM
+        err = data.get("error", data)
+        if isinstance(err, dict):
+            err = ": ".join(str(err[k]) for k in ("type", "message") if err.get(k))
+        raise StreamError(str(err))
     finish = None
     for choice in data.get("choices") or ():
         if choice.get("finish_reason"):
             finish = choice["finish_reason"]
     return data.get("usage") or {}, finish
+
+
+def chat_body(model: str, prompt: str, max_tokens: int, user: str | None,
+              ignore_eos: bool = True, **options: Any) -> dict[str, Any]:
+    """The body of one streamed chat completion with per-chunk usage
+    (``continuous_usage_stats``); ``options`` (stop_token_ids, temperature,
+    ...) are added as given; ``user`` None sends no user field (the server's
+    anonymous user)."""
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": ignore_eos,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        **options,
+    }
+    if user is not None:
+        body["vllm_xargs"] = {USER_FIELD: user}
+    return body
+
+
+async def stream_into(
+    client: httpx.AsyncClient,
+    base_url: str,
+    body: dict[str, Any],
+    rec: StreamRecord,
+    *,
+    headers: dict[str, str] | None = None,
+    on_tokens: Any = None,
+    cancel_after_tokens: int | None = None,
+    record_first_chunk: bool = False,
+) -> bool:
+    """POST ``body`` to ``/v1/chat/completions`` and record its stream into
+    ``rec``: per chunk that added tokens its client arrival time (monotonic
+    s) and the completion tokens counted so far (also the first chunk, with
+    ``record_first_chunk``), the token and prompt-token counts, the finish
+    reason; ``on_tokens(n)`` for every n new tokens. An HTTP status other
+    than 200 goes into ``rec.error``; an error payload inside the stream
+    raises StreamError, like any transport error, for the caller to record.
+
+    With ``cancel_after_tokens``, closes the stream (the server aborts the
+    request) once that many tokens came before a finish reason, and returns
+    True; False otherwise."""
+    async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body,
+                             headers=headers) as resp:
+        if resp.status_code != 200:
+            rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
+            return False
+        async for line in resp.aiter_lines():
+            chunk = parse_chunk(line)
+            if chunk is None:
+                continue
+            now = time.monotonic()
+            usage, finish = chunk
+            count = usage.get("completion_tokens", rec.completion_tokens)
+            rec.prompt_tokens = usage.get("prompt_tokens", rec.prompt_tokens)
+            if finish:
+                rec.finish_reason = finish
+            if count > rec.completion_tokens or (record_first_chunk and not rec.chunks):
+                rec.chunks.append((now, count))
+            if count > rec.completion_tokens and on_tokens is not None:
+                on_tokens(count - rec.completion_tokens)
+            rec.completion_tokens = count
+            if (cancel_after_tokens is not None and rec.finish_reason is None
+                    and count >= cancel_after_tokens):
+                return True  # leaving the block closes the connection: the server aborts
+    return False
 
 
 async def stream_chat(
@@ -76,36 +163,11 @@ async def stream_chat(
     on_tokens: Any = None,
 ) -> StreamResult:
     """One streaming chat completion; never raises (errors are recorded)."""
-    body: dict[str, Any] = {
-        "model": model,
-        "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": max_tokens,
-        "stream": True,
-        "ignore_eos": ignore_eos,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    if user is not None:
-        body["vllm_xargs"] = {"output_rate_user": user}
-    result = StreamResult(user or "__anonymous__", max_tokens, started=time.monotonic())
+    body = chat_body(model, prompt, max_tokens, user, ignore_eos)
+    result = StreamResult(user or ANONYMOUS_USER, max_tokens, started=time.monotonic())
     try:
-        async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body) as resp:
-            if resp.status_code != 200:
-                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"
-                return result
-            async for line in resp.aiter_lines():
-                chunk = parse_chunk(line)
-                if chunk is None:
-                    continue
-                now = time.monotonic()
-                usage, finish = chunk
-                count = usage.get("completion_tokens", result.completion_tokens)
-                if finish:
-                    result.finish_reason = finish
-                if count > result.completion_tokens or not result.chunks:
-                    result.chunks.append((now, count))
-                if on_tokens is not None and count > result.completion_tokens:
-                    on_tokens(count - result.completion_tokens)
-                result.completion_tokens = count
+        await stream_into(client, base_url, body, result, on_tokens=on_tokens,
+                          record_first_chunk=True)
     except Exception as exc:  # recorded, never raised: one stream must not kill a run
         result.error = f"{type(exc).__name__}: {exc}"
     return result
@@ -176,8 +238,12 @@ class Server:
     """``vllm-output-rate serve`` in a subprocess, on loopback."""
 
     def __init__(self, model: str, args: list[str], log_path: str | os.PathLike[str],
-                 port: int | None = None, extra_env: dict[str, str] | None = None):
+                 port: int | None = None, extra_env: dict[str, str] | None = None,
+                 command: list[str] | None = None, cwd: str | os.PathLike[str] | None = None):
         self.model = model
+        #: how to run ``vllm-output-rate`` (default: this interpreter's)
+        self.command = command or [sys.executable, "-m", "vllm_output_rate.tools.cli"]
+        self.cwd = cwd
         self.extra_env = dict(extra_env or {})
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -185,20 +251,30 @@ class Server:
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 300.0) -> Server:
+    def environment(self) -> dict[str, str]:
+        """The server's environment: this process's, without what the plugin
+        or telemetry set in it for engines of this process (their snapshot
+        directory, the limits they checked: a server started from here must
+        make its own), plus ``extra_env``."""
         env = dict(os.environ)
+        for key in ("TELEMETRY_DIR", "ACTIVE_CONFIG"):
+            env.pop(settings.name(key), None)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
         env.setdefault("DO_NOT_TRACK", "1")
         env.update(self.extra_env)
-        cmd = [sys.executable, "-m", "vllm_patch.cli", "serve", self.model,
+        return env
+
+    def start(self, timeout_s: float = 300.0) -> Server:
+        env = self.environment()
+        cmd = [*self.command, "serve", self.model,
                "--host", "127.0.0.1", "--port", str(self.port),
                "--served-model-name", "tiny", *self.args]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=self.cwd)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

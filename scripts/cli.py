@@ -11,6 +11,7 @@ from __future__ import annotations
 import sys
 
 USAGE = """usage: vllm-output-rate <command> [args]
+       vllm-output-rate --version
 
 commands:
   serve <model> [vllm serve flags]   run vLLM's OpenAI server with output-rate limits
@@ -19,12 +20,12 @@ commands:
 #: Further subcommands: name -> (module with ``main(argv) -> int``, one-line help).
 #: Each module is imported only when its command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("vllm_patch.demo", "run the demo (tiny local model, three users)"),
-    "loadgen": ("vllm_patch.loadgen",
+    "demo": ("vllm_output_rate.tools.demo", "run the demo (tiny local model, three users)"),
+    "loadgen": ("vllm_output_rate.tools.loadgen",
                 "drive a server with a scenario file, client-side timing"),
-    "verify": ("vllm_patch.verify",
+    "verify": ("vllm_output_rate.tools.verify",
                "engine-side ITL verification of a scenario run, Markdown report"),
-    "profile": ("vllm_patch.profile",
+    "profile": ("vllm_output_rate.tools.profile_engine",
                 "py-spy schedule-cost report of the engine core (limiter on vs off)"),
 }
 
@@ -40,11 +41,12 @@ def serve(argv: list[str]) -> None:
         argv = ["--model", argv[0], *argv[1:]]
     sys.argv = ["vllm-output-rate serve", *argv]
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from vllm_output_rate.internals import serve_cli
+
+    make_arg_parser, validate_parsed_serve_args, cli_env_setup = serve_cli()
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(
         prog="vllm-output-rate serve",
@@ -53,6 +55,22 @@ def serve(argv: list[str]) -> None:
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
     ServeSubcommand.cmd(args)
+
+
+def version() -> str:
+    """This package's version and the vLLM beside it."""
+    from importlib import metadata
+
+    from vllm_output_rate.internals import SUPPORTED, installed_vllm_version, minor_version
+
+    ours = metadata.version("vllm-output-rate")
+    try:
+        vllm = installed_vllm_version()
+        note = "supported" if minor_version(vllm) in SUPPORTED else "NOT supported"
+        beside = f"vLLM {vllm} ({note}; supported: {', '.join(SUPPORTED)})"
+    except ImportError:
+        beside = "vLLM not installed"
+    return f"vllm-output-rate {ours}, {beside}"
 
 
 def usage() -> str:
@@ -68,6 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         print(usage())
         sys.exit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
+    if command in ("--version", "-V"):
+        print(version())
+        sys.exit(0)
     if command == "serve":
         serve(rest)
     elif command in COMMANDS:

@@ -1,0 +1,138 @@
+"""The engine event log: its format, the encoder the engine core writes it
+with, and the reader the verifier parses it with, side by side.
+
+The engine core writes the log when ``OUTPUT_RATE_EVENTS`` names a file
+(``telemetry.engine``: records are queued on the scheduler's thread as plain
+tuples, encoded and appended by the exporter thread about once a second).
+One JSON object per line, keys in this order; ``t_ns`` is the engine core's
+monotonic clock in nanoseconds:
+
+``start``, once, before the engine's first other line::
+
+    {"kind": "start", "t_ns": int, "unix_ns": int (wall clock at t_ns),
+     "engine": str, "limits": {user: tok/s}, "default_limit": tok/s}
+
+``tokens``, one per engine step that produced output tokens, stamped when
+the step's output was processed (tokens of one step share that moment)::
+
+    {"kind": "tokens", "t_ns": int,
+     "tokens": [[engine request id, user, tokens in this step], ...]}
+
+``finished``, one per request (``reason``: vLLM's finish reason, "abort"
+for a request aborted from outside the scheduler)::
+
+    {"kind": "finished", "t_ns": int, "request_id": str, "user": str,
+     "reason": str, "output_tokens": int}
+
+``throttled``, at the first step after each export (about once a second)
+while requests are throttled and at the first such step with none, and an
+all-empty line (share 0.0) when the engine goes idle::
+
+    {"kind": "throttled", "t_ns": int, "requests": {user: n},
+     "kv_blocks": {user: blocks held}, "kv_share": float}
+
+``limits``, when reloaded limits were put in force (at that step boundary)::
+
+    {"kind": "limits", "t_ns": int, "unix_ns": int, "limits": {user: tok/s},
+     "default_limit": tok/s, "sha256": str, "added": [user], "removed": [user],
+     "changed": [user]}
+
+A reader may meet a half-written last line (the writer appends while it
+reads); ``EngineLog`` skips it without counting it as bad.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+# --------------------------------------------------------------------------- writing
+
+
+def encode_event(event: tuple, engine: str) -> str:
+    """One queued record as its line of the log (with the newline).
+
+    ``event``: ``("tokens", t_ns, [(request id, user, n), ...])``,
+    ``("finished", t_ns, request id, user, reason, output tokens)``,
+    ``("throttled", t_ns, {user: requests}, {user: kv blocks}, kv share)`` or
+    ``("start", t_ns, unix_ns, {user: limit}, default limit)`` or
+    ``("limits", t_ns, unix_ns, {user: limit}, default limit, sha256, added,
+    removed, changed)``; ``engine``:
+    the engine's index, written in the start line."""
+    kind, t_ns = event[0], event[1]
+    if kind == "tokens":
+        data: dict[str, Any] = {"kind": kind, "t_ns": t_ns, "tokens": event[2]}
+    elif kind == "finished":
+        data = {"kind": kind, "t_ns": t_ns, "request_id": event[2], "user": event[3],
+                "reason": event[4], "output_tokens": event[5]}
+    elif kind == "throttled":
+        data = {"kind": kind, "t_ns": t_ns, "requests": event[2], "kv_blocks": event[3],
+                "kv_share": event[4]}
+    elif kind == "limits":
+        data = {"kind": kind, "t_ns": t_ns, "unix_ns": event[2], "limits": event[3],
+                "default_limit": event[4], "sha256": event[5], "added": event[6],
+                "removed": event[7], "changed": event[8]}
+    else:  # start
+        data = {"kind": kind, "t_ns": t_ns, "unix_ns": event[2], "engine": engine,
+                "limits": event[3], "default_limit": event[4]}
+    return json.dumps(data) + "\n"
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class EngineLog:
+    """The engine's event log, parsed. Times are engine-core monotonic ns;
+    ``starts``, ``finished`` and ``throttled`` keep each line's dict as read."""
+
+    starts: list[dict[str, Any]] = field(default_factory=list)
+    #: (t_ns, [(engine request id, user, n tokens)]) per engine step, in order
+    steps: list[tuple[int, list[tuple[str, str, int]]]] = field(default_factory=list)
+    finished: dict[str, dict[str, Any]] = field(default_factory=dict)
+    throttled: list[dict[str, Any]] = field(default_factory=list)
+    #: limit changes in force from ``t_ns`` on, in order
+    limit_changes: list[dict[str, Any]] = field(default_factory=list)
+    #: line numbers that were not valid events (a half-written last line is not counted)
+    bad_lines: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_lines(cls, lines: Iterable[str]) -> EngineLog:
+        log = cls()
+        lines = list(lines)
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                ev = json.loads(line)
+                kind = ev["kind"]
+                if kind == "tokens":
+                    log.steps.append((int(ev["t_ns"]),
+                                      [(str(r), str(u), int(n)) for r, u, n in ev["tokens"]]))
+                elif kind == "finished":
+                    log.finished[str(ev["request_id"])] = ev
+                elif kind == "throttled":
+                    int(ev["t_ns"])
+                    log.throttled.append(ev)
+                elif kind == "limits":
+                    int(ev["t_ns"])
+                    dict(ev["limits"])
+                    log.limit_changes.append(ev)
+                elif kind == "start":
+                    int(ev["t_ns"])
+                    log.starts.append(ev)
+            except (ValueError, KeyError, TypeError):
+                if i != len(lines):  # the writer may be half-way through the last line
+                    log.bad_lines.append(i)
+        log.steps.sort(key=lambda s: s[0])
+        log.throttled.sort(key=lambda e: e["t_ns"])
+        log.limit_changes.sort(key=lambda e: e["t_ns"])
+        return log
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> EngineLog:
+        with open(path, errors="replace") as f:
+            return cls.from_lines(f.read().split("\n"))

@@ -1,0 +1,179 @@
+"""End to end: trusted identity and the read-only endpoints on the real vLLM
+CPU engine.
+
+One server with every identity option: the user header (required), vLLM's
+own --api-key (a gateway's service key), a keys file mapping API keys to
+users, unlisted users sharing one budget, limits from a file. What is
+charged to whom is read from the engine's own counters on /metrics, and the
+introspection endpoints are compared with them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+
+import httpx
+import pytest
+
+from harness import REPO, tiny_model
+from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics
+
+pytestmark = pytest.mark.e2e
+
+SERVICE_KEY = "svc-key-for-the-gateway"
+ALICE_KEY = "alice-secret-key"
+LIMITS = "default: 40\ntiers: {gold: 1000}\nusers: {user-h: gold, alice: 1000, slowpoke: 2, vip: 100000}\n"
+
+
+def svc(user=None):
+    headers = {"Authorization": f"Bearer {SERVICE_KEY}"}
+    if user is not None:
+        headers["X-User"] = user
+    return headers
+
+
+def complete(server, headers, max_tokens=20, body_user="vip"):
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": max_tokens,
+            "ignore_eos": True, "vllm_xargs": {"output_rate_user": body_user}}
+    return httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("identity")
+    (tmp / "limits.yaml").write_text(LIMITS)
+    keys = {"keys": {hashlib.sha256(ALICE_KEY.encode()).hexdigest(): "alice"}}
+    (tmp / "keys.json").write_text(json.dumps(keys))
+    srv = Server(tiny_model(), [
+        "--max-num-seqs", "64", "--max-model-len", "1024",
+        "--output-rate-limits-file", str(tmp / "limits.yaml"),
+        "--output-rate-user-header", "X-User", "--output-rate-require-user",
+        "--api-key", SERVICE_KEY, "--output-rate-api-keys", str(tmp / "keys.json"),
+        "--output-rate-unlisted-users", "shared",
+    ], REPO / ".cache" / "logs" / "e2e-identity-server.log",
+        extra_env={"OUTPUT_RATE_TELEMETRY": "1"})
+    srv.limits_path = tmp / "limits.yaml"
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def charged(samples, user):
+    return metric_value(samples, "vllm_output_rate_tokens_charged_total", user=user)
+
+
+def scrape(server):
+    return scrape_metrics(server.base_url)
+
+
+def introspect(server, path, headers=None):
+    return httpx.get(f"{server.base_url}/output-rate/{path}",
+                     headers=svc() if headers is None else headers, timeout=30)
+
+
+def test_the_header_or_the_key_decides_the_user_never_the_body(server):
+    before = scrape(server)
+    # a gateway (service key) names user-h; the body's "vip" is ignored
+    assert complete(server, svc("user-h")).status_code == 200
+    # alice's own key: alice, whatever the header or the body say
+    headers = {"Authorization": f"Bearer {ALICE_KEY}", "X-User": "mallory"}
+    assert complete(server, headers).status_code == 200
+    time.sleep(2.5)  # one engine export
+    after = scrape(server)
+    got = {u: charged(after, u) - charged(before, u) for u in ("user-h", "alice", "vip")}
+    print("\ncharged:", got)
+    assert got == {"user-h": 20, "alice": 20, "vip": 0}
+
+
+@pytest.mark.parametrize("headers, why", [
+    (svc(), "X-User"),  # the service key without the header: required
+    ({"Authorization": "Bearer not-a-listed-key", "X-User": "user-h"}, "API key"),
+    ({"X-User": "user-h"}, "API key"),
+])
+def test_requests_without_a_trusted_identity_get_401(server, headers, why):
+    resp = complete(server, headers)
+    assert resp.status_code == 401 and why in resp.text, resp.text
+    assert "not-a-listed-key" not in resp.text
+    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+
+
+def test_invented_ids_share_one_default_budget(server):
+    before = scrape(server)
+
+    async def run():
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+            return await asyncio.gather(*(
+                client.post(f"{server.base_url}/v1/completions", json=body,
+                            headers=svc(f"rotating-{i}")) for i in range(50)))
+
+    t0 = time.monotonic()
+    responses = asyncio.run(run())
+    elapsed = time.monotonic() - t0
+    assert [r.status_code for r in responses] == [200] * 50
+    time.sleep(2.5)
+    after = scrape(server)
+    unlisted = charged(after, "__unlisted__") - charged(before, "__unlisted__")
+    print(f"\n50 invented ids: {unlisted:g} tokens in {elapsed:.2f} s (one budget of 40 tok/s)")
+    assert unlisted == 100
+    # 100 tokens at 40 tok/s with a 100 ms burst (5 tokens): 95 / 40 s at least
+    assert elapsed >= 95 / 40 - 0.05
+    state = introspect(server, "users/rotating-7").json()
+    assert state["budget_user"] == "__unlisted__" and state["limit"] == 40
+    assert state["listed"] is False
+
+
+def test_introspection_matches_the_metrics(server):
+    # limits in force: the file's digest, the tier, every engine agreeing
+    limits = introspect(server, "limits").json()
+    assert limits["sha256"] == hashlib.sha256(server.limits_path.read_bytes()).hexdigest()
+    assert limits["source"] == str(server.limits_path) and limits["agree"] is True
+    assert limits["users"]["user-h"] == 1000 and limits["user_tiers"] == {"user-h": "gold"}
+    assert limits["default"] == 40 and limits["unlisted_users"] == "shared"
+    assert introspect(server, "limits", headers={}).status_code == 401
+    alice_key = {"Authorization": f"Bearer {ALICE_KEY}"}
+    assert introspect(server, "limits", headers=alice_key).status_code == 200
+    samples = scrape(server)
+    assert metric_value(samples, "vllm_output_rate_limits_info", sha256=limits["sha256"]) == 1
+
+    # a throttled stream of slowpoke (2 tok/s), looked at while it runs
+    async def slow_stream():
+        async with httpx.AsyncClient(timeout=120) as client:
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": 12, "ignore_eos": True,
+                    "stream": True}
+            async with client.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                                     headers=svc("slowpoke")) as resp:
+                async for _ in resp.aiter_lines():
+                    pass
+
+    async def run():
+        task = asyncio.create_task(slow_stream())
+        await asyncio.sleep(3.5)
+        state = (await asyncio.to_thread(introspect, server, "users/slowpoke")).json()
+        samples = await asyncio.to_thread(scrape, server)
+        await task
+        return state, samples
+
+    state, during = asyncio.run(run())
+    print("\nslowpoke while streaming:", state)
+    assert state["tracked"] and state["running"] == 1 and state["limit"] == 2
+    assert state["throttled"] in (0, 1) and 0 <= state["ready_in_s"] <= 0.5
+    if state["throttled"]:
+        assert state["throttled_kv_blocks"] >= 1
+    assert 4 <= state["charged_10s"] <= 9
+    assert metric_value(during, "vllm_output_rate_throttled_requests", user="slowpoke") in (0, 1)
+
+    # settled: the windowed counts equal the counters' increase
+    time.sleep(2.5)
+    samples = scrape(server)
+    for user in ("slowpoke", "user-h", "alice"):
+        state = introspect(server, f"users/{user}").json()
+        total = charged(samples, user)
+        print(f"{user}: charged_60s {state['charged_60s']}, counter {total:g}")
+        assert state["running"] == state["throttled"] == 0
+        assert state["charged_60s"] == total
+    listing = introspect(server, "users?limit=5").json()
+    assert 1 <= len(listing["users"]) <= 5

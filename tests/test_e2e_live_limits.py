@@ -1,0 +1,149 @@
+"""End to end: a limit changed live on the real vLLM CPU engine.
+
+user-a streams at 20 tok/s from a limits file; the file is rewritten to 40
+mid-run, then broken, then changed to 10 in a way polling cannot see (same
+size, same modification time) and SIGHUP is sent to the serving process.
+Every figure is read engine-side from the engine's event log: when each
+change was put in force (monotonic ns, the same clock as this process's)
+and which tokens user-a got when.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import signal
+import threading
+import time
+from fractions import Fraction
+
+import httpx
+import pytest
+
+from harness import REPO, limit_integral, tiny_model
+from vllm_output_rate.limiter import BURST_NS, NS_PER_S
+from vllm_output_rate.telemetry.events import EngineLog
+from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics, stream_chat
+
+pytestmark = pytest.mark.e2e
+
+#: output processing happens a step after the charge: one step of slack
+STEP_SLACK_S = 0.05
+
+
+def write_limits(path, limit_a):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(f"default: 100000\nusers:\n  user-a: {limit_a}\n")
+    os.replace(tmp, path)
+
+
+class Load:
+    """Four endless streams of user-a in a thread, until ``stop()``."""
+
+    def __init__(self, base_url):
+        self.base_url, self.stop_event = base_url, threading.Event()
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+        self.results = []
+
+    async def _main(self):
+        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+            tasks = [asyncio.create_task(stream_chat(client, self.base_url, "tiny", "user-a", 900))
+                     for _ in range(4)]
+            await asyncio.to_thread(self.stop_event.wait)
+            for task in tasks:
+                task.cancel()
+            self.results = await asyncio.gather(*tasks, return_exceptions=True)
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self.stop_event.set()
+        self.thread.join(timeout=30)
+
+
+def test_a_limit_changes_live_and_the_bound_holds_across_changes(tmp_path):
+    limits = tmp_path / "limits.yaml"
+    events = tmp_path / "events.jsonl"
+    write_limits(limits, 20)
+    server = Server(tiny_model(), ["--max-num-seqs", "16", "--max-model-len", "1024",
+                                   "--output-rate-limits-file", str(limits)],
+                    REPO / ".cache" / "logs" / "e2e-live-limits-server.log",
+                    extra_env={"OUTPUT_RATE_TELEMETRY": "1", "OUTPUT_RATE_EVENTS": str(events)})
+    with server:
+        load = Load(server.base_url).start()
+        time.sleep(4)
+        written = {40: time.monotonic_ns()}
+        write_limits(limits, 40)
+        time.sleep(4)
+        limits.write_text("default: 100000\nusers:\n  user-a: [40]\n")  # not a limit
+        time.sleep(1.5)
+        write_limits(limits, 40)  # what is in force already: "unchanged"
+        time.sleep(1.0)
+        # 10 in place of 40: same size; the modification time put back
+        st = os.stat(limits)
+        with open(limits, "r+") as f:
+            text = f.read().replace("user-a: 40", "user-a: 10")
+            f.seek(0)
+            f.write(text)
+        os.utime(limits, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert os.stat(limits).st_size == st.st_size
+        time.sleep(1.0)  # polling sees nothing ...
+        written[10] = time.monotonic_ns()
+        os.kill(server.proc.pid, signal.SIGHUP)  # ... SIGHUP to the serving process does
+        time.sleep(4)
+        load.stop()
+        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+        time.sleep(2.5)  # one engine export
+        samples = scrape_metrics(server.base_url)
+        log_text = server.log_path.read_text(errors="replace")
+
+    reloads = {r: metric_value(samples, "vllm_output_rate_limits_reloads_total", result=r)
+               for r in ("loaded", "unchanged", "invalid", "unreadable")}
+    print("\nreloads:", reloads)
+    # 40 (polled), 40 again after the broken file (same content as in force:
+    # unchanged), 10 (SIGHUP); the broken file once, logged once
+    assert reloads["loaded"] == 2 and reloads["invalid"] == 1 and reloads["unreadable"] == 0
+    assert reloads["unchanged"] == 1
+    assert log_text.count("was changed but is not valid") == 1
+
+    log = EngineLog.read(events)
+    changes = [(c["t_ns"], c["limits"]["user-a"]) for c in log.limit_changes]
+    assert [limit for _, limit in changes] == [40.0, 10.0]
+    for t_ns, limit in changes:
+        delay = (t_ns - written[int(limit)]) / 1e9
+        print(f"limit {limit:g} in force {delay * 1e3:.0f} ms after the change")
+        assert 0 <= delay <= 1.0
+    start_ns = log.starts[0]["t_ns"]
+    times = sorted(t for t, toks in log.steps for _, user, n in toks if user == "user-a"
+                   for _ in range(n))
+    # (the start line is written at the first export, after the first tokens)
+    start_ns = min(start_ns, times[0])
+    schedule = [(start_ns, Fraction(20))] + [(t, Fraction(limit)) for t, limit in changes]
+    end_ns = times[-1]
+
+    # the rate of each phase, from a second after the change to the next one
+    bounds = [t for t, _ in schedule[1:]] + [end_ns]
+    first_token = times[0]
+    for (begin, limit), end in zip(schedule, bounds):
+        lo = max(begin, first_token) + (NS_PER_S if begin != start_ns else 0)
+        got = sum(1 for t in times if lo <= t < end)
+        rate = got / ((end - lo) / 1e9)
+        print(f"limit {float(limit):g}: {rate:.2f} tok/s engine-side")
+        assert rate >= 0.97 * float(limit) - 1 / ((end - lo) / 1e9)
+
+    # the piecewise bound in every window, one step of slack for output timing
+
+    peak = max(r for _, r in schedule)
+    slack = peak * Fraction(BURST_NS + int(STEP_SLACK_S * NS_PER_S), NS_PER_S)
+    worst = 0.0
+    for i in range(len(times)):
+        for j in range(i, min(len(times), i + 200)):
+            a, b = times[i], times[j]
+            bound = limit_integral(schedule, a, b) + slack + 1
+            worst = max(worst, (j - i + 1) / float(bound))
+            assert j - i + 1 <= math.floor(bound), (a, b)
+    print(f"worst window: {worst:.2f} of the piecewise bound")

@@ -1,0 +1,47 @@
+"""The engine event log's format: what the engine core's encoder writes, byte
+for byte, and what the verifier's reader makes of it."""
+
+from __future__ import annotations
+
+from vllm_output_rate.telemetry.events import EngineLog, encode_event
+
+#: one record of each kind as the engine queues it, and its line in the log
+RECORDS = [
+    (("start", 5, 1_700_000_000_000_000_000, {"a": 20.0}, 1000.0),
+     '{"kind": "start", "t_ns": 5, "unix_ns": 1700000000000000000, "engine": "0", '
+     '"limits": {"a": 20.0}, "default_limit": 1000.0}\n'),
+    (("tokens", 10, [("chatcmpl-r1-0123abcd", "a", 1), ("chatcmpl-r2-0123abcd", "b", 2)]),
+     '{"kind": "tokens", "t_ns": 10, "tokens": [["chatcmpl-r1-0123abcd", "a", 1], '
+     '["chatcmpl-r2-0123abcd", "b", 2]]}\n'),
+    (("throttled", 20, {"a": 2}, {"a": 6}, 0.25),
+     '{"kind": "throttled", "t_ns": 20, "requests": {"a": 2}, "kv_blocks": {"a": 6}, '
+     '"kv_share": 0.25}\n'),
+    (("finished", 30, "chatcmpl-r1-0123abcd", "a", "abort", 4),
+     '{"kind": "finished", "t_ns": 30, "request_id": "chatcmpl-r1-0123abcd", "user": "a", '
+     '"reason": "abort", "output_tokens": 4}\n'),
+]
+
+
+def test_the_encoder_writes_the_documented_lines():
+    for record, line in RECORDS:
+        assert encode_event(record, "0") == line
+
+
+def test_the_reader_reads_what_the_encoder_writes(tmp_path):
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(encode_event(record, "0") for record, _ in RECORDS))
+    log = EngineLog.read(path)
+    assert log.bad_lines == []
+    assert [s["limits"] for s in log.starts] == [{"a": 20.0}]
+    assert log.starts[0]["engine"] == "0" and log.starts[0]["default_limit"] == 1000.0
+    assert log.steps == [(10, [("chatcmpl-r1-0123abcd", "a", 1), ("chatcmpl-r2-0123abcd", "b", 2)])]
+    assert log.throttled == [{"kind": "throttled", "t_ns": 20, "requests": {"a": 2},
+                              "kv_blocks": {"a": 6}, "kv_share": 0.25}]
+    assert log.finished["chatcmpl-r1-0123abcd"]["output_tokens"] == 4
+    assert log.finished["chatcmpl-r1-0123abcd"]["reason"] == "abort"
+
+
+def test_the_verifier_reads_with_the_same_reader():
+    from vllm_output_rate.tools import verify
+
+    assert verify.EngineLog is EngineLog

@@ -1,0 +1,368 @@
+"""The API-server side: who the user is, and the read-only endpoints.
+
+vLLM decides nothing about users; by default the user is what the client
+writes in ``vllm_xargs.output_rate_user``. An SRE who runs the engine behind
+a gateway that authenticates callers wants the engine to believe the gateway,
+not the client. Two options make the identity trusted:
+
+* ``--output-rate-user-header NAME``: the user is that request header's
+  value (the gateway sets it); the body field is ignored. Without the header
+  the request is the anonymous user, or, with ``--output-rate-require-user``,
+  refused with HTTP 401.
+* ``--output-rate-api-keys PATH``: a file of API keys (as SHA-256 hex, never
+  plain) -> user. The request's bearer token decides the user; an unknown
+  token is refused with 401. With vLLM's ``--api-key`` too, its keys stay
+  valid as *service keys* (a gateway's own key): such a request's user comes
+  from the header option (or the body field without it). This middleware
+  then checks both kinds of key itself, on the paths vLLM's own check
+  guards, and vLLM's check is not installed (``settings_from_args``).
+
+Both are done by ``OutputRateMiddleware``, an ASGI middleware that vLLM
+loads through its own ``--middleware`` mechanism (the plugin adds itself to
+``args.middleware`` while vLLM reads the serve arguments; ``internals``
+names this). API servers spawned by ``--api-server-count N`` never parse
+the options: they get them, without secrets, from the serving process
+(``settings_from_args`` / ``current_options``, carried like the limits). It also serves ``GET /output-rate/...`` from handlers other
+layers register (``register_route``: telemetry serves the limits and user
+state from the engine's snapshot), behind the same key rules as ``/v1``.
+
+Nothing here logs a key or a header value.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import json
+import logging
+import re
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_output_rate.config import (
+    ANONYMOUS_USER,
+    MAX_USER_LEN,
+    OutputRateConfigError,
+)
+from vllm_output_rate.limits_watch import POLL_S, WatchedFile
+
+logger = logging.getLogger("vllm_output_rate")
+
+HEADER_OPTION = "--output-rate-user-header"
+REQUIRE_OPTION = "--output-rate-require-user"
+API_KEYS_OPTION = "--output-rate-api-keys"
+#: What ``args.middleware`` gets (vLLM imports it by this path).
+MIDDLEWARE_PATH = "vllm_output_rate.frontend.OutputRateMiddleware"
+#: Paths vLLM's own key check guards (``AuthenticationMiddleware``).
+GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
+#: The read-only endpoints' prefix.
+ROUTE_PREFIX = "/output-rate/"
+
+#: The trusted user of the request being served (None: the body field rules).
+IDENTITY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "output_rate_identity", default=None)
+#: Where that user came from: "header" or "api_key" (None: not trusted).
+IDENTITY_SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "output_rate_identity_source", default=None)
+
+_TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+# -- the API keys file ------------------------------------------------------------
+
+
+def parse_api_keys(content: bytes, path: str) -> dict[str, str]:
+    """``keys: {sha256 hex of a key: user}`` (YAML or JSON). Errors name the
+    file and the entry (by the first 8 hex digits), never a key."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(content.decode("utf-8"))
+    except (UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise OutputRateConfigError(f"{path}: not valid YAML or JSON ({type(exc).__name__})") from None
+    if not isinstance(data, dict) or set(data) != {"keys"} or not isinstance(data["keys"], dict):
+        raise OutputRateConfigError(
+            f"{path}: expected one key 'keys', a mapping of SHA-256 (hex) of an API "
+            f"key -> user (make one with: printf %s KEY | sha256sum)")
+    keys: dict[str, str] = {}
+    for digest, user in data["keys"].items():
+        if not isinstance(digest, str) or not _HEX64.match(digest.strip().lower()):
+            shown = str(digest)[:8]
+            raise OutputRateConfigError(
+                f"{path}: keys.{shown}...: not a SHA-256 hex digest (64 hex digits); "
+                f"the file holds digests of keys, never keys")
+        if isinstance(user, bool) or not isinstance(user, (str, int)) or user == "":
+            raise OutputRateConfigError(
+                f"{path}: keys.{digest[:8]}...: expected a user id, got {user!r}")
+        user = str(user)
+        if len(user) > MAX_USER_LEN:
+            raise OutputRateConfigError(
+                f"{path}: keys.{digest[:8]}...: user id longer than {MAX_USER_LEN} characters")
+        keys[digest.strip().lower()] = user
+    return keys
+
+
+def key_digest(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+class ApiKeysWatcher(WatchedFile):
+    """``--output-rate-api-keys``, reloaded like the limits file."""
+
+    option = API_KEYS_OPTION
+    thread_name = "output-rate-api-keys"
+
+    def __init__(self, path: str, poll_s: float = POLL_S, start_thread: bool = True) -> None:
+        try:
+            with open(path, "rb") as f:
+                content = f.read()
+        except OSError as exc:
+            raise OutputRateConfigError(
+                f"{API_KEYS_OPTION} {path}: cannot read it ({exc.strerror or exc})") from None
+        keys = parse_api_keys(content, path)
+        super().__init__(path, keys, hashlib.sha256(content).hexdigest(), poll_s, start_thread)
+
+    def parse(self, content: bytes) -> dict[str, str]:
+        return parse_api_keys(content, self.path)
+
+    def accept(self, old: dict[str, str], new: dict[str, str], digest: str) -> dict[str, str]:
+        logger.info("output-rate: API keys reloaded from %s (sha256 %s): %d key(s), "
+                    "%d added, %d removed", self.path, digest[:12], len(new),
+                    len(set(new) - set(old)), len(set(old) - set(new)))
+        return new
+
+
+# -- the identity rules -------------------------------------------------------------
+
+
+@dataclass
+class Identity:
+    """How this API server decides who a request's user is."""
+
+    user_header: str | None = None
+    require_user: bool = False
+    api_keys: ApiKeysWatcher | None = None
+    #: SHA-256 (hex) of vLLM's own ``--api-key`` values (service keys)
+    service_digests: tuple[str, ...] = ()
+    #: whether this middleware checks the service keys itself (vLLM's own
+    #: check is off: with a keys file, listed keys must pass too)
+    guards: bool = False
+
+    @property
+    def trusted(self) -> bool:
+        return self.user_header is not None or self.api_keys is not None
+
+    def _service_token(self, token: str) -> bool:
+        digest = key_digest(token).encode()
+        found = False
+        for known in self.service_digests:
+            found |= secrets.compare_digest(digest, known.encode())
+        return found
+
+    def decide(self, headers: dict[str, str]) -> tuple[str | None, str | None, bool]:
+        """``(user, refusal, listed_key)``: the trusted user (None: the body
+        field decides), why the request is refused with 401 (or None), and
+        whether it carried a key of the keys file."""
+        if self.api_keys is not None:
+            token = _bearer(headers.get("authorization"))
+            if token is not None:
+                user = self.api_keys.current.get(key_digest(token))
+                if user is not None:
+                    return user, None, True
+            if token is None or not self._service_token(token):
+                return None, ("Unauthorized: an API key listed for output-rate "
+                              "limits is required (Authorization: Bearer KEY)"), False
+        if self.user_header is None:
+            return None, None, False
+        value = (headers.get(self.user_header.lower()) or "").strip()
+        if value:
+            return value[:MAX_USER_LEN], None, False
+        if self.require_user:
+            return None, (f"Unauthorized: the {self.user_header} header naming the "
+                          f"user is required on this server"), False
+        return ANONYMOUS_USER, None, False
+
+    def allowed(self, headers: dict[str, str]) -> bool:
+        """Whether a request may read ``/output-rate/...``: the key rules of
+        ``/v1`` (open when the server has no keys)."""
+        if self.api_keys is None and not self.service_digests:
+            return True
+        token = _bearer(headers.get("authorization"))
+        if token is None:
+            return False
+        if self._service_token(token):
+            return True
+        return self.api_keys is not None and key_digest(token) in self.api_keys.current
+
+
+def _bearer(value: str | None) -> str | None:
+    if not value:
+        return None
+    scheme, _, param = value.partition(" ")
+    return param.strip() or None if scheme.lower() == "bearer" else None
+
+
+def check_header_name(name: str) -> str:
+    if not _TOKEN.match(name or ""):
+        raise OutputRateConfigError(
+            f"{HEADER_OPTION}: {name!r} is not an HTTP header name")
+    return name
+
+
+#: This process's rules (set by ``configure_frontend``; None: body field).
+_identity: Identity | None = None
+_options: dict[str, Any] | None = None
+#: GET handlers under ``/output-rate/``: name -> handler(rest of path, query)
+#: returning (status, JSON-able body).
+Route = Callable[[str, dict[str, str]], Awaitable[tuple[int, Any]]]
+_routes: dict[str, Route] = {}
+
+
+def register_route(name: str, handler: Route) -> None:
+    """Serve ``GET /output-rate/<name>[/...]`` with ``handler``. Idempotent."""
+    _routes[name] = handler
+
+
+def settings_from_args(args: Any) -> dict[str, Any]:
+    """The identity options of vLLM's parsed serve arguments, as plain data
+    without secrets (vLLM's keys as SHA-256), for this process and the API
+    servers it spawns (``ACTIVE_CONFIG``). With a keys file, vLLM's own key
+    check is taken over (``args.api_key`` emptied, ``VLLM_API_KEY`` unset):
+    listed keys and vLLM's keys are then both checked here."""
+    import os
+
+    header = getattr(args, "output_rate_user_header", None)
+    require = bool(getattr(args, "output_rate_require_user", False))
+    keys_path = getattr(args, "output_rate_api_keys", None)
+    tokens = [t for t in (getattr(args, "api_key", None) or []) if t]
+    if not tokens and os.environ.get("VLLM_API_KEY"):
+        tokens = [os.environ["VLLM_API_KEY"]]
+    guards = bool(keys_path)
+    if guards and hasattr(args, "api_key"):
+        args.api_key = None
+        os.environ.pop("VLLM_API_KEY", None)
+    return {"user_header": header, "require_user": require,
+            "api_keys": os.path.abspath(keys_path) if keys_path else None,
+            "service_sha256": [key_digest(t) for t in tokens], "guards": guards}
+
+
+def configure_frontend(options: dict[str, Any], feature_on: bool,
+                       args: Any = None) -> Identity | None:
+    """Check the identity options and load the keys file in this API-server
+    process; put the middleware in ``args.middleware`` (the API servers a
+    serving process spawns get that list from it). Raises
+    ``OutputRateConfigError`` on bad values."""
+    global _identity, _options
+    header, require = options.get("user_header"), bool(options.get("require_user"))
+    keys_path = options.get("api_keys")
+    if not feature_on:
+        if header or require or keys_path:
+            raise OutputRateConfigError(
+                f"{HEADER_OPTION}, {REQUIRE_OPTION} and {API_KEYS_OPTION} need limits "
+                f"(--default-user-output-tokens-per-second or --output-rate-limits-file)")
+        return None
+    if require and not header:
+        raise OutputRateConfigError(
+            f"{REQUIRE_OPTION} needs {HEADER_OPTION}: it refuses requests without that header")
+    if header is not None:
+        check_header_name(header)
+    identity = _identity
+    if identity is None or identity.user_header != header or identity.require_user != require or (
+            (identity.api_keys.path if identity.api_keys else None) != keys_path):
+        if identity is not None and identity.api_keys is not None:
+            identity.api_keys.close()
+        identity = Identity(header, require, ApiKeysWatcher(keys_path) if keys_path else None)
+        if identity.api_keys is not None:
+            from vllm_output_rate.limits_watch import install_sighup
+
+            install_sighup(identity.api_keys)  # SIGHUP re-reads it too
+    identity.service_digests = tuple(options.get("service_sha256") or ())
+    identity.guards = bool(options.get("guards"))
+    _identity, _options = identity, dict(options)
+    middleware = getattr(args, "middleware", None)
+    if isinstance(middleware, list) and MIDDLEWARE_PATH not in middleware:
+        middleware.append(MIDDLEWARE_PATH)
+    return identity
+
+
+def current_options() -> dict[str, Any] | None:
+    """What ``configure_frontend`` was given (plain data, no secrets)."""
+    return _options
+
+
+def current_identity() -> Identity | None:
+    return _identity
+
+
+# -- the middleware -----------------------------------------------------------------
+
+
+class OutputRateMiddleware:
+    """Pure ASGI: decides the trusted user of ``/v1`` requests (into
+    ``IDENTITY``, read where vLLM builds the sampling parameters) and serves
+    ``GET /output-rate/...``."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        identity = _identity
+        if scope.get("type") != "http" or identity is None:
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
+                   for k, v in scope.get("headers") or ()}
+        if path.startswith(ROUTE_PREFIX):
+            await self._route(identity, path[len(ROUTE_PREFIX):], scope, headers, send)
+            return
+        if not identity.trusted or scope.get("method") == "OPTIONS" or not path.startswith(GUARDED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        user, refusal, listed = identity.decide(headers)
+        if refusal is not None:
+            await _send_json(send, 401, {"error": {"message": refusal, "type": "Unauthorized",
+                                                   "code": 401}})
+            return
+        token = IDENTITY.set(user)
+        source = IDENTITY_SOURCE.set(
+            None if user is None else "api_key" if listed else "header")
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            IDENTITY_SOURCE.reset(source)
+            IDENTITY.reset(token)
+
+    async def _route(self, identity: Identity, rest: str, scope: dict,
+                     headers: dict[str, str], send: Any) -> None:
+        if scope.get("method") not in ("GET", "HEAD"):
+            await _send_json(send, 405, {"error": "only GET"})
+            return
+        if not identity.allowed(headers):
+            await _send_json(send, 401, {"error": "Unauthorized"})
+            return
+        name, _, tail = rest.partition("/")
+        handler = _routes.get(name)
+        if handler is None:
+            await _send_json(send, 404, {"error": f"no such endpoint; try {sorted(_routes)}"})
+            return
+        from urllib.parse import parse_qsl, unquote
+
+        query = dict(parse_qsl((scope.get("query_string") or b"").decode("latin-1")))
+        try:
+            status, body = await handler(unquote(tail), query)
+        except Exception:
+            logger.exception("output-rate: /output-rate/%s failed", name)
+            status, body = 500, {"error": "internal error (logged)"}
+        await _send_json(send, status, body)
+
+
+async def _send_json(send: Any, status: int, body: Any) -> None:
+    data = json.dumps(body, indent=1).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
