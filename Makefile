@@ -4,7 +4,7 @@
 PY := .venv/bin/python
 # The scheduler-level suites, run a second time against vLLM 0.33 (CPU, no engine).
 VLLM033_TESTS := tests/test_scheduler.py tests/test_live_limits.py tests/test_telemetry.py tests/test_tracing.py \
-                 tests/test_plugin.py tests/test_layers.py tests/test_frontend.py
+                 tests/test_plugin.py tests/test_layers.py tests/test_frontend.py tests/test_shared_state.py
 
 .PHONY: venv tools vllm033 demo test test-vllm033 bench clean
 
@@ -12,10 +12,12 @@ venv:
 	@scripts/bootstrap.sh
 
 # Debian's prometheus/promtool for the rule tests and the dashboard integration
-# test, Debian's nginx for the affinity-routing test
+# test, Debian's nginx for the affinity-routing test, Debian's redis-server
+# for the shared-budget tests
 tools:
 	@scripts/ensure_prometheus.sh
 	@scripts/ensure_nginx.sh
+	@scripts/ensure_redis.sh
 
 # vLLM 0.33.0 in .cache/vllm-0.33 (no dependencies) for the second run below
 vllm033: venv

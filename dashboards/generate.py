@@ -597,6 +597,7 @@ def engine_dashboard() -> Dashboard:
             [Target(quantile(0.5, sel("engine_inter_token_seconds", "_bucket"), by("engine")), "p50, engine {{engine}}" + on_group(), "positive"),
              Target(quantile(0.99, sel("engine_inter_token_seconds", "_bucket"), by("engine")), "p99, engine {{engine}}" + on_group(), "positive")]),
         *limits_panels(),
+        *shared_store_panels(),
         Row("Configuration and telemetry health"),
         Panel(
             "Configured limits",
@@ -702,12 +703,67 @@ def limits_panels() -> list[Panel | Row]:
     ]
 
 
+def shared_store_panels() -> list[Panel | Row]:
+    """Shared-budget mode: what each engine leased and spent, its calls to
+    the store, fallback (empty without --output-rate-shared-state)."""
+    rate = "sum by ({by}) (rate({sel}[$__rate_interval]))"
+    calls = sel("shared_store_call_seconds", "_bucket")
+    return [
+        Row("Shared budgets (--output-rate-shared-state)"),
+        Panel(
+            "Leased, spent, expired and unleased tokens per engine",
+            "Tokens the shared store granted this engine (leased), what it spent of them, what "
+            "expired unspent (the store's slots passed: given to no one), and what it spent "
+            "without a lease in fallback. Healthy: spent close to leased, expired a small "
+            "share, unleased 0.",
+            "suffix: tok/s",
+            [Target(rate.format(by=by("engine"), sel=sel("shared_tokens_leased")),
+                    "leased, engine {{engine}}" + on_group(), "positive"),
+             Target(rate.format(by=by("engine"), sel=sel("shared_tokens_spent")),
+                    "spent, engine {{engine}}" + on_group(), "positive"),
+             Target(rate.format(by=by("engine"), sel=sel("shared_tokens_expired")),
+                    "expired, engine {{engine}}" + on_group(), "data"),
+             Target(rate.format(by=by("engine"), sel=sel("shared_tokens_unleased")),
+                    "unleased (fallback), engine {{engine}}" + on_group(), "data")]),
+        Panel(
+            "Store calls: latency and failures",
+            "Duration of the lease thread's calls to the store (off the scheduler's thread: "
+            "a slow store delays grants, never a step) and failed calls per second. Healthy: "
+            "p99 well below the lease tick (50 ms by default); no failures.",
+            "s",
+            [Target(quantile(0.5, calls, by("engine")), "p50, engine {{engine}}" + on_group(), "positive"),
+             Target(quantile(0.99, calls, by("engine")), "p99, engine {{engine}}" + on_group(), "positive"),
+             Target(rate.format(by=by("engine"), sel=sel("shared_store_calls", extra=STORE_FAILED)),
+                    "failed calls/s, engine {{engine}}" + on_group(), "data")],
+            overrides=[right_axis("failed calls.*", "suffix: calls/s")]),
+        Panel(
+            "Fallback and live engines",
+            "1 while an engine is in fallback (the store unreachable: each user at its limit "
+            "divided by the engines last seen sharing it) and the share of the time it spent "
+            "there, beside the engines the store counts as live (heartbeats) and the times an "
+            "engine found the store empty (restarted without its data). Healthy: fallback 0; "
+            "live engines = the replicas (times data-parallel ranks) serving the model; no "
+            "resets.",
+            "short",
+            [Target(f"max by ({by('engine')}) ({sel('shared_store_fallback')})",
+                    "fallback, engine {{engine}}" + on_group(), "positive"),
+             Target(rate.format(by=by("engine"), sel=sel("shared_store_fallback_seconds")),
+                    "share of time in fallback, engine {{engine}}" + on_group(), "positive"),
+             Target(f"max by ({by('engine')}) ({sel('shared_live_engines')})",
+                    "live engines seen by engine {{engine}}" + on_group(), "positive"),
+             Target(f"sum by ({by('engine')}) (increase({sel('shared_store_resets')}[$__rate_interval]))",
+                    "store resets, engine {{engine}}" + on_group(), "data")]),
+    ]
+
+
 # -- shared expressions (dashboards and rules) -----------------------------------
 
 #: results of a look at the limits file that left older limits in force
 LIMITS_FAILED = ("invalid", "unreadable")
 assert set(LIMITS_FAILED) < set(LIMITS_RESULTS), LIMITS_RESULTS
 LIMITS_FAILED_MATCHER = f'result=~"{"|".join(LIMITS_FAILED)}"'
+#: failed calls of the lease thread to the shared budget store
+STORE_FAILED = 'result="failed"'
 
 
 def limit_sets_expr(dashboard: bool = False) -> str:
@@ -1091,6 +1147,21 @@ def alerts() -> list[Alert]:
             f"least {differ['for']}: a user gets another limit depending on the replica that "
             "serves it. Every replica of a model should run the same limits file.",
             fleet_wide=True),
+        Alert(
+            "OutputRateSharedStoreUnreachable",
+            f"sum by ({engine}) (increase({raw('shared_store_calls', extra=STORE_FAILED)}"
+            f"[{T['shared_store']['window']}]))"
+            f" and on ({engine}) max by ({engine}) ({raw('shared_store_fallback')}) > 0",
+            T["shared_store"]["for"], T["shared_store"]["severity"],
+            "Engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at
+            + " cannot reach its shared budget store",
+            "Engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at + " has been in "
+            f"fallback for at least {T['shared_store']['for']} ({{{{ $value | humanize }}}} failed "
+            f"calls to the store in the last {T['shared_store']['window']}): its calls to the "
+            "shared budget store (--output-rate-shared-state) fail or time out, so it "
+            "serves each user at its limit divided by the engines last seen sharing that user. "
+            "Limits still hold; users get less than their limit until the store answers again "
+            "(shared budgets then resume by themselves)."),
         *([affinity_alert()] if T["affinity"]["enabled"] else []),
     ]
 

@@ -90,7 +90,33 @@ def cases() -> list[dict[str, Any]]:
     stale = "OutputRateTelemetryStale"
     failed = "OutputRateLimitsReloadFailed"
     differ = "OutputRateLimitsDiffer"
+    store = "OutputRateSharedStoreUnreachable"
     return [
+        {
+            "name": "shared store: an engine in fallback for more than 2m fires; a 1m blip does not",
+            "interval": "1m",
+            "input_series": [
+                # engine 0: fallback from minute 6 to 15, 600 failed calls a minute (one a tick)
+                series("shared_store_fallback", "0x5 1x10 0x10", engine="0"),
+                series("shared_store_calls", "0x5 0+600x10 6000x10", result="failed", engine="0"),
+                # engine 1: one minute of it
+                series("shared_store_fallback", "0x5 1 0x20", engine="1"),
+                series("shared_store_calls", "0x5 0+600x1 600x20", result="failed", engine="1"),
+            ],
+            "alert_rule_test": [
+                _alert(store, "5m", []),
+                _alert(store, "7m", []),  # in fallback, not yet for 2m
+                _fires(store, "9m", {"severity": "ticket", "model_name": MODEL, "engine": "0"},
+                    "Engine 0 of model tiny cannot reach its shared budget store",
+                    "Engine 0 of model tiny has been in fallback for at least 2m (1.2k failed "
+                    "calls to the store in the last 2m): its calls to the shared budget store "
+                    "(--output-rate-shared-state) fail or time out, so it serves each user at its "
+                    "limit divided by the engines last seen sharing that user. Limits still hold; "
+                    "users get less than their limit until the store answers again (shared "
+                    "budgets then resume by themselves)."),
+                _alert(store, "20m", []),  # back
+            ],
+        },
         {
             "name": "over limit: one user served by two engines gets twice its limit",
             "interval": "1m",
@@ -348,6 +374,7 @@ def fleet_cases() -> list[dict[str, Any]]:
     stale = "OutputRateTelemetryStale"
     failed = "OutputRateLimitsReloadFailed"
     differ = "OutputRateLimitsDiffer"
+    store = "OutputRateSharedStoreUnreachable"
     ratio = "model_user:output_rate_limit_ratio:rate5m"
     share = "engine_user:vllm_output_rate_throttled_kv_cache_ratio:ratio"
     at_limit_share = [  # user-a at 0.9 of its 20 tok/s (1080 tokens a minute) on both replicas
@@ -355,6 +382,27 @@ def fleet_cases() -> list[dict[str, Any]]:
         for s in (series("tokens_charged", "0+1080x30", user="user-a", instance=r),
                   series(user_limit, "20x30", user="user-a", instance=r))]
     return [
+        {
+            "name": "fleet, shared store: the replica in fallback fires, named; the other does not",
+            "interval": "1m",
+            "input_series": [
+                series("shared_store_fallback", "1x20", instance=R1),
+                series("shared_store_calls", "0+600x20", result="failed", instance=R1),
+                series("shared_store_fallback", "0x20", instance=R2),
+                series("shared_store_calls", "0x20", result="failed", instance=R2),
+            ],
+            "alert_rule_test": [
+                _fires(store, "10m", {"severity": "ticket", "model_name": MODEL, "engine": "0",
+                                      "instance": R1},
+                    f"Engine 0 of model tiny on instance {R1} cannot reach its shared budget store",
+                    f"Engine 0 of model tiny on instance {R1} has been in fallback for at least "
+                    "2m (1.2k failed calls to the store in the last 2m): its calls to the shared "
+                    "budget store (--output-rate-shared-state) fail or time out, so it serves "
+                    "each user at its limit divided by the engines last seen sharing that user. "
+                    "Limits still hold; users get less than their limit until the store answers "
+                    "again (shared budgets then resume by themselves)."),
+            ],
+        },
         {
             "name": "fleet, over limit: a user at 0.9x its limit on each of two replicas does not fire",
             "interval": "1m",

@@ -36,6 +36,8 @@ NEVER_BINDS = 10**9
 THROTTLED = "0.001"
 #: --cpu: measure the process's CPU time per step (see measure_same)
 CPU = False
+#: --shared-state: the store URL of shared-budget mode (see measure_same)
+SHARED_STATE: str | None = None
 
 
 def build(limited: bool, running: int, users: int, throttled_share: float):
@@ -50,6 +52,8 @@ def build(limited: bool, running: int, users: int, throttled_share: float):
             "default_user_output_tokens_per_second": NEVER_BINDS,
             "user_output_tokens_per_second": throttled_limits(user_names[:throttled_users]),
         }
+    if limited and SHARED_STATE is not None:
+        limits["shared_state"] = SHARED_STATE
     clock = FakeClock()
     sched = make_scheduler(
         limits, clock=clock, num_blocks=running * 64, max_num_seqs=running,
@@ -197,9 +201,13 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
     ``update_from_output()`` (the classes under the mixin) on the instance,
     with vLLM's own ``_reserve_prefill_lookahead`` and ``allocate_slots``:
     upstream code on the same state. Telemetry: an "off" step is the same
-    scheduler with its telemetry observers unset. With ``control`` both
-    arms run the same code (the method's noise floor).
+    scheduler with its telemetry observers unset. Shared state: an "off"
+    step is the same scheduler with a plain limiter of the same limits in
+    place of the shared-budget one (whose lease thread keeps running against
+    the store in both arms). With ``control`` both arms run the same code
+    (the method's noise floor).
     """
+    from vllm_output_rate.limiter import OutputRateLimiter
     from vllm_output_rate.scheduler import OutputRateSchedulerMixin
 
     sched, clock = pair = build(True, running, users, share)
@@ -207,10 +215,19 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         with_telemetry(pair, telemetry_dir, traces_url)
     upstream = super(OutputRateSchedulerMixin, sched)
     telemetry = sched.output_rate_observer
+    shared = sched.output_rate_limiter if SHARED_STATE is not None else None
+    plain = None
+    if shared is not None:
+        plain = OutputRateLimiter(shared.default_rate, shared.user_rates)
 
     def step_off() -> float:
         if control:
             return step(sched, clock)
+        if shared is not None:
+            sched.output_rate_limiter, sched._orl_limiter_begin = plain, None
+            took = step(sched, clock)
+            sched.output_rate_limiter, sched._orl_limiter_begin = shared, shared.begin_step
+            return took
         if telemetry_dir is not None:
             sched.output_rate_observer = None
             took = step(sched, clock)
@@ -258,6 +275,8 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         gc.unfreeze()
     active = len(sched.output_rate_last_step.charged)
     close_telemetry(sched)
+    if shared is not None:
+        shared.close()
     average = statistics.fmean if CPU else statistics.median
     return average(on_times), average(off_times), active
 
@@ -295,7 +314,7 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
 
 
 def main() -> None:
-    global THROTTLED, CPU
+    global THROTTLED, CPU, SHARED_STATE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
     parser.add_argument("--sizes", type=int, nargs="*", help="running requests R to measure")
@@ -320,11 +339,24 @@ def main() -> None:
                         help="with --same-scheduler: CPU time of the whole process (every "
                         "thread) per step, mean over blocks, each telemetry block ending when "
                         "its spans are built and exported (background work included)")
+    parser.add_argument("--shared-state", action="store_true",
+                        help="with --same-scheduler: shared-budget mode (a redis-server started "
+                        "on loopback, the lease thread running) vs the plain limiter")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--block-steps", type=int, default=5)
     args = parser.parse_args()
     THROTTLED = str(args.throttled_rate)
     CPU = args.cpu
+    redis_server = None
+    if args.shared_state:
+        from vllm_output_rate.tools.redis_server import RedisServer
+
+        if not args.same_scheduler:
+            parser.error("--shared-state needs --same-scheduler")
+        redis_server = RedisServer().start()
+        SHARED_STATE = redis_server.url
+        print("on = shared-budget limiter (leases from a local redis-server), off = the plain "
+              "limiter on the same scheduler\n")
     sizes = args.sizes or ([64, 256] if args.quick else [64, 256, 1024])
     rows = []
     telemetry_dir = traces_url = receiver = None
@@ -355,6 +387,8 @@ def main() -> None:
                       f"{off * 1e3:.3f} | {ratio:.3f} | {low:.3f}-{high:.3f} |", flush=True)
     if receiver is not None:
         receiver.terminate()
+    if redis_server is not None:
+        redis_server.close()
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ from typing import Any
 
 from vllm_output_rate.telemetry.events import encode_event
 from vllm_output_rate.telemetry.labels import OTHER, UserLabeler
-from vllm_output_rate.telemetry.metrics import BY_NAME, SPACING_BUCKETS
+from vllm_output_rate.telemetry.metrics import BY_NAME, SPACING_BUCKETS, STORE_CALL_BUCKETS
 from vllm_output_rate import settings
 from vllm_output_rate.limits_watch import RESULTS as LIMITS_RESULTS
 
@@ -158,6 +158,8 @@ class EngineTelemetry(OutputRateObserver):
         #: self.histograms), and what evicted labels had observed
         self._spacing: dict[str, Histogram] = {}
         self._spacing_evicted = Histogram(SPACING_BUCKETS)
+        #: store-call latencies of shared-budget mode (exporter thread only)
+        self._store_call_hist: Histogram | None = None
         self._request_label: dict[str, str] = {}
         #: request id -> (first skipped step's ns, user label) of open throttle episodes
         self._episodes: dict[str, tuple[int, str]] = {}
@@ -723,7 +725,12 @@ class EngineTelemetry(OutputRateObserver):
                       "last_error": status.last_error, **self._limits_doc[1]}
         else:
             limits = None
+        shared = self.view.shared_state_stats()
+        if shared is not None:
+            self._fold_shared_state(shared, counters, gauges)
         histograms = self.histograms.copy()
+        if self._store_call_hist is not None:
+            histograms[("shared_store_call_seconds", ())] = self._store_call_hist
         total = Histogram(SPACING_BUCKETS)
         total.add(self._spacing_evicted)
         for hist in list(self._spacing.values()):
@@ -742,6 +749,25 @@ class EngineTelemetry(OutputRateObserver):
             "users": {"as_of_unix": written if idle else self._user_states_at[2],
                       "states": self._idle_user_states() if idle else self._user_states},
         }
+
+    def _fold_shared_state(self, shared: dict[str, Any], counters: dict, gauges: dict) -> None:
+        """The lease machinery's numbers (exporter thread; shared-budget mode)."""
+        for name, key in (("shared_tokens_leased", "leased"), ("shared_tokens_spent", "spent"),
+                          ("shared_tokens_expired", "expired"),
+                          ("shared_tokens_unleased", "unleased"),
+                          ("shared_store_fallback_seconds", "fallback_seconds"),
+                          ("shared_store_resets", "resets")):
+            counters[(name, ())] = shared[key]
+        counters[("shared_store_calls", ("ok",))] = shared["calls"] - shared["failed_calls"]
+        counters[("shared_store_calls", ("failed",))] = shared["failed_calls"]
+        gauges[("shared_store_fallback", ())] = shared["fallback"]
+        gauges[("shared_live_engines", ())] = shared["live_engines"]
+        # Only this thread touches it (not self.histograms: the scheduler's).
+        hist = self._store_call_hist
+        if hist is None:
+            hist = self._store_call_hist = Histogram(STORE_CALL_BUCKETS)
+        for seconds in shared["call_seconds"]:
+            hist.observe(seconds)
 
     def _write_events(self) -> None:
         """Append the queued event records to the event log (exporter thread)."""

@@ -30,6 +30,8 @@ LATENESS_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 
 IDLE_WAIT_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.1)
 #: How long one request stayed throttled (skipped step after step).
 EPISODE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: One call of the lease thread to the shared store (shared-budget mode).
+STORE_CALL_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 #: The limiter's share of one schedule() call (0..1).
 SHARE_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0)
 
@@ -44,6 +46,8 @@ class Metric:
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
+    #: whether it had another name before 0.1.0's rename (False: added after it)
+    renamed: bool = True
 
     @property
     def full_name(self) -> str:
@@ -118,6 +122,30 @@ METRICS: tuple[Metric, ...] = (
     Metric("limits_info", "gauge", "info",
            "1, labelled with the SHA-256 of the limits in force and where they come from "
            "(the limits file, or the command line).", ("sha256", "source")),
+    # Shared-budget mode (--output-rate-shared-state): per engine, no user label.
+    Metric("shared_tokens_leased", "counter", "tokens",
+           "Tokens the shared store granted this engine as leases (shared-budget mode).", renamed=False),
+    Metric("shared_tokens_spent", "counter", "tokens",
+           "Leased tokens this engine spent.", renamed=False),
+    Metric("shared_tokens_expired", "counter", "tokens",
+           "Leased tokens that expired unspent (given back to no one: the store's slots pass).", renamed=False),
+    Metric("shared_tokens_unleased", "counter", "tokens",
+           "Tokens spent in fallback, without a lease (the store unreachable).", renamed=False),
+    Metric("shared_store_calls", "counter", "calls",
+           "Calls of this engine's lease thread to the shared store, by result (ok, failed).",
+           ("result",), renamed=False),
+    Metric("shared_store_call_seconds", "histogram", "seconds",
+           "Duration of one successful lease call to the shared store (off the scheduler's thread).",
+           (), STORE_CALL_BUCKETS, renamed=False),
+    Metric("shared_store_fallback", "gauge", "state",
+           "1 while this engine is in fallback (the shared store unreachable: each user gets its "
+           "limit divided by the engines last seen sharing it), else 0.", renamed=False),
+    Metric("shared_store_fallback_seconds", "counter", "seconds",
+           "Time this engine spent in fallback.", renamed=False),
+    Metric("shared_store_resets", "counter", "resets",
+           "Times this engine found the shared store had lost its data (restarted empty).", renamed=False),
+    Metric("shared_live_engines", "gauge", "engines",
+           "Engines the shared store last counted as live (heartbeats within 2 s).", renamed=False),
     Metric("telemetry_dropped", "counter", "events",
            "Telemetry data dropped (export failed, event log write failed, event queue full), by reason.", ("reason",)),
 )
@@ -131,7 +159,7 @@ _OLD_SHORT = {"throttled_kv_cache_ratio": "throttled_kv_cache_share",
 RENAMED_FROM = {
     m.full_name: "output_rate_" + _OLD_SHORT.get(m.name, m.name)
     + ("_total" if m.kind == "counter" else "")
-    for m in METRICS
+    for m in METRICS if m.renamed
 }
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
+from vllm_output_rate.shared_state import SHARED_STATE_OPTION, SharedStateError, parse_shared_state
+
 DEFAULT_OPTION = "--default-user-output-tokens-per-second"
 USERS_OPTION = "--user-output-tokens-per-second"
 LIMITS_FILE_OPTION = "--output-rate-limits-file"
@@ -132,6 +134,7 @@ _CONFIG_KEYS = {
     "limits_file",
     "digest",
     "unlisted_users",
+    "shared_state",
 }
 
 
@@ -143,7 +146,9 @@ class OutputRateConfig:
     tier already resolved); ``tiers`` and ``user_tiers`` say where a limit
     came from (introspection). ``limits_file`` is the file the engine core
     keeps reloading (None: the command-line options, fixed). ``digest`` is
-    the SHA-256 of what the limits were read from.
+    the SHA-256 of what the limits were read from. ``shared_state``: the
+    store URL of shared-budget mode (``vllm_output_rate.shared_state``), or
+    None (each engine its own budgets).
     """
 
     default_rate: Fraction
@@ -153,6 +158,7 @@ class OutputRateConfig:
     limits_file: str | None = None
     digest: str = ""
     unlisted_users: str = "own"
+    shared_state: str | None = None
 
     def __post_init__(self) -> None:
         if not self.digest:
@@ -162,14 +168,32 @@ class OutputRateConfig:
                 f"{UNLISTED_OPTION}: expected one of {', '.join(UNLISTED_MODES)}, "
                 f"got {self.unlisted_users!r}"
             )
+        if self.shared_state is not None:
+            try:
+                parse_shared_state(self.shared_state)
+            except SharedStateError as exc:
+                raise OutputRateConfigError(str(exc)) from None
 
     @classmethod
     def from_options(
         cls, default: Any, users: Any = None, limits_file: Any = None,
-        unlisted_users: Any = None,
+        unlisted_users: Any = None, shared_state: Any = None,
     ) -> OutputRateConfig | None:
         """From the CLI options; None (feature off) without a default limit
         or a limits file."""
+        config = cls._from_limit_options(default, users, limits_file, unlisted_users)
+        if shared_state in (None, ""):
+            return config
+        if config is None:
+            raise OutputRateConfigError(
+                f"{SHARED_STATE_OPTION} needs {DEFAULT_OPTION} or {LIMITS_FILE_OPTION}: "
+                f"without limits the feature is off")
+        return replace(config, shared_state=str(shared_state).strip())
+
+    @classmethod
+    def _from_limit_options(
+        cls, default: Any, users: Any, limits_file: Any, unlisted_users: Any,
+    ) -> OutputRateConfig | None:
         if limits_file not in (None, ""):
             if default is not None or users not in (None, "", {}):
                 raise OutputRateConfigError(
@@ -218,6 +242,8 @@ class OutputRateConfig:
             data["digest"] = self.digest
         if self.unlisted_users != "own":
             data["unlisted_users"] = self.unlisted_users
+        if self.shared_state is not None:
+            data["shared_state"] = self.shared_state
         return data
 
     @classmethod
@@ -249,6 +275,7 @@ class OutputRateConfig:
             limits_file=data.get("limits_file"),
             digest=str(data.get("digest") or ""),
             unlisted_users=_unlisted_mode(data.get("unlisted_users") or "own"),
+            shared_state=data.get("shared_state"),
         )
 
     def rate_of(self, user: str) -> Fraction:

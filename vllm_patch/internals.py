@@ -232,6 +232,14 @@ class SchedulerView(EngineView):
     def ready_at_ns(self, user: str) -> int:
         return self._limiter.ready_at_ns(user)
 
+    def shared_state_stats(self) -> dict[str, Any] | None:
+        stats = getattr(self._limiter, "stats", None)
+        if stats is None:
+            return None
+        out = stats()
+        out["call_seconds"] = self._limiter.thread.drain_latencies()
+        return out
+
     def limits_status(self) -> LimitsStatus:
         watcher = self._scheduler.output_rate_limits_watcher
         return self._options_status if watcher is None else watcher.status()

@@ -196,6 +196,15 @@ class EngineView(ABC):
         """When the user's budget next allows a token (monotonic ns; 0: now)."""
         return 0
 
+    def shared_state_stats(self) -> dict[str, Any] | None:
+        """In shared-budget mode, the lease machinery's counters (any thread,
+        one reader: ``call_seconds`` holds the store calls' latencies since
+        the last read); None otherwise. Keys: ``leased``, ``spent``,
+        ``expired``, ``unleased`` (tokens), ``calls``, ``failed_calls``,
+        ``fallback`` (1 in fallback), ``fallback_seconds``,
+        ``fallback_episodes``, ``resets``, ``live_engines``, ``call_seconds``."""
+        return None
+
 
 class OutputRateObserver(ABC):
     """Receives what the limiter and the engine loop report. The ``on_*``

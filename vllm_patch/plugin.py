@@ -28,6 +28,7 @@ from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
     DEFAULT_OPTION,
     LIMITS_FILE_OPTION,
+    SHARED_STATE_OPTION,
     UNLISTED_MODES,
     UNLISTED_OPTION,
     USERS_OPTION,
@@ -38,6 +39,7 @@ from vllm_output_rate.config import (
     user_field_error,
 )
 from vllm_output_rate import frontend, observers, settings
+from vllm_output_rate.shared_state import parse_shared_state
 from vllm_output_rate.internals import UnsupportedVllmVersion, check_vllm_version
 
 logger = logging.getLogger("vllm_output_rate")
@@ -157,6 +159,18 @@ def add_output_rate_args(parser: Any) -> Any:
         "(user __unlisted__), so that inventing new user ids gains nothing.",
     )
     group.add_argument(
+        SHARED_STATE_OPTION,
+        dest="output_rate_shared_state",
+        default=None,
+        type=str,
+        help="redis://HOST:PORT[/DB]: keep each user's budget in this Redis (or "
+        "Valkey), shared by every engine that names it, so a user's limit holds "
+        "across replicas and data-parallel ranks. Engines lease slices of the "
+        "budgets from a background thread; when the store is unreachable each "
+        "engine gives a user its limit divided by the engines last seen sharing "
+        "it. Query settings: tick_ms, horizon_ms, lookahead_ms, timeout_ms.",
+    )
+    group.add_argument(
         frontend.HEADER_OPTION,
         dest="output_rate_user_header",
         default=None,
@@ -205,6 +219,7 @@ def _patch_engine_args() -> None:
             getattr(args, "user_output_tokens_per_second", None),
             getattr(args, "output_rate_limits_file", None),
             getattr(args, "output_rate_unlisted_users", None),
+            getattr(args, "output_rate_shared_state", None),
         )
         frontend.configure_frontend(frontend.settings_from_args(args),
                                     config is not None or _inherited_config() is not None, args)
@@ -282,10 +297,13 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
             "--speculative-config: speculative decoding can emit several tokens "
             "per step, but each request is charged one token per step"
         )
-    if parallel.data_parallel_size > 1:
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    shared = (extra.get(ADDITIONAL_CONFIG_KEY) or {}).get("shared_state")
+    if parallel.data_parallel_size > 1 and not shared:
         reasons.append(
             f"--data-parallel-size {parallel.data_parallel_size}: each rank "
-            f"would keep its own limiter and give a user one budget per rank"
+            f"would keep its own limiter and give a user one budget per rank "
+            f"(give {SHARED_STATE_OPTION} to share the budgets between ranks)"
         )
     if parallel.pipeline_parallel_size > 1:
         reasons.append(
@@ -386,12 +404,14 @@ def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
         install_sighup()
     logger.info(
         "output-rate limits on: default %s tok/s per user, %d override(s), "
-        "from %s (sha256 %s), unlisted users: %s, scheduler %s",
+        "from %s (sha256 %s), unlisted users: %s, budgets: %s, scheduler %s",
         config.default_rate,
         len(config.user_rates),
         config.limits_file or "the command line",
         config.digest[:12],
         config.unlisted_users,
+        "per engine" if config.shared_state is None else
+        "shared through " + parse_shared_state(config.shared_state).redacted_url,
         sched.scheduler_cls,
     )
     return config

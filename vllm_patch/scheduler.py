@@ -89,6 +89,7 @@ class OutputRateSchedulerMixin:
     # vLLM's __init__ runs, before ours has set anything.
     _orl_base_active = 0
     _orl_throttled_running = 0
+    _orl_limiter_begin: Callable[[int], None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -100,9 +101,9 @@ class OutputRateSchedulerMixin:
                 f"vllm_output_rate.plugin.configure_output_rate()"
             )
         self.output_rate_config = config
-        self.output_rate_limiter = OutputRateLimiter(
-            config.default_rate, config.user_rates
-        )
+        self.output_rate_limiter = self._orl_new_limiter(config)
+        # Shared-budget mode: leases taken up at every step boundary.
+        self._orl_limiter_begin = getattr(self.output_rate_limiter, "begin_step", None)
         if config.limits_file is not None:
             from vllm_output_rate.limits_watch import LimitsWatcher, install_sighup
 
@@ -123,6 +124,21 @@ class OutputRateSchedulerMixin:
 
         engine_loop.install()
         self.output_rate_observer = create_observer(SchedulerView(self))
+
+    def _orl_new_limiter(self, config: OutputRateConfig) -> OutputRateLimiter:
+        if config.shared_state is None:
+            return OutputRateLimiter(config.default_rate, config.user_rates)
+        from vllm_output_rate.shared_state import (
+            SharedBudgetLimiter,
+            new_engine_id,
+            parse_shared_state,
+        )
+
+        rank = self.vllm_config.parallel_config.data_parallel_index
+        return SharedBudgetLimiter(
+            config.default_rate, config.user_rates, parse_shared_state(config.shared_state),
+            clock=lambda: self.output_rate_clock(), engine_id=new_engine_id(rank),
+            start_thread=self.output_rate_watch_thread)
 
     # -- vLLM's admission cap -------------------------------------------
 
@@ -240,6 +256,9 @@ class OutputRateSchedulerMixin:
         if observer is not None:
             self.output_rate_observer = None
             observer.close()
+        close = getattr(self.output_rate_limiter, "close", None)
+        if close is not None:
+            close()
         super().shutdown()
 
     def _orl_begin(self, now: int) -> None:
@@ -257,6 +276,9 @@ class OutputRateSchedulerMixin:
         self._orl_throttled_running = 0
         self._orl_active = 0
         self._orl_block_admission = False
+        begin = self._orl_limiter_begin
+        if begin is not None:
+            begin(now)
         if self._orl_step_no % CLEANUP_EVERY_STEPS == 0:
             self.output_rate_limiter.cleanup_idle_users(now)
 

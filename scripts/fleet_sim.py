@@ -1,0 +1,285 @@
+"""Many engines' shared-budget limiters against one real Redis, on a fake clock.
+
+Each simulated engine is the engine core's own ``SharedBudgetLimiter`` and
+``LeaseThread`` (the real lease protocol and server-side script), driven the
+way the scheduler drives them: per step ``begin_step``, one ``available``
+per user with demand, ``settle`` of what it spends, ``ready_at_ns`` for a
+user it refused; per tick one ``LeaseThread.tick`` with the store's time
+given (the script takes the fake clock instead of Redis' own, so a run is
+repeatable). What the fleet spends per user is recorded for the fleet bound.
+
+Used by the tests (small fleets, brute-force bound) and by
+``python -m vllm_output_rate.tools.fleet_sim`` (64+ engines, 10,000 users:
+Redis operations per second and the bound observed; ``BENCHMARKS.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+from vllm_output_rate.limiter import NS_PER_S
+from vllm_output_rate.shared_state import (
+    RedisStore,
+    SharedBudgetLimiter,
+    SharedStateSettings,
+    fleet_bound,
+)
+
+#: The fake clock starts here (ns): far from 0, like a real monotonic clock.
+T0_NS = 1_000_000 * NS_PER_S
+
+
+@dataclass
+class SimEngine:
+    name: str
+    limiter: SharedBudgetLimiter
+    #: first tick of this engine (ticks of engines are staggered)
+    offset_ns: int
+    #: user -> streams wanting one token per step (its demand)
+    streams: dict[str, int] = field(default_factory=dict)
+    alive: bool = True
+    next_tick_ns: int = 0
+    last_call_ns: int = 0
+
+
+class Fleet:
+    """Engines on one fake clock, one store."""
+
+    def __init__(self, url: str, default_rate: Fraction, user_rates: dict[str, Fraction] | None = None,
+                 settings: SharedStateSettings | None = None, step_s: float = 0.01,
+                 seed: int = 0) -> None:
+        self.settings = settings or SharedStateSettings(url)
+        self.default_rate = Fraction(default_rate)
+        self.user_rates = dict(user_rates or {})
+        self.now_ns = T0_NS
+        self.step_ns = int(step_s * NS_PER_S)
+        self.rng = random.Random(seed)
+        self.engines: list[SimEngine] = []
+        #: user -> [(ns, tokens)] spent by the whole fleet
+        self.spends: dict[str, list[tuple[int, int]]] = {}
+        self.store_calls = 0
+
+    def clock(self) -> int:
+        return self.now_ns
+
+    def add_engine(self, name: str | None = None, client=None) -> SimEngine:
+        name = name or f"engine-{len(self.engines)}"
+        store = RedisStore(self.settings, client=client)
+        limiter = SharedBudgetLimiter(self.default_rate, self.user_rates, self.settings,
+                                      store=store, clock=self.clock, engine_id=name,
+                                      start_thread=False)
+        tick_ns = int(self.settings.tick_s * NS_PER_S)
+        engine = SimEngine(name, limiter, self.rng.randrange(tick_ns))
+        engine.next_tick_ns = self.now_ns + engine.offset_ns
+        self.engines.append(engine)
+        return engine
+
+    def step(self) -> None:
+        """One engine step everywhere, then the ticks that fall due."""
+        now = self.now_ns
+        tick_ns = int(self.settings.tick_s * NS_PER_S)
+        # Real engines' calls are independent: no engine always asks first.
+        order = self.engines[:]
+        self.rng.shuffle(order)
+        for engine in order:
+            if not engine.alive:
+                continue
+            limiter = engine.limiter
+            thread = limiter.thread
+            # Its tick, or at once (not within min_gap of the last call)
+            # when a user ran short of leases, as the lease thread does.
+            if now >= engine.next_tick_ns or (
+                    limiter.starved and now >= engine.last_call_ns + thread.min_gap_ns):
+                engine.next_tick_ns = now + tick_ns
+                engine.last_call_ns = now
+                thread.tick(now_us=now / 1000)
+            limiter.begin_step(now)
+            taken: dict[str, int] = {}
+            for user, streams in engine.streams.items():
+                if streams <= 0:
+                    continue
+                n = min(limiter.available(user, now), streams)
+                if n > 0:
+                    taken[user] = n
+                if n < streams:
+                    limiter.ready_at_ns(user)
+            limiter.settle(now, taken)
+            for user, n in taken.items():
+                self.spends.setdefault(user, []).append((now, n))
+        self.now_ns += self.step_ns
+
+    def run(self, seconds: float, each_step: Callable[[Fleet], None] | None = None) -> None:
+        end = self.now_ns + int(seconds * NS_PER_S)
+        while self.now_ns < end:
+            if each_step is not None:
+                each_step(self)
+            self.step()
+
+    def rate_of(self, user: str) -> Fraction:
+        return self.user_rates.get(user, self.default_rate)
+
+    def spent(self, user: str, start_ns: int | None = None, end_ns: int | None = None) -> int:
+        return sum(n for t, n in self.spends.get(user, ())
+                   if (start_ns is None or t >= start_ns) and (end_ns is None or t < end_ns))
+
+    def store_ops(self) -> tuple[int, int]:
+        """Script calls and user entries sent, over every engine."""
+        calls = sum(e.limiter.thread.store.calls for e in self.engines)
+        entries = sum(e.limiter.thread.store.entries for e in self.engines)
+        return calls, entries
+
+
+def worst_window_excess(spends: list[tuple[int, int]], rate: Fraction, horizon_s: float,
+                        lookahead_s: float, extra: int = 0,
+                        min_window_s: float = 0.0) -> tuple[int, float]:
+    """Brute force over every window that starts and ends at a spend:
+    the largest ``tokens - fleet_bound(window) - extra`` (<= 0: the bound
+    holds) and the window where it is. ``spends`` sorted by time."""
+    times = [t for t, _ in spends]
+    prefix = [0]
+    for _, n in spends:
+        prefix.append(prefix[-1] + n)
+    worst, where = -10**9, 0.0
+    for i, start in enumerate(times):
+        for j in range(i, len(times)):
+            w = (times[j] - start) / NS_PER_S
+            if w < min_window_s:
+                continue
+            tokens = prefix[j + 1] - prefix[i]
+            excess = tokens - fleet_bound(w, rate, horizon_s, lookahead_s) - extra
+            if excess > worst:
+                worst, where = excess, w
+    return worst, where
+
+
+def worst_window_ratio(spends: list[tuple[int, int]], rate: Fraction, horizon_s: float,
+                       lookahead_s: float, windows_s: tuple[float, ...] = (1.0, 5.0)) -> dict[str, float]:
+    """For long runs (too many spends to pair): per window length, the most
+    tokens in any window of that length (sliding over spend times), as a
+    share of ``fleet_bound``."""
+    times = [t for t, _ in spends]
+    prefix = [0]
+    for _, n in spends:
+        prefix.append(prefix[-1] + n)
+    out = {}
+    for w in windows_s:
+        span = int(w * NS_PER_S)
+        best = 0
+        for i, start in enumerate(times):
+            j = bisect_right(times, start + span)
+            best = max(best, prefix[j] - prefix[i])
+        out[f"{w:g}s"] = best / fleet_bound(w, rate, horizon_s, lookahead_s)
+    return out
+
+
+# -- the large simulation (BENCHMARKS.md) -------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", type=int, default=64)
+    parser.add_argument("--users", type=int, default=10_000)
+    parser.add_argument("--engines-per-user", type=int, default=4,
+                        help="each user's streams land on this many engines (random)")
+    parser.add_argument("--rate", type=float, default=20.0, help="every user's limit (tok/s)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="simulated time")
+    parser.add_argument("--step-ms", type=float, default=20.0)
+    parser.add_argument("--tick-ms", type=float, default=50.0)
+    parser.add_argument("--horizon-ms", type=float, default=500.0)
+    parser.add_argument("--lookahead-ms", type=float, default=250.0)
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="added to every store call (a store across a network)")
+    parser.add_argument("--url", default=None, help="a Redis to use (default: start one)")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+
+    from vllm_output_rate.tools.redis_server import RedisServer
+
+    server = None if args.url else RedisServer().start()
+    url = args.url or server.url
+    try:
+        result = run_large(url, args)
+    finally:
+        if server is not None:
+            server.close()
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def run_large(url: str, args: argparse.Namespace) -> dict:
+    import redis
+
+    settings = SharedStateSettings(url, tick_s=args.tick_ms / 1000, horizon_s=args.horizon_ms / 1000,
+                                   lookahead_s=args.lookahead_ms / 1000)
+    rate = Fraction(args.rate).limit_denominator(1000)
+    fleet = Fleet(url, rate, settings=settings, step_s=args.step_ms / 1000, seed=1)
+    client = redis.Redis.from_url(url)
+    client.flushdb()
+    for _ in range(args.engines):
+        fleet.add_engine(client=client)
+    rng = random.Random(2)
+    for u in range(args.users):
+        user = f"user-{u}"
+        for engine in rng.sample(fleet.engines, min(args.engines_per_user, args.engines)):
+            engine.streams[user] = engine.streams.get(user, 0) + 2
+    if args.latency_ms > 0:
+        delay = args.latency_ms / 1000
+        for engine in fleet.engines:
+            store = engine.limiter.thread.store
+            lease = store.lease
+
+            def slow(*a, __lease=lease, **k):
+                time.sleep(delay)
+                return __lease(*a, **k)
+
+            store.lease = slow
+    info0 = client.info("commandstats")
+    wall0 = time.perf_counter()
+    script_s = 0.0
+    fleet.run(args.seconds)
+    wall = time.perf_counter() - wall0
+    info1 = client.info("commandstats")
+    for key in ("cmdstat_evalsha", "cmdstat_eval"):
+        if key in info1:
+            script_s += (info1[key]["usec"] - info0.get(key, {}).get("usec", 0)) / 1e6
+    calls, entries = fleet.store_ops()
+    warm = T0_NS + int(2 * NS_PER_S)
+    span = (fleet.now_ns - warm) / NS_PER_S
+    rates = sorted(fleet.spent(f"user-{u}", warm) / span for u in range(args.users))
+    sample = [f"user-{u}" for u in range(0, args.users, max(1, args.users // 200))]
+    ratios: dict[str, float] = {}
+    for user in sample:
+        for k, v in worst_window_ratio(sorted(fleet.spends.get(user, [])), rate, settings.horizon_s,
+                                       settings.lookahead_s).items():
+            ratios[k] = max(ratios.get(k, 0.0), v)
+    sim_s = args.seconds
+    return {
+        "engines": args.engines, "users": args.users, "engines_per_user": args.engines_per_user,
+        "rate": float(rate), "simulated_s": sim_s, "wall_s": round(wall, 2),
+        "tick_ms": args.tick_ms, "horizon_ms": args.horizon_ms, "lookahead_ms": args.lookahead_ms,
+        "latency_ms": args.latency_ms,
+        "store_calls_per_s_per_engine": round(calls / sim_s / args.engines, 2),
+        "store_calls_per_s": round(calls / sim_s, 1),
+        "user_entries_per_s": round(entries / sim_s, 1),
+        "store_busy_share_at_simulated_speed": round(script_s / sim_s, 4),
+        "store_us_per_call": round(script_s * 1e6 / max(calls, 1), 1),
+        "store_us_per_user_entry": round(script_s * 1e6 / max(entries, 1), 2),
+        "fleet_rate_over_limit": {"min": round(rates[0] / float(rate), 4),
+                                  "median": round(rates[len(rates) // 2] / float(rate), 4),
+                                  "max": round(rates[-1] / float(rate), 4)},
+        "worst_window_over_bound": {k: round(v, 4) for k, v in ratios.items()},
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""A throwaway ``redis-server`` on a free loopback port (Debian's package).
+
+For the shared-budget tests, the fleet simulation and anyone trying the
+shared-budget mode on one machine. Nothing is persisted: no RDB, no AOF, so
+``restart()`` gives an empty store (a store that lost its data).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from vllm_output_rate.tools.client import free_port
+
+
+def redis_server_binary() -> str | None:
+    """``redis-server`` on PATH (or where Debian puts it), if installed."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    return "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None
+
+
+class RedisServer:
+    """``redis-server`` bound to 127.0.0.1, in a temporary directory."""
+
+    def __init__(self, port: int | None = None) -> None:
+        binary = redis_server_binary()
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (Debian: apt-get install redis-server; "
+                               "make tools does it)")
+        self.binary = binary
+        self.port = port or free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="output-rate-redis-"))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        log = open(self.dir / "redis.log", "ab")
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+             "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+             "--protected-mode", "no"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        import redis
+
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
+                                   + (self.dir / "redis.log").read_text(errors="replace")[-2000:])
+            try:
+                if client.ping():
+                    return self
+            except redis.RedisError:
+                time.sleep(0.05)
+        raise TimeoutError(f"redis-server not ready on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> RedisServer:
+        """Stop and start on the same port: the store comes back empty."""
+        self.stop()
+        return self.start()
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

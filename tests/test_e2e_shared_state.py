@@ -1,0 +1,191 @@
+"""End to end: one user's limit held across two real vLLM CPU engines that
+share their budgets through a real ``redis-server`` (Debian's, started here
+on a free loopback port), measured engine-side from both engines' event
+logs; then the store stopped mid-run and started again empty."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+from fractions import Fraction
+
+import httpx
+import pytest
+
+from harness import REPO, tiny_model
+from vllm_output_rate.limiter import NS_PER_S
+from vllm_output_rate.shared_state import HORIZON_S, LOOKAHEAD_S
+from vllm_output_rate.telemetry.events import EngineLog
+from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics, stream_chat
+from vllm_output_rate.tools.fleet_sim import worst_window_excess
+from vllm_output_rate.tools.redis_server import RedisServer, redis_server_binary
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(redis_server_binary() is None, reason="redis-server not installed")]
+
+LIMIT_A = 20
+LIMIT_B = 40
+#: engine-side stamps are taken when a step's output is processed, charges
+#: when it was dispatched: one step of slack per engine
+STEP_SLACK = 2
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shared")
+    redis = RedisServer().start()
+    events = [tmp / f"events-{i}.jsonl" for i in range(2)]
+    engines = [Server(tiny_model(), [
+        "--max-num-seqs", "16", "--max-model-len", "1024",
+        "--default-user-output-tokens-per-second", str(LIMIT_A),
+        "--user-output-tokens-per-second", json.dumps({"user-b": LIMIT_B}),
+        "--output-rate-shared-state", redis.url + "?timeout_ms=100"],
+        REPO / ".cache" / "logs" / f"e2e-shared-engine-{i}.log",
+        extra_env={"OUTPUT_RATE_TELEMETRY": "1", "OUTPUT_RATE_EVENTS": str(events[i])})
+        for i in range(2)]
+    errors = []
+
+    def start(server):
+        try:
+            server.start()
+        except Exception as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(e,)) for e in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    try:
+        assert not errors, errors
+        yield redis, engines, events
+    finally:
+        for e in engines:
+            e.stop()
+        redis.close()
+
+
+def run_streams(engines, plan, during=None):
+    """plan: [(engine index, user, streams, max_tokens)]; ``during`` runs in
+    a thread while the streams go."""
+    async def run():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+            jobs = [stream_chat(client, engines[i].base_url, "tiny", user, tokens)
+                    for i, user, streams, tokens in plan for _ in range(streams)]
+            return await asyncio.gather(*jobs)
+
+    side = threading.Thread(target=during) if during else None
+    if side:
+        side.start()
+    results = asyncio.run(run())
+    if side:
+        side.join()
+    assert [r.error for r in results if r.error] == []
+    assert all(r.completion_tokens == r.max_tokens for r in results)
+    return results
+
+
+def fleet_tokens(events, user, since_ns=0):
+    """(t_ns, tokens) of ``user`` over both engines' logs, in time order
+    (one machine: the engines' monotonic clocks are the same clock)."""
+    out = []
+    for path in events:
+        for t, tokens in EngineLog.read(path).steps:
+            n = sum(k for _, u, k in tokens if u == user)
+            if n and t >= since_ns:
+                out.append((t, n))
+    return sorted(out)
+
+
+def per_engine_tokens(events, user, since_ns=0):
+    return [sum(k for t, ts in EngineLog.read(p).steps if t >= since_ns
+                for _, u, k in ts if u == user) for p in events]
+
+
+def rate(spends):
+    if len(spends) < 2:
+        return 0.0
+    return (sum(n for _, n in spends) - spends[0][1]) / ((spends[-1][0] - spends[0][0]) / NS_PER_S)
+
+
+def wait_for_events(events):
+    time.sleep(2.5)  # the exporter appends the event log about once a second
+
+
+def test_one_users_limit_holds_across_two_engines(fleet):
+    redis, engines, events = fleet
+    start = time.monotonic_ns()
+    # user-a: four streams, two on each engine; user-b beside it, one on each
+    run_streams(engines, [(0, "user-a", 2, 60), (1, "user-a", 2, 60),
+                          (0, "user-b", 1, 200), (1, "user-b", 1, 200)])
+    wait_for_events(events)
+    for user, limit in (("user-a", LIMIT_A), ("user-b", LIMIT_B)):
+        spends = fleet_tokens(events, user, start)
+        assert sum(n for _, n in spends) == {"user-a": 240, "user-b": 400}[user]
+        fleet_rate = rate(spends)
+        print(f"\n{user}: fleet engine-side rate {fleet_rate:.2f} tok/s (limit {limit}), "
+              f"per engine {per_engine_tokens(events, user, start)}")
+        assert 0.97 * limit <= fleet_rate <= 1.03 * limit, (user, fleet_rate)
+        excess, window = worst_window_excess(spends, Fraction(limit), HORIZON_S, LOOKAHEAD_S,
+                                             STEP_SLACK)
+        assert excess <= 0, (user, excess, window)
+        # both engines served the user: the budget was shared, not split
+        assert min(per_engine_tokens(events, user, start)) > 0
+    # the lease machinery's own counters
+    for engine in engines:
+        samples = scrape_metrics(engine.base_url)
+        assert metric_value(samples, "vllm_output_rate_shared_tokens_leased_total") > 0
+        assert metric_value(samples, "vllm_output_rate_shared_tokens_spent_total") > 0
+        assert metric_value(samples, "vllm_output_rate_shared_store_calls_total", result="ok") > 0
+        assert metric_value(samples, "vllm_output_rate_shared_store_fallback") == 0
+        assert metric_value(samples, "vllm_output_rate_shared_live_engines") == 2
+        assert metric_value(samples, "vllm_output_rate_shared_store_call_seconds_count") > 0
+
+
+def test_store_stopped_mid_run_then_back_empty(fleet):
+    redis, engines, events = fleet
+    marks = {}
+
+    def outage():
+        time.sleep(3.0)
+        marks["down"] = time.monotonic_ns()
+        redis.stop()
+        time.sleep(5.0)
+        redis.start()  # empty: its data is lost
+        marks["up"] = time.monotonic_ns()
+
+    start = time.monotonic_ns()
+    run_streams(engines, [(0, "user-a", 2, 100), (1, "user-a", 2, 100)], during=outage)
+    wait_for_events(events)
+    spends = fleet_tokens(events, "user-a", start)
+    assert sum(n for _, n in spends) == 400
+    # both engines kept serving during the outage, each at its fallback share
+    # (20 / 2 engines last seen sharing user-a): the fleet at about 20
+    lo, hi = marks["down"] + NS_PER_S, marks["up"]
+    during = [s for s in spends if lo <= s[0] < hi]
+    fleet_rate = sum(n for _, n in during) / ((hi - lo) / NS_PER_S)
+    print(f"\nuser-a during the outage: {fleet_rate:.2f} tok/s over both engines, "
+          f"per engine {per_engine_tokens(events, 'user-a', lo)}")
+    assert 0.9 * LIMIT_A <= fleet_rate <= 1.1 * LIMIT_A
+    for path in events:
+        assert any(lo <= t < hi for t, ts in EngineLog.read(path).steps
+                   if any(u == "user-a" for _, u, _ in ts))
+    # after it: shared again, and the bound held across the outage and the reset
+    after = [s for s in spends if s[0] >= marks["up"] + NS_PER_S]
+    assert rate(after) >= 0.97 * LIMIT_A
+    excess, window = worst_window_excess(spends, Fraction(LIMIT_A), HORIZON_S, LOOKAHEAD_S,
+                                         STEP_SLACK)
+    assert excess <= 0, (excess, window)
+    for engine in engines:
+        samples = scrape_metrics(engine.base_url)
+        assert metric_value(samples, "vllm_output_rate_shared_store_calls_total", result="failed") > 0
+        assert metric_value(samples, "vllm_output_rate_shared_store_fallback_seconds_total") > 2
+        assert metric_value(samples, "vllm_output_rate_shared_tokens_unleased_total") > 0
+        assert metric_value(samples, "vllm_output_rate_shared_store_fallback") == 0
+        log = engine.log_path.read_text(errors="replace")
+        # one line per episode, naming the store without secrets
+        assert len(re.findall(r"shared state: the store at \S+ is unreachable", log)) == 1
+        assert "answers again; shared budgets resumed" in log

@@ -1,0 +1,425 @@
+"""Shared-budget mode: the lease book (pure), the option, and the real lease
+protocol against a real ``redis-server`` (Debian's, started here on a free
+loopback port) with simulated engines on a fake clock: the fleet bound
+against a brute-force oracle, engines joining and leaving, the store
+stopped and restarted empty."""
+
+from __future__ import annotations
+
+import math
+import time
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from vllm_output_rate.config import OutputRateConfig, OutputRateConfigError
+from vllm_output_rate.lease_book import LeaseBook
+from vllm_output_rate.limiter import NS_PER_S
+from vllm_output_rate.shared_state import (
+    LeaseAsk,
+    RedisStore,
+    SharedBudgetLimiter,
+    SharedStateError,
+    SharedStateSettings,
+    fleet_bound,
+    parse_shared_state,
+)
+from vllm_output_rate.tools.fleet_sim import T0_NS, Fleet, worst_window_excess
+from vllm_output_rate.tools.redis_server import RedisServer, redis_server_binary
+
+needs_redis = pytest.mark.skipif(redis_server_binary() is None,
+                                 reason="redis-server not installed (make tools installs it)")
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    if redis_server_binary() is None:
+        pytest.skip("redis-server not installed")
+    server = RedisServer().start()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def store_url(redis_server):
+    import redis
+
+    if redis_server.proc is None:
+        redis_server.start()
+    redis.Redis.from_url(redis_server.url).flushdb()
+    return redis_server.url
+
+
+# -- the lease book (pure) ---------------------------------------------------------
+
+
+def test_lease_book_spends_oldest_first_and_expires_the_rest():
+    book = LeaseBook()
+    book.add_grant("a", 3, deadline_ns=100)
+    book.add_grant("a", 2, deadline_ns=200)
+    assert book.balance == {"a": 5}
+    assert book.spend("a", 4) == 4  # all of the first lease, one of the second
+    book.expire(150)  # the first lease was spent: nothing expires
+    assert book.balance == {"a": 1} and book.expired == 0
+    book.expire(200)
+    assert book.balance == {} and book.expired == 1 and len(book) == 0
+    assert (book.granted, book.spent) == (5, 4)
+
+
+def test_lease_book_never_spends_more_than_it_holds():
+    book = LeaseBook()
+    assert book.spend("a", 1) == 0
+    book.add_grant("a", 2, 10)
+    assert book.spend("a", 5) == 2
+    assert book.balance == {}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["grant", "spend", "expire", "clear"]),
+                          st.sampled_from(["a", "b"]), st.integers(0, 6), st.integers(1, 40)),
+                max_size=60))
+def test_lease_book_against_a_list_of_leases(ops):
+    """Oracle: every lease as [deadline, left], spent oldest deadline first."""
+    book, oracle = LeaseBook(), {"a": [], "b": []}
+    now, expired = 0, 0
+    for op, user, n, dt in ops:
+        if op == "grant":
+            deadline = now + dt
+            # grants of a user come with rising deadlines (sent in order)
+            if oracle[user] and oracle[user][-1][0] > deadline:
+                deadline = oracle[user][-1][0]
+            book.add_grant(user, n, deadline)
+            if n:
+                oracle[user].append([deadline, n])
+        elif op == "spend":
+            held = sum(left for _, left in oracle[user])
+            assert book.spend(user, n) == min(n, held)
+            need = min(n, held)
+            for lease in oracle[user]:
+                take = min(need, lease[1])
+                lease[1] -= take
+                need -= take
+            oracle[user] = [l for l in oracle[user] if l[1] > 0]
+        elif op == "expire":
+            now += dt
+            book.expire(now)
+            for u in oracle:
+                expired += sum(left for d, left in oracle[u] if d <= now)
+                oracle[u] = [l for l in oracle[u] if l[0] > now]
+        else:
+            book.clear()
+            expired += sum(left for u in oracle for _, left in oracle[u])
+            oracle = {"a": [], "b": []}
+        want = {u: sum(left for _, left in ls) for u, ls in oracle.items()}
+        assert book.balance == {u: v for u, v in want.items() if v}
+        assert book.expired == expired
+        assert book.granted == book.spent + book.expired + sum(book.balance.values())
+
+
+# -- the option -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value, match", [
+    ("", "expected redis://"),
+    ("http://127.0.0.1:6379", "redis://"),
+    ("redis://127.0.0.1", "host and a port"),
+    ("redis://:6379", "host and a port"),
+    ("redis://127.0.0.1:notaport", "bad port"),
+    ("redis://127.0.0.1:6379/x", "database must be a number"),
+    ("redis://127.0.0.1:6379/0?tick=5", "unknown setting 'tick'"),
+    ("redis://127.0.0.1:6379/0?tick_ms=0", "tick_ms must be a positive"),
+    ("redis://127.0.0.1:6379/0?horizon_ms=nan", "horizon_ms must be a positive"),
+    ("redis://127.0.0.1:6379/0?tick_ms=100&horizon_ms=150", "at least two ticks"),
+])
+def test_bad_shared_state_urls_are_refused_naming_the_option(value, match):
+    with pytest.raises(SharedStateError, match=match) as info:
+        parse_shared_state(value)
+    assert "--output-rate-shared-state" in str(info.value)
+
+
+def test_a_password_never_shows_in_errors_or_logs():
+    with pytest.raises(SharedStateError) as info:
+        parse_shared_state("redis://:s3cret@127.0.0.1/0")
+    assert "s3cret" not in str(info.value)
+    settings_ = parse_shared_state("redis://:s3cret@127.0.0.1:6379/2?tick_ms=20")
+    assert settings_.redacted_url == "redis://127.0.0.1:6379/2"
+    assert settings_.tick_s == pytest.approx(0.02)
+
+
+def test_the_option_travels_with_the_limits_and_needs_them():
+    config = OutputRateConfig.from_options("20", shared_state="redis://127.0.0.1:6379/0")
+    again = OutputRateConfig.from_dict(config.to_dict())
+    assert again.shared_state == "redis://127.0.0.1:6379/0"
+    assert again.digest == OutputRateConfig.from_options("20").digest  # limits unchanged
+    with pytest.raises(OutputRateConfigError, match="needs --default-user-output-tokens-per-second"):
+        OutputRateConfig.from_options(None, shared_state="redis://127.0.0.1:6379/0")
+    with pytest.raises(OutputRateConfigError, match="--output-rate-shared-state"):
+        OutputRateConfig.from_options("20", shared_state="redis://nowhere")
+
+
+def test_fleet_bound_is_the_stated_formula():
+    assert fleet_bound(0, 20, 0.5, 0.25) == 16  # floor(0.75 * 20) + 1
+    assert fleet_bound(10, Fraction(1, 2), 0.5, 0.25) == 6
+    assert fleet_bound(1, 100, 0.5, 0.25) == 176
+
+
+# -- the store's script, on a real Redis ---------------------------------------------
+
+
+@needs_redis
+def test_the_store_grants_one_gcra_with_the_lookahead_as_burst(store_url):
+    s = parse_shared_state(store_url)
+    store = RedisStore(s)
+    now = 1e15
+    first = store.lease("e1", [LeaseAsk("a", Fraction(20), 100)], "", now_us=now)
+    assert first.granted["a"] == (6, 1)  # slots starting within 250 ms: floor(250/50) + 1
+    assert store.lease("e2", [LeaseAsk("a", Fraction(20), 100)], first.epoch,
+                       now_us=now).granted["a"] == (0, 2)  # nothing left; two engines share "a"
+    later = store.lease("e2", [LeaseAsk("a", Fraction(20), 3)], first.epoch, now_us=now + 100_000)
+    assert later.granted["a"] == (2, 2) and later.live_engines == 2  # two slots passed
+    assert store.lease("e1", [LeaseAsk("a", Fraction(20), 1)], "another", now_us=now).reset
+
+
+@needs_redis
+def test_spends_reported_after_a_reset_are_charged_before_granting(store_url):
+    store = RedisStore(parse_shared_state(store_url))
+    now = 1e15
+    epoch = store.lease("e1", [], "", now_us=now).epoch
+    # 15 tokens spent in the last 0.75 s (the fallback window): TAT = now - 0.75 s + 15 slots
+    reply = store.lease("e1", [LeaseAsk("a", Fraction(20), 100, used=15)], epoch, now_us=now)
+    assert reply.granted["a"][0] == 6  # TAT at now: the lookahead's worth, no more
+    reply = store.lease("e1", [LeaseAsk("b", Fraction(20), 100, used=40)], epoch, now_us=now)
+    assert reply.granted["b"][0] == 0  # TAT 1.25 s ahead: nothing before it passes
+
+
+# -- simulated fleets on a fake clock against the real store ---------------------------
+
+
+def _check_bound(fleet, user, extra=0):
+    s = fleet.settings
+    excess, window = worst_window_excess(sorted(fleet.spends.get(user, [])), fleet.rate_of(user),
+                                         s.horizon_s, s.lookahead_s, extra)
+    assert excess <= 0, f"{user}: {excess} tokens above the fleet bound in a {window:.3f} s window"
+
+
+@needs_redis
+@pytest.mark.parametrize("engines", [1, 2, 4])
+def test_a_fleet_spends_the_limit_and_stays_within_the_bound(store_url, engines):
+    fleet = Fleet(store_url, Fraction(20), {"fast": Fraction(200)}, seed=engines)
+    for i in range(engines):
+        engine = fleet.add_engine()
+        engine.streams = {"a": 2, "fast": 3}
+    fleet.add_engine().streams = {"solo": 1}  # one stream of a user alone
+    fleet.run(8.0)
+    warm = T0_NS + 2 * NS_PER_S
+    for user, limit in (("a", 20), ("fast", 200)):
+        rate = fleet.spent(user, warm) / 6.0
+        assert 0.97 * limit <= rate <= fleet_bound(6.0, limit, 0.5, 0.25) / 6.0, (user, rate)
+        _check_bound(fleet, user)
+    # a single stream of 100 steps/s at a 20 tok/s limit also gets its limit
+    assert fleet.spent("solo", warm) / 6.0 >= 0.97 * 20
+    per_engine = [e.limiter.book.spent for e in fleet.engines[:engines]]
+    if engines > 1:
+        # the engines' calls are independent: each gets a real share
+        assert min(per_engine) > 0.5 * sum(per_engine) / engines, per_engine
+
+
+@needs_redis
+@settings(max_examples=12, deadline=None)
+@given(st.data())
+def test_fleet_bound_holds_for_random_demands_joins_and_leaves(redis_server, data):
+    """Oracle: every window between two spends, brute force."""
+    import redis
+
+    if redis_server.proc is None:
+        redis_server.start()
+    redis.Redis.from_url(redis_server.url).flushdb()
+    limit = data.draw(st.sampled_from([Fraction(5), Fraction(20), Fraction(1, 2), Fraction(75)]))
+    settings_ = SharedStateSettings(redis_server.url,
+                                    tick_s=data.draw(st.sampled_from([0.02, 0.05])),
+                                    horizon_s=data.draw(st.sampled_from([0.2, 0.5])),
+                                    lookahead_s=data.draw(st.sampled_from([0.05, 0.25])))
+    fleet = Fleet(redis_server.url, limit, settings=settings_,
+                  step_s=data.draw(st.sampled_from([0.005, 0.01, 0.03])),
+                  seed=data.draw(st.integers(0, 1000)))
+    engines = [fleet.add_engine() for _ in range(data.draw(st.integers(1, 4)))]
+    plan = data.draw(st.lists(st.tuples(st.integers(0, 3), st.integers(0, len(engines) - 1),
+                                        st.integers(0, 4)), min_size=1, max_size=8))
+    events = sorted(plan)
+    t = 0.0
+    for phase_s, i, streams in events:
+        if phase_s > t:
+            fleet.run(phase_s - t)
+            t = phase_s
+        engine = engines[i]
+        if streams == 0 and data.draw(st.booleans()):
+            engine.alive = False  # an engine that dies (its leases simply lapse)
+        else:
+            engine.alive = True
+            engine.streams = {"u": streams}
+    fleet.run(4.0 - t)
+    _check_bound(fleet, "u")
+
+
+@needs_redis
+def test_store_down_and_back_empty_no_stall_fallback_share_and_no_burst(redis_server, caplog):
+    import logging
+
+    import redis
+
+    if redis_server.proc is None:
+        redis_server.start()
+    redis.Redis.from_url(redis_server.url).flushdb()
+    settings_ = SharedStateSettings(redis_server.url, timeout_s=0.05)
+    fleet = Fleet(redis_server.url, Fraction(20), settings=settings_, seed=3)
+    a, b = fleet.add_engine(), fleet.add_engine()
+    a.streams = b.streams = {"u": 2}
+    s = NS_PER_S
+    with caplog.at_level(logging.WARNING, logger="vllm_output_rate"):
+        fleet.run(3.0)
+        redis_server.stop()
+        fleet.run(3.0)
+        redis_server.start()  # back, and empty: a store that lost its data
+        fleet.run(4.0)
+    # serving never stopped: every engine spent in every second
+    for second in range(10):
+        assert fleet.spent("u", T0_NS + second * s, T0_NS + (second + 1) * s) > 0
+    # in fallback each engine gets 20 / 2 (two engines last seen sharing "u")
+    fallback_rate = fleet.spent("u", T0_NS + 4 * s, T0_NS + 6 * s) / 2.0
+    assert 0.95 * 20 <= fallback_rate <= 1.05 * 20
+    for engine in (a, b):
+        stats = engine.limiter.stats()
+        assert stats["fallback_episodes"] == 1 and stats["fallback"] == 0.0
+        assert stats["failed_calls"] >= 1 and stats["unleased"] > 0
+        assert stats["resets"] == 1 or stats["fallback_episodes"] == 1
+    # shared mode again after the store came back
+    assert fleet.spent("u", T0_NS + 7 * s, T0_NS + 10 * s) / 3.0 >= 0.97 * 20
+    assert a.limiter.book.spent > 0 and b.limiter.book.spent > 0
+    _check_bound(fleet, "u")  # the same bound across the outage and the reset
+    unreachable = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(unreachable) == 2  # one line per engine per episode
+    assert "***" not in unreachable[0].getMessage()
+
+
+@needs_redis
+def test_a_dead_engine_holds_no_budget_past_the_horizon(store_url):
+    fleet = Fleet(store_url, Fraction(20), seed=5)
+    a, b = fleet.add_engine(), fleet.add_engine()
+    a.streams = {"u": 3}
+    fleet.run(2.0)
+    a.alive = False  # dies holding leases
+    b.streams = {"u": 3}
+    fleet.run(0.05)
+    start = fleet.now_ns
+    fleet.run(3.0)
+    s = fleet.settings
+    ready = start + int((s.horizon_s + s.lookahead_s) * NS_PER_S)
+    # after horizon + lookahead the survivor gets the whole limit
+    rate = fleet.spent("u", ready) / ((fleet.now_ns - ready) / NS_PER_S)
+    assert rate >= 0.97 * 20
+    _check_bound(fleet, "u")
+
+
+@needs_redis
+def test_the_lease_thread_keeps_the_scheduler_off_the_network(store_url):
+    """Real threads, real clock: a store that answers slowly delays grants,
+    never the caller of ``available`` / ``settle``."""
+    settings_ = parse_shared_state(store_url + "?timeout_ms=100")
+    store = RedisStore(settings_)
+    slow_lease = store.lease
+
+    def slow(*args, **kwargs):
+        time.sleep(0.08)
+        return slow_lease(*args, **kwargs)
+
+    store.lease = slow
+    limiter = SharedBudgetLimiter(Fraction(50), {}, settings_, store=store)
+    try:
+        worst = 0.0
+        spent = 0
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            t0 = time.perf_counter()
+            now = time.monotonic_ns()
+            limiter.begin_step(now)
+            n = min(limiter.available("u", now), 4)
+            limiter.settle(now, {"u": n} if n else {})
+            if n < 4:
+                limiter.ready_at_ns("u")
+            spent += n
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.005)
+        assert worst < 0.02  # a step never waited for the 80 ms calls
+        assert spent >= 0.6 * 50 * 2.0  # and grants came through all the same
+        assert limiter.stats()["calls"] > 5
+    finally:
+        limiter.close()
+    assert not limiter.thread._thread.is_alive()
+
+
+def test_fallback_share_divides_by_the_engines_last_seen():
+    from vllm_output_rate.limiter import OutputRateLimiter
+    from vllm_output_rate.shared_state import _FallbackLimiter
+
+    base = OutputRateLimiter(Fraction(20), {"big": Fraction(90)})
+    fb = _FallbackLimiter(base, {"big": 3}, live=4)
+    assert fb.rate_of("big") == 30 and fb.rate_of("other") == 5
+    assert math.isclose(float(_FallbackLimiter(base, {}, live=0).rate_of("x")), 20)
+
+
+# -- the real vLLM scheduler in shared-budget mode ------------------------------------
+
+MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
+
+
+@needs_redis
+@pytest.mark.parametrize("is_async", MODES)
+def test_two_real_schedulers_share_one_users_budget(store_url, is_async, monkeypatch):
+    """vLLM's own Scheduler / AsyncScheduler and KV cache manager, two of
+    them on one fake clock, sharing user-a's budget through the real store;
+    the lease threads' rounds run between steps (their threads off)."""
+    from harness import Driver, FakeClock, make_request, make_scheduler
+    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+
+    monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
+    clock = FakeClock()
+    limits = {"default_user_output_tokens_per_second": 20,
+              "user_output_tokens_per_second": {"user-b": 1000},
+              "shared_state": store_url}
+    drivers, user_b = [], []
+    for _ in range(2):
+        sched = make_scheduler(limits, clock=clock, async_scheduling=is_async)
+        drivers.append(Driver(sched, None, is_async=is_async))
+        for _ in range(2):
+            sched.add_request(make_request("user-a", max_tokens=400))
+        user_b.append(make_request("user-b", max_tokens=400))
+        sched.add_request(user_b[-1])
+    first_step = clock()
+    charged: list[tuple[int, int]] = []
+    steps = 600  # 6 s at 10 ms
+    for i in range(steps):
+        now = clock()
+        for drv in drivers:
+            thread = drv.scheduler.output_rate_limiter.thread
+            if i % 5 == 0 or drv.scheduler.output_rate_limiter.starved:
+                thread.tick(now_us=now / 1000)
+            drv.step()
+            n = sum(1 for u in drv.scheduler.output_rate_last_step.charged.values() if u == "user-a")
+            if n:
+                charged.append((now, n))
+        clock.advance_ms(10)
+    total = sum(n for _, n in charged)
+    warm = [(t, n) for t, n in charged if t >= first_step + 2 * NS_PER_S]
+    rate = sum(n for _, n in warm) / 4.0
+    assert 0.97 * 20 <= rate <= fleet_bound(4.0, 20, 0.5, 0.25) / 4.0, rate
+    excess, window = worst_window_excess(charged, Fraction(20), 0.5, 0.25)
+    assert excess <= 0, (excess, window)
+    # both schedulers served user-a, and user-b beside it ran at full speed
+    for drv, b in zip(drivers, user_b):
+        assert drv.scheduler.output_rate_limiter.book.spent > 0.25 * total
+        # one token per step from its first lease on: done within 420 steps
+        assert drv.finished.get(b.request_id) is not None
+        assert drv.tokens[b.request_id][-1][0] <= 420
+        drv.scheduler.shutdown()
