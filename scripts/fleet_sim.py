@@ -64,7 +64,7 @@ class Fleet:
         self.engines: list[SimEngine] = []
         #: user -> [(ns, tokens)] spent by the whole fleet
         self.spends: dict[str, list[tuple[int, int]]] = {}
-        self.store_calls = 0
+
 
     def clock(self) -> int:
         return self.now_ns

@@ -423,3 +423,23 @@ def test_two_real_schedulers_share_one_users_budget(store_url, is_async, monkeyp
         assert drv.finished.get(b.request_id) is not None
         assert drv.tokens[b.request_id][-1][0] <= 420
         drv.scheduler.shutdown()
+
+
+@needs_redis
+def test_a_contended_budget_is_shared_even_with_an_engine_that_asks_far_more_often(store_url):
+    """Engine A asks every 10 ms, B every 125 ms (a backed-off engine): the
+    first to ask after each slot accrues would take every slot; under
+    contention the store caps each sharing engine at limit / sharing."""
+    store = RedisStore(parse_shared_state(store_url))
+    now, got = 1e15, {"A": 0, "B": 0}
+    epoch = store.lease("A", [], "", now_us=now).epoch
+    for i in range(500):  # 5 s
+        t = now + i * 10_000
+        if i % 12 == 0:
+            got["B"] += store.lease("B", [LeaseAsk("u", Fraction(20), 2)], epoch,
+                                    now_us=t + 1).granted["u"][0]
+        got["A"] += store.lease("A", [LeaseAsk("u", Fraction(20), 2)], epoch,
+                                now_us=t).granted["u"][0]
+    total = got["A"] + got["B"]
+    assert total <= fleet_bound(5.0, 20, 0, 0.25)  # one GCRA for both
+    assert got["B"] >= 0.4 * total, got

@@ -27,8 +27,8 @@ and ``B`` the lookahead (0.5 s and 0.25 s by default): the long-run rate is
 exactly the limit, a short window may hold ``(H + B) x limit`` more.
 ``fleet_bound()`` states it; tests check it against a brute-force oracle.
 
-**Faults.** A call that fails or times out (``socket_timeout``, 250 ms;
-the thread waits, not the scheduler) puts the engine in *fallback*: its
+**Faults.** Two calls in a row that fail or time out (``socket_timeout``,
+250 ms; the thread waits, not the scheduler) put the engine in *fallback*: its
 leases are dropped and each user gets ``limit / n`` on this engine alone,
 ``n`` being the number of engines the store last said were sharing that
 user (users it never saw: the live engines it last saw), one log line per
@@ -74,6 +74,8 @@ TIMEOUT_S = 0.25
 LIVE_S = 2.0
 #: Store key prefix.
 KEY_PREFIX = "output_rate:"
+#: Failed calls in a row that put an engine in fallback.
+FAILURES_TO_FALLBACK = 2
 
 
 class SharedStateError(ValueError):
@@ -162,7 +164,9 @@ def fleet_bound(window_s: float, rate: Fraction | float, horizon_s: float,
 
 #: One call per engine per tick. KEYS: the engines' heartbeat set, the epoch
 #: key, then one hash per user (field ``tat``: its TAT in us of the store's
-#: clock; field ``e:<engine>``: when that engine last leased the user).
+#: clock; ``e:<engine>``: when that engine last leased the user; ``s:<engine>``:
+#: the TAT of that engine's share; ``w:<engine>``: when the store last gave it
+#: less than it asked: while another engine waits, each gets its share).
 #: ARGV: engine id, now in us ('' = the store's clock), live window (us),
 #: lookahead (us), report window (us), the epoch the engine knows ('' =
 #: none), a fresh epoch to set if the store has none, then per user: slot
@@ -195,6 +199,8 @@ local reset = 0
 if ARGV[6] ~= '' and ARGV[6] ~= epoch then reset = 1 end
 local out = {string.format('%.0f', now), epoch, live, reset}
 local me = 'e:' .. ARGV[1]
+local my_share = 's:' .. ARGV[1]
+local my_wait = 'w:' .. ARGV[1]
 local stamp = string.format('%.0f', now)
 local keep_ms = math.ceil(live_us / 1000) * 2
 for i = 1, #KEYS - 2 do
@@ -204,17 +210,29 @@ for i = 1, #KEYS - 2 do
   local used = tonumber(ARGV[7 + 3 * i])
   local fields = redis.call('HGETALL', key)
   local tat = 0
+  local share_tat = 0
   local sharing = 1
+  local others_waiting = false
   local stale = {}
   for j = 1, #fields, 2 do
     local f = fields[j]
+    local kind = string.sub(f, 1, 2)
     if f == 'tat' then
       tat = tonumber(fields[j + 1])
-    elseif f ~= me then
+    elseif f == my_share then
+      share_tat = tonumber(fields[j + 1])
+    elseif kind == 'w:' and f ~= my_wait then
+      if tonumber(fields[j + 1]) >= now - lookahead then
+        others_waiting = true
+      end
+    elseif kind == 'e:' and f ~= me then
       if tonumber(fields[j + 1]) >= now - live_us then
         sharing = sharing + 1
       else
+        local engine = string.sub(f, 3)
         stale[#stale + 1] = f
+        stale[#stale + 1] = 's:' .. engine
+        stale[#stale + 1] = 'w:' .. engine
       end
     end
   end
@@ -226,10 +244,28 @@ for i = 1, #KEYS - 2 do
     local base = math.max(tat, now)
     if want > 0 and base - now <= lookahead then
       granted = math.min(want, math.floor((now + lookahead - base) / slot) + 1)
+      -- Contended (another engine sharing the user was refused within the
+      -- lookahead): each engine gets at most its share, limit / sharing,
+      -- kept as a GCRA of its own. Otherwise an engine may take more (its
+      -- share's TAT still advances: it pays that back under contention).
+      local share_slot = slot * sharing
+      local share_base = math.max(share_tat, now)
+      if others_waiting then
+        local fair = 0
+        if share_base - now <= lookahead then
+          fair = math.floor((now + lookahead - share_base) / share_slot) + 1
+        end
+        granted = math.min(granted, fair)
+      end
       tat = base + granted * slot
+      share_tat = share_base + granted * share_slot
     end
   end
-  redis.call('HSET', key, 'tat', string.format('%.3f', tat), me, stamp)
+  redis.call('HSET', key, 'tat', string.format('%.3f', tat), me, stamp,
+             my_share, string.format('%.3f', share_tat))
+  if granted < want then
+    redis.call('HSET', key, my_wait, stamp)
+  end
   if #stale > 0 then
     redis.call('HDEL', key, unpack(stale))
   end
@@ -275,9 +311,14 @@ class RedisStore:
                     f"{SHARED_STATE_OPTION} needs the 'redis' Python client: "
                     f"pip install 'vllm-output-rate[shared]'") from None
             url = settings.url.replace("valkey", "redis", 1) if settings.url.startswith("valkey") else settings.url
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
+            # No retries inside the client (its default retries with a
+            # backoff of seconds): the lease thread asks again next tick.
             client = redis.Redis.from_url(
                 url.split("?", 1)[0], socket_timeout=settings.timeout_s,
-                socket_connect_timeout=settings.timeout_s, retry_on_timeout=False,
+                socket_connect_timeout=settings.timeout_s, retry=Retry(NoBackoff(), 0),
                 health_check_interval=0)
         self.client = client
         self.settings = settings
@@ -325,6 +366,9 @@ class _FallbackLimiter(OutputRateLimiter):
         return self._base_rate(user) / max(1, self._sharing.get(user, self._live))
 
 
+_plain_available = OutputRateLimiter.available
+
+
 class SharedBudgetLimiter(OutputRateLimiter):
     """The engine's limiter in shared-budget mode.
 
@@ -342,6 +386,7 @@ class SharedBudgetLimiter(OutputRateLimiter):
         super().__init__(default_rate, user_rates, burst_ns)
         self.settings = settings
         self.book = LeaseBook()
+        self._balance = self.book.balance  # (the same dict, for the hot path)
         #: scheduler -> lease thread: (now_ns, {user: tokens}, fallback?)
         #: per step that charged, and users short of leases (one append each)
         self.usage: deque[tuple[int, Mapping[str, int], bool]] = deque()
@@ -387,10 +432,10 @@ class SharedBudgetLimiter(OutputRateLimiter):
         fallback = self._fallback
         if fallback is not None:
             return fallback.available(user, now_ns)
-        held = self.book.balance.get(user, 0)
+        held = self._balance.get(user, 0)
         if held <= 0:
             return 0
-        local = super().available(user, now_ns)
+        local = _plain_available(self, user, now_ns)
         return local if local < held else held
 
     def try_take(self, user: str, now_ns: int) -> bool:
@@ -433,8 +478,11 @@ class SharedBudgetLimiter(OutputRateLimiter):
             retry = thread.retry_at.get(user)
             if retry is not None:
                 # The store said the fleet's budget of this user is spent
-                # for now: the thread asks again then, not sooner.
-                return max(super().ready_at_ns(user), retry)
+                # for now: the thread asks again then (and wakes for it), the
+                # grant is here a round trip later; never in the past (the
+                # engine loop would spin until the thread's next round).
+                return max(super().ready_at_ns(user), retry + thread.round_trip_ns,
+                           thread.clock() + thread.round_trip_ns)
             # Short of leases: the lease thread is asked at once, and the
             # engine loop looks again soon (a round trip to the store).
             if user not in self._starved_step:
@@ -498,6 +546,7 @@ class LeaseThread:
         self.resets = 0
         self.unleased_spent = 0
         self.in_fallback = False
+        self._failures = 0  # failed calls in a row
         self._fallback_since: float | None = None
         self._fallback_total = 0.0
         self._report_usage = False
@@ -513,12 +562,16 @@ class LeaseThread:
         #: Replaced whole after each call (the scheduler's thread reads it).
         self.retry_at: dict[str, int] = {}
         self._retry_ns = int(max(settings.tick_s, settings.lookahead_s / 2) * NS_PER_S)
+        self._last_ask_ns = 0
         self._latencies: deque[float] = deque(maxlen=4096)
         self._wake = threading.Event()
         self._stop = threading.Event()
         #: shortest time between two calls (a user short of budget wakes
         #: the thread at once, but not more often than this)
         self.min_gap_ns = int(settings.tick_s * NS_PER_S) // 5
+        #: how long after its call a grant is taken to be there (the engine
+        #: loop looks again then)
+        self.round_trip_ns = 2_000_000
         self._thread: threading.Thread | None = None
 
     # -- scheduler's side (cheap, lock-free reads) ---------------------------
@@ -561,7 +614,12 @@ class LeaseThread:
         gap = self.min_gap_ns / NS_PER_S
         while not self._stop.is_set():
             started = time.monotonic()
-            self._wake.wait(tick)
+            # At the next tick, or when the first retry falls due.
+            retry_at = self.retry_at
+            wait = tick
+            if retry_at:
+                wait = min(tick, max(0.0, (min(retry_at.values()) - self.clock()) / NS_PER_S))
+            self._wake.wait(wait)
             self._wake.clear()
             if self._stop.is_set():
                 break
@@ -588,9 +646,14 @@ class LeaseThread:
         except Exception as exc:  # the store is down, slow or refuses
             self.calls += 1
             self.failed_calls += 1
-            self._enter_fallback(f"{type(exc).__name__}: {exc}")
+            self._failures += 1
+            # One failed call (a blip: a call slower than the timeout on a
+            # loaded machine) keeps the leases held; two in a row is an outage.
+            if self._failures >= FAILURES_TO_FALLBACK:
+                self._enter_fallback(f"{type(exc).__name__}: {exc}")
             return
         self.calls += 1
+        self._failures = 0
         self._latencies.append(time.perf_counter() - t0)
         self.live_engines = reply.live_engines
         if reply.reset or (self.epoch and reply.epoch != self.epoch):
@@ -651,18 +714,28 @@ class LeaseThread:
             spends.popleft()
 
     def _asks(self, now_ns: int) -> list[LeaseAsk]:
-        """Per user with demand on this engine: what to ask for, sized to
-        cover two ticks (the fair share of a user it ran short of)."""
+        """Per user with demand on this engine: what to ask for.
+
+        A user it ran short of: at least its fair share (limit / engines
+        sharing the user; the store caps a contended budget at that), more
+        if it spent more lately, to last until the next ask (a retry
+        interval and two ticks). Any other user: one and a half times what
+        it spent lately, for two ticks. What an engine holds stays well
+        under the horizon's worth, so leases are spent, not left to expire.
+        Never above the limit."""
         limiter = self.limiter
         tick = self.settings.tick_s
+        elapsed = max((now_ns - self._last_ask_ns) / NS_PER_S, tick)
+        self._last_ask_ns = now_ns
+        cover_short = self._retry_ns / NS_PER_S + 2 * tick
         held = limiter.book.balance
-        demand = self._demand
+        demand = self._demand  # user -> tokens per second wanted lately
         users = set(self._recent) | self._short
         # A user's demand estimate decays over a few ticks without spends.
         for user in list(demand):
             if user not in users:
                 demand[user] *= 0.5
-                if demand[user] < 0.5:
+                if demand[user] * 2 * tick < 0.5:
                     del demand[user]
         # After a fallback or a reset: everything spent within the window
         # the store must know of (over-charges the leased part the store
@@ -678,15 +751,17 @@ class LeaseThread:
             if retry_at.get(user, 0) > now_ns and not used.get(user):
                 continue  # the store said no for now: ask again later
             rate = limiter.rate_of(user)
-            sharing = max(1, self.sharing.get(user, 1))
-            fair = float(rate) * 2 * tick / sharing
-            spent = self._recent.get(user, 0)
+            limit = float(rate)
+            spend = self._recent.get(user, 0) / elapsed
             if user in self._short:
-                need = max(fair, min(2.0 * spent, float(rate) * 2 * tick))
+                # (Growing from what it spent: a user whose limit is far
+                # above what one engine can serve gets no lease it cannot use.)
+                fair = limit / max(1, self.sharing.get(user, 1))
+                wanted, cover = max(min(fair, 2 * spend + 4 / cover_short), spend), cover_short
             else:
-                need = max(spent * 2.0, demand.get(user, 0.0))
-            demand[user] = need
-            want = max(0, math.ceil(need) - held.get(user, 0))
+                wanted, cover = max(1.5 * spend, demand.get(user, 0.0)), 2 * tick
+            wanted = demand[user] = min(wanted, limit)
+            want = max(0, math.ceil(wanted * cover) - held.get(user, 0))
             if want or used.get(user):
                 asks.append(LeaseAsk(user, rate, want, used.get(user, 0)))
         return asks
