@@ -443,3 +443,22 @@ def test_a_contended_budget_is_shared_even_with_an_engine_that_asks_far_more_oft
     total = got["A"] + got["B"]
     assert total <= fleet_bound(5.0, 20, 0, 0.25)  # one GCRA for both
     assert got["B"] >= 0.4 * total, got
+
+
+@needs_redis
+def test_a_changed_limit_keeps_the_debt_in_tokens_at_the_store(store_url):
+    """A reloaded limit (0.5 -> 1000 tok/s): the store converts its TAT as
+    the engines' limiters do, so a user throttled at the old limit is not
+    held for the old limit's slot length."""
+    store = RedisStore(parse_shared_state(store_url))
+    now = 1e15
+    epoch = store.lease("e1", [], "", now_us=now).epoch
+    # lookahead 250 ms at 0.5 tok/s: one token, the TAT 2 s ahead
+    assert store.lease("e1", [LeaseAsk("u", Fraction(1, 2), 5)], epoch,
+                       now_us=now).granted["u"][0] == 1
+    assert store.lease("e1", [LeaseAsk("u", Fraction(1, 2), 5)], epoch,
+                       now_us=now + 1000).granted["u"][0] == 0
+    # at 1000 tok/s the one token of debt is 1 ms: the lookahead is open again
+    got = store.lease("e1", [LeaseAsk("u", Fraction(1000), 1000)], epoch,
+                      now_us=now + 2000).granted["u"][0]
+    assert 240 <= got <= 251

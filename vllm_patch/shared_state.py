@@ -164,7 +164,7 @@ def fleet_bound(window_s: float, rate: Fraction | float, horizon_s: float,
 
 #: One call per engine per tick. KEYS: the engines' heartbeat set, the epoch
 #: key, then one hash per user (field ``tat``: its TAT in us of the store's
-#: clock; ``e:<engine>``: when that engine last leased the user; ``s:<engine>``:
+#: clock; ``slot``: 1/limit in us when it was last leased; ``e:<engine>``: when that engine last leased the user; ``s:<engine>``:
 #: the TAT of that engine's share; ``w:<engine>``: when the store last gave it
 #: less than it asked: while another engine waits, each gets its share).
 #: ARGV: engine id, now in us ('' = the store's clock), live window (us),
@@ -210,6 +210,7 @@ for i = 1, #KEYS - 2 do
   local used = tonumber(ARGV[7 + 3 * i])
   local fields = redis.call('HGETALL', key)
   local tat = 0
+  local old_slot = slot
   local share_tat = 0
   local sharing = 1
   local others_waiting = false
@@ -219,6 +220,8 @@ for i = 1, #KEYS - 2 do
     local kind = string.sub(f, 1, 2)
     if f == 'tat' then
       tat = tonumber(fields[j + 1])
+    elseif f == 'slot' then
+      old_slot = tonumber(fields[j + 1])
     elseif f == my_share then
       share_tat = tonumber(fields[j + 1])
     elseif kind == 'w:' and f ~= my_wait then
@@ -235,6 +238,14 @@ for i = 1, #KEYS - 2 do
         stale[#stale + 1] = 'w:' .. engine
       end
     end
+  end
+  if old_slot ~= slot then
+    -- The limit changed (a reloaded limits file): the debt is kept in
+    -- tokens, as the engines' own limiters keep it; shares start afresh.
+    if tat > now then
+      tat = now + (tat - now) * slot / old_slot
+    end
+    share_tat = 0
   end
   local granted = 0
   if reset == 0 then
@@ -261,8 +272,8 @@ for i = 1, #KEYS - 2 do
       share_tat = share_base + granted * share_slot
     end
   end
-  redis.call('HSET', key, 'tat', string.format('%.3f', tat), me, stamp,
-             my_share, string.format('%.3f', share_tat))
+  redis.call('HSET', key, 'tat', string.format('%.3f', tat), 'slot', ARGV[5 + 3 * i],
+             me, stamp, my_share, string.format('%.3f', share_tat))
   if granted < want then
     redis.call('HSET', key, my_wait, stamp)
   end
@@ -367,6 +378,7 @@ class _FallbackLimiter(OutputRateLimiter):
 
 
 _plain_available = OutputRateLimiter.available
+_plain_ready_at = OutputRateLimiter.ready_at_ns
 
 
 class SharedBudgetLimiter(OutputRateLimiter):
@@ -473,24 +485,29 @@ class SharedBudgetLimiter(OutputRateLimiter):
         fallback = self._fallback
         if fallback is not None:
             return fallback.ready_at_ns(user)
-        if self.book.balance.get(user, 0) <= 0:
-            thread = self.thread
-            retry = thread.retry_at.get(user)
-            if retry is not None:
-                # The store said the fleet's budget of this user is spent
-                # for now: the thread asks again then (and wakes for it), the
-                # grant is here a round trip later; never in the past (the
-                # engine loop would spin until the thread's next round).
-                return max(super().ready_at_ns(user), retry + thread.round_trip_ns,
-                           thread.clock() + thread.round_trip_ns)
-            # Short of leases: the lease thread is asked at once, and the
-            # engine loop looks again soon (a round trip to the store).
-            if user not in self._starved_step:
-                self._starved_step.add(user)
-                self.starved.append(user)
-                self.thread.wake()
-            return max(super().ready_at_ns(user), self.thread.clock() + self.thread.min_gap_ns)
-        return super().ready_at_ns(user)
+        local = _plain_ready_at(self, user)
+        if self._balance.get(user, 0) > 0:
+            return local
+        thread = self.thread
+        now = thread.clock()
+        if local > now + thread.min_gap_ns:
+            # The engine's own pacing binds (a user throttled at its limit
+            # on this engine): no lease is needed before then.
+            return local
+        retry = thread.retry_at.get(user)
+        if retry is not None:
+            # The store said the fleet's budget of this user is spent for
+            # now: the thread asks again then (and wakes for it), the grant
+            # is here a round trip later; never in the past (the engine loop
+            # would spin until the thread's next round).
+            return max(retry, now) + thread.round_trip_ns
+        # Short of leases: the lease thread is asked at once, and the
+        # engine loop looks again soon (a round trip to the store).
+        if user not in self._starved_step:
+            self._starved_step.add(user)
+            self.starved.append(user)
+            thread.wake()
+        return now + thread.min_gap_ns
 
     def set_limits(self, default_rate: Fraction, user_rates: Mapping[str, Fraction] | None,
                    now_ns: int) -> list[str]:
@@ -754,10 +771,12 @@ class LeaseThread:
             limit = float(rate)
             spend = self._recent.get(user, 0) / elapsed
             if user in self._short:
-                # (Growing from what it spent: a user whose limit is far
-                # above what one engine can serve gets no lease it cannot use.)
+                # (Doubling from what it spent or asked last: a user whose
+                # limit is far above what one engine serves gets no lease it
+                # cannot use, and reaches what it can use in a few asks.)
                 fair = limit / max(1, self.sharing.get(user, 1))
-                wanted, cover = max(min(fair, 2 * spend + 4 / cover_short), spend), cover_short
+                grown = 2 * max(spend, demand.get(user, 0.0)) + 4 / cover_short
+                wanted, cover = max(min(fair, grown), spend), cover_short
             else:
                 wanted, cover = max(1.5 * spend, demand.get(user, 0.0)), 2 * tick
             wanted = demand[user] = min(wanted, limit)
