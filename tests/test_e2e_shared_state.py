@@ -212,3 +212,36 @@ def test_store_stopped_mid_run_then_back_empty(fleet):
         # one line per episode, naming the store without secrets
         assert len(re.findall(r"shared state: the store at \S+ is unreachable", log)) == 1
         assert "answers again; shared budgets resumed" in log
+
+
+def test_data_parallel_ranks_share_one_budget(tmp_path):
+    """``--data-parallel-size 2`` with the store: each rank's engine core is
+    one engine of the fleet (vLLM's own front end spreads the streams)."""
+    redis = RedisServer(nice=10).start()
+    server = Server(tiny_model(), [
+        "--max-num-seqs", "8", "--max-model-len", "1024", "--data-parallel-size", "2",
+        "--default-user-output-tokens-per-second", str(LIMIT_A),
+        "--output-rate-shared-state", redis.url],
+        REPO / ".cache" / "logs" / "e2e-shared-dp.log", extra_env={"OUTPUT_RATE_TELEMETRY": "1"})
+    try:
+        server.start()
+        results = run_streams([server], [(0, "user-a", 4, 100)])
+        time.sleep(2.5)  # one engine export
+        samples = scrape_metrics(server.base_url)
+    finally:
+        server.stop()
+        redis.close()
+    firsts = [r.first for r in results]
+    lasts = [r.last for r in results]
+    span = max(lasts) - min(firsts)
+    client_rate = (400 - 1) / span
+    charged = {engine: metric_value(samples, "vllm_output_rate_tokens_charged_total",
+                                    user="user-a", engine=engine) for engine in ("0", "1")}
+    print(f"\nuser-a over two data-parallel ranks: {client_rate:.2f} tok/s client-side, "
+          f"charged per rank {charged}")
+    assert all(n > 0 for n in charged.values()), charged  # both ranks served it
+    assert sum(charged.values()) >= 400
+    # client-side (HTTP buffering blurs it): the limit, within the fleet bound
+    assert 0.97 * LIMIT_A <= client_rate
+    assert 400 <= fleet_bound(span, LIMIT_A, HORIZON_S, LOOKAHEAD_S) + STEP_SLACK
+    assert metric_value(samples, "vllm_output_rate_shared_live_engines", engine="0") == 2
