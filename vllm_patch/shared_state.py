@@ -9,9 +9,13 @@ thread ever waits on the network:
   tick (``tick_s``, 50 ms) for slices of the budgets its users need, all in
   one call of an atomic server-side script (``LEASE_SCRIPT``). The store
   grants a slice only from slots that start no later than ``lookahead_s``
-  ahead of its clock (a GCRA with that burst), and each engine asks for its
-  fair share: what its users spent lately, or, for a user it ran short of,
-  ``limit x 2 ticks / engines sharing the user``;
+  ahead of its clock (a GCRA with that burst). Each engine asks for what
+  its users spent lately, or, for a user it ran short of, at least its
+  share (limit / engines sharing the user) until its next ask; while
+  another engine sharing a user waits (was given less than it asked), the
+  store gives each engine at most that share, so no engine takes every slot
+  by asking first. A user the store had nothing for is asked for again
+  after ``max(tick, lookahead / 2)``;
 * the scheduler's thread spends only what it holds (``LeaseBook``): the
   engine's own limiter still paces each user at its full limit on this
   engine, and a token also needs a leased one. A lease is spendable for
@@ -33,9 +37,12 @@ leases are dropped and each user gets ``limit / n`` on this engine alone,
 ``n`` being the number of engines the store last said were sharing that
 user (users it never saw: the live engines it last saw), one log line per
 episode, time and failed calls counted. The thread keeps trying every tick.
-When a call succeeds again, the engine first charges the store with what
-it spent in fallback within the last ``H + B`` (so the fleet does not get
-a fresh burst on top of what it spent), then leases as before. A store that
+One failed call alone (a blip) changes nothing: the leases held stay
+valid until their deadlines. When a call succeeds again, the engine first
+charges the store with what it spent within the last ``H + B`` (so the
+fleet does not get a fresh burst on top of what it spent; the leased part
+of it is charged twice, which over-charges briefly), then leases as
+before. A store that
 lost its data (restarted empty) is told apart by an epoch key: every engine
 that sees a new epoch does the same before leasing again.
 """
