@@ -48,6 +48,8 @@ class Metric:
     buckets: tuple[float, ...] = ()
     #: whether it had another name before 0.1.0's rename (False: added after it)
     renamed: bool = True
+    #: exported only in this mode ("shared_state": --output-rate-shared-state)
+    only_in: str | None = None
 
     @property
     def full_name(self) -> str:
@@ -124,28 +126,28 @@ METRICS: tuple[Metric, ...] = (
            "(the limits file, or the command line).", ("sha256", "source")),
     # Shared-budget mode (--output-rate-shared-state): per engine, no user label.
     Metric("shared_tokens_leased", "counter", "tokens",
-           "Tokens the shared store granted this engine as leases (shared-budget mode).", renamed=False),
+           "Tokens the shared store granted this engine as leases (shared-budget mode).", renamed=False, only_in="shared_state"),
     Metric("shared_tokens_spent", "counter", "tokens",
-           "Leased tokens this engine spent.", renamed=False),
+           "Leased tokens this engine spent.", renamed=False, only_in="shared_state"),
     Metric("shared_tokens_expired", "counter", "tokens",
-           "Leased tokens that expired unspent (given back to no one: the store's slots pass).", renamed=False),
+           "Leased tokens that expired unspent (given back to no one: the store's slots pass).", renamed=False, only_in="shared_state"),
     Metric("shared_tokens_unleased", "counter", "tokens",
-           "Tokens spent in fallback, without a lease (the store unreachable).", renamed=False),
+           "Tokens spent in fallback, without a lease (the store unreachable).", renamed=False, only_in="shared_state"),
     Metric("shared_store_calls", "counter", "calls",
            "Calls of this engine's lease thread to the shared store, by result (ok, failed).",
-           ("result",), renamed=False),
+           ("result",), renamed=False, only_in="shared_state"),
     Metric("shared_store_call_seconds", "histogram", "seconds",
            "Duration of one successful lease call to the shared store (off the scheduler's thread).",
-           (), STORE_CALL_BUCKETS, renamed=False),
+           (), STORE_CALL_BUCKETS, renamed=False, only_in="shared_state"),
     Metric("shared_store_fallback", "gauge", "state",
            "1 while this engine is in fallback (the shared store unreachable: each user gets its "
-           "limit divided by the engines last seen sharing it), else 0.", renamed=False),
+           "limit divided by the engines last seen sharing it), else 0.", renamed=False, only_in="shared_state"),
     Metric("shared_store_fallback_seconds", "counter", "seconds",
-           "Time this engine spent in fallback.", renamed=False),
+           "Time this engine spent in fallback.", renamed=False, only_in="shared_state"),
     Metric("shared_store_resets", "counter", "resets",
-           "Times this engine found the shared store had lost its data (restarted empty).", renamed=False),
+           "Times this engine found the shared store had lost its data (restarted empty).", renamed=False, only_in="shared_state"),
     Metric("shared_live_engines", "gauge", "engines",
-           "Engines the shared store last counted as live (heartbeats within 2 s).", renamed=False),
+           "Engines the shared store last counted as live (heartbeats within 2 s).", renamed=False, only_in="shared_state"),
     Metric("telemetry_dropped", "counter", "events",
            "Telemetry data dropped (export failed, event log write failed, event queue full), by reason.", ("reason",)),
 )

@@ -144,9 +144,15 @@ def test_one_users_limit_holds_across_two_engines(fleet):
         assert excess <= 0, (user, excess, window)
         # both engines served the user: the budget was shared, not split
         assert min(per_engine_tokens(events, user, start)) > 0
-    # the lease machinery's own counters
+    # the lease machinery's own counters: every metric of shared-budget mode
+    from vllm_output_rate.telemetry.metrics import METRICS
+
     for engine, earlier in zip(engines, before):
         samples = scrape_metrics(engine.base_url)
+        names = {n for n, _ in samples}
+        missing = [m.full_name for m in METRICS if m.only_in == "shared_state" and not any(
+            n == m.full_name or n.startswith(m.full_name + "_") for n in names)]
+        assert missing == []
         print("leases:", {k: metric_value(samples, f"vllm_output_rate_shared_tokens_{k}_total")
                           - metric_value(earlier, f"vllm_output_rate_shared_tokens_{k}_total")
                           for k in ("leased", "spent", "expired")})
