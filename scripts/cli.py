@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "engine-side ITL verification of a scenario run, Markdown report"),
     "profile": ("vllm_output_rate.tools.profile_engine",
                 "py-spy schedule-cost report of the engine core (limiter on vs off)"),
+    "stress": ("vllm_output_rate.tools.stress",
+               "fault and bad-input matrix against a real engine, Markdown and JSON report"),
 }
 
 
@@ -53,8 +55,16 @@ def serve(argv: list[str]) -> None:
         description="vLLM's OpenAI-compatible server with per-user output-rate limits."))
     args = parser.parse_args(argv)
     configure_logging_from_args(args)
-    validate_parsed_serve_args(args)
-    ServeSubcommand.cmd(args)
+    from vllm_output_rate.config import OutputRateConfigError
+
+    try:
+        validate_parsed_serve_args(args)
+        ServeSubcommand.cmd(args)
+    except OutputRateConfigError as exc:
+        # A refused option or file (checked before any engine starts): one
+        # line naming the option and the value, as argparse does, no traceback.
+        print(f"vllm-output-rate serve: error: {exc}", file=sys.stderr)
+        sys.exit(2)
 
 
 def version() -> str:

@@ -679,6 +679,29 @@ class EngineTelemetry(OutputRateObserver):
             del self._event_tokens[req_id]
             step_finished.append(("finished", now, req_id, seen[0], str(out.finish_reason), seen[1]))
 
+    def state_sizes(self) -> dict[str, int]:
+        """Entries held in each per-request and per-user container (plain
+        numbers; for the reliability runner's churn and soak checks): the
+        per-request ones are empty when nothing is live, the per-user ones
+        stay within the label cap and ``USER_STATES_CAP``."""
+        charges, skips = self._charges, self._skips
+        return {
+            "requests.last_token": len(self._last_token_ns),
+            "requests.throttled": len(self._thr_users),
+            "requests.previous": len(self._prev_ids),
+            "requests.label": len(self._request_label),
+            "requests.episodes": len(self._episodes),
+            "requests.events": len(self._event_tokens),
+            "users.activity": len(self._activity) + len(self._window_activity),
+            "users.counter_keys": len(self._charged_keys) + len(self._skipped_keys),
+            "users.step_counts": sum(len(d) for d in (charges.count, charges.since, charges.acc,
+                                                      skips.count, skips.since, skips.acc)),
+            "users.states": len(self._user_states) + len(self._thr_by_user),
+            "users.window": sum(len(d) for _, d in self._charged_window),
+            "labels": len(self.labeler.labelled_users()),
+            "series": len(self.counters) + len(self.gauges) + len(self.histograms),
+        }
+
     def on_idle_wait(self, wait: IdleWait) -> None:
         if self.spans is not None:
             self.spans.on_idle_wait(wait)

@@ -201,7 +201,14 @@ class OutputRateConfig:
                     f"or {USERS_OPTION}: the file holds the default and every "
                     f"user's limit (its 'default' and 'users' keys)"
                 )
-            config = load_limits_file(str(limits_file))
+            try:
+                config = load_limits_file(str(limits_file))
+            except OutputRateConfigError as exc:
+                # At start-up, name the option too (a reload names the file)
+                text = str(exc)
+                if text.startswith(LIMITS_FILE_OPTION):
+                    raise
+                raise OutputRateConfigError(f"{LIMITS_FILE_OPTION} {text}") from None
             if unlisted_users is not None:
                 config = replace(config, unlisted_users=_unlisted_mode(unlisted_users))
             return config

@@ -122,7 +122,10 @@ class ApiKeysWatcher(WatchedFile):
         except OSError as exc:
             raise OutputRateConfigError(
                 f"{API_KEYS_OPTION} {path}: cannot read it ({exc.strerror or exc})") from None
-        keys = parse_api_keys(content, path)
+        try:
+            keys = parse_api_keys(content, path)
+        except OutputRateConfigError as exc:  # at start-up, name the option too
+            raise OutputRateConfigError(f"{API_KEYS_OPTION} {exc}") from None
         super().__init__(path, keys, hashlib.sha256(content).hexdigest(), poll_s, start_thread)
 
     def parse(self, content: bytes) -> dict[str, str]:
@@ -295,6 +298,16 @@ def current_options() -> dict[str, Any] | None:
 
 def current_identity() -> Identity | None:
     return _identity
+
+
+def forget_identity() -> None:
+    """Drop the identity options configured in this process (its keys-file
+    watcher stopped): for tools that check one option set after another in
+    one process (``tools.stress``), never called while serving."""
+    global _identity, _options
+    if _identity is not None and _identity.api_keys is not None:
+        _identity.api_keys.close()
+    _identity, _options = None, None
 
 
 # -- the middleware -----------------------------------------------------------------

@@ -1,0 +1,786 @@
+"""The fault and bad-input runner: named cases against a real CPU engine.
+
+``vllm-output-rate stress [--model DIR] [--profile quick|full] [--out DIR]``
+starts ``vllm-output-rate serve`` on the model (default: the tiny model,
+generated locally) with per-user limits and runs named cases, each with what
+it sends, what it expects and what it measured; it writes ``report.md`` and
+``report.json`` to ``--out`` and exits non-zero when a case fails.
+
+Groups of cases:
+
+``config``
+    Every bad value of every option, each refused at start-up naming the
+    option and the value: the arguments go through the same parser and the
+    same checks as ``vllm-output-rate serve`` (vLLM's serve parser with the
+    plugin's options, ``from_cli_args``, ``create_engine_config``) in this
+    process, no engine started. The full profile also starts a real server
+    for each case and checks that the process exits non-zero with the same
+    message.
+``user_field``
+    The request's user field as empty string, 10,000 characters, control
+    characters and quotes, emoji, integer, float, boolean, list, object,
+    null and absent, streamed and not: each served or refused with HTTP 400,
+    never a 5xx; then ``/metrics`` still parses and no ``user`` label is
+    longer than 64 characters.
+``requests``
+    Requests the limiter must handle: ``n`` > 1 (every sample charged),
+    structured output for a throttled user, a prompt longer than the
+    model's length (a clear 400), a long prompt under chunked prefill for a
+    throttled user, ``max_tokens`` 1, non-streaming, ``stop`` strings, beam
+    search (400 with the reason).
+``client_faults``
+    Streams of throttled users cancelled after their first token, clients
+    that stop reading for a while (slow consumers), connections dropped
+    mid-prefill; afterwards nothing running, waiting or throttled, the KV
+    cache back to empty, no user left with live requests in the limiter's
+    and the telemetry's view (``GET /output-rate/users``).
+
+Sizes are in tokens of the model under test (its tokenizer, through the
+server's ``/tokenize``), never in words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from vllm_output_rate.config import (
+    DEFAULT_OPTION,
+    LIMITS_FILE_OPTION,
+    UNLISTED_OPTION,
+    USER_FIELD,
+    USERS_OPTION,
+)
+from vllm_output_rate.frontend import API_KEYS_OPTION, HEADER_OPTION, REQUIRE_OPTION
+from vllm_output_rate.shared_state import SHARED_STATE_OPTION
+from vllm_output_rate.telemetry.metrics import series_name
+
+MODEL_NAME = "tiny"
+#: the limits the runner serves with: a default that binds, one slow user
+DEFAULT_LIMIT = 50
+THROTTLED_USER = "stress-throttled"
+THROTTLED_LIMIT = 5
+MAX_MODEL_LEN = 1024
+#: small enough that a long prompt is prefilled in several chunks
+MAX_BATCHED_TOKENS = 256
+#: the longest label value ``/metrics`` may carry (telemetry.labels)
+LABEL_CAP = 64
+
+
+@dataclass
+class CaseResult:
+    group: str
+    name: str
+    sends: str
+    expects: str
+    measured: str = ""
+    ok: bool = False
+    seconds: float = 0.0
+
+
+@dataclass
+class Report:
+    model: str
+    profile: str
+    server_args: list[str]
+    cases: list[CaseResult] = field(default_factory=list)
+    started_unix: float = field(default_factory=time.time)
+
+    @property
+    def failed(self) -> list[CaseResult]:
+        return [c for c in self.cases if not c.ok]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "profile": self.profile, "server_args": self.server_args,
+                "started_unix": self.started_unix,
+                "passed": len(self.cases) - len(self.failed), "failed": len(self.failed),
+                "cases": [asdict(c) for c in self.cases]}
+
+    def to_markdown(self) -> str:
+        lines = [f"# Fault and bad-input matrix ({self.profile} profile)", "",
+                 f"Model `{self.model}`; server flags `{' '.join(self.server_args)}`.", "",
+                 f"{len(self.cases) - len(self.failed)} passed, {len(self.failed)} failed.", ""]
+        groups: dict[str, list[CaseResult]] = {}
+        for c in self.cases:
+            groups.setdefault(c.group, []).append(c)
+        for group, cases in groups.items():
+            lines += [f"## {group}", "", "| case | sends | expects | measured | result |",
+                      "|---|---|---|---|---|"]
+            for c in cases:
+                lines.append("| " + " | ".join(_cell(x) for x in (
+                    c.name, c.sends, c.expects, c.measured, "pass" if c.ok else "**FAIL**")) + " |")
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")[:400]
+
+
+# -- config: bad values refused at start-up ---------------------------------------
+
+
+@dataclass(frozen=True)
+class ConfigCase:
+    name: str
+    #: serve arguments after the model ({dir} is a scratch directory)
+    args: tuple[str, ...]
+    #: what the error must name (the option, the value or the file's key path)
+    names: tuple[str, ...]
+    #: files to write in the scratch directory first: name -> content
+    files: tuple[tuple[str, str], ...] = ()
+
+
+D, U, F = DEFAULT_OPTION, USERS_OPTION, LIMITS_FILE_OPTION
+CONFIG_CASES: tuple[ConfigCase, ...] = (
+    ConfigCase("default zero", (D, "0"), (D, "0")),
+    ConfigCase("default negative", (D, "-5"), (D, "-5")),
+    ConfigCase("default nan", (D, "nan"), (D, "nan")),
+    ConfigCase("default inf", (D, "inf"), (D, "inf")),
+    ConfigCase("default not a number", (D, "fast"), (D, "fast")),
+    ConfigCase("default empty", (D, ""), (D,)),
+    ConfigCase("default huge exponent", (D, "1e999"), (D, "1e999")),
+    ConfigCase("overrides zero", (D, "10", U, '{"a": 0}'), (U, "a")),
+    ConfigCase("overrides a list", (D, "10", U, "[1]"), (U,)),
+    ConfigCase("overrides a string limit", (D, "10", U, '{"a": "x"}'), (U, "x")),
+    ConfigCase("overrides not JSON", (D, "10", U, "{oops"), (U,)),
+    ConfigCase("overrides without a default", (U, '{"a": 5}'), (U, D)),
+    ConfigCase("limits file missing", (F, "{dir}/absent.yaml"), (F, "absent.yaml")),
+    ConfigCase("limits file not YAML", (F, "{dir}/l.yaml"), (F, "l.yaml", "not valid YAML"),
+               (("l.yaml", "default: [1, 2\n"),)),
+    ConfigCase("limits file negative default", (F, "{dir}/l.yaml"), (F, "l.yaml", "default", "-1"),
+               (("l.yaml", "default: -1\n"),)),
+    ConfigCase("limits file unknown tier", (F, "{dir}/l.yaml"), (F, "l.yaml", "users.bob", "platinum"),
+               (("l.yaml", "default: 5\ntiers: {gold: 100}\nusers: {bob: platinum}\n"),)),
+    ConfigCase("limits file unknown key", (F, "{dir}/l.yaml"), (F, "l.yaml", "defualt"),
+               (("l.yaml", "defualt: 5\n"),)),
+    ConfigCase("limits file and default option", (F, "{dir}/l.yaml", D, "5"), (F, D),
+               (("l.yaml", "default: 5\n"),)),
+    ConfigCase("unlisted users mode", (D, "5", UNLISTED_OPTION, "everyone"), (UNLISTED_OPTION, "everyone")),
+    ConfigCase("shared state not a redis URL", (D, "5", SHARED_STATE_OPTION, "http://127.0.0.1:6379"),
+               (SHARED_STATE_OPTION, "http://127.0.0.1:6379")),
+    ConfigCase("shared state without a port", (D, "5", SHARED_STATE_OPTION, "redis://127.0.0.1"),
+               (SHARED_STATE_OPTION, "redis://127.0.0.1")),
+    ConfigCase("shared state bad tick", (D, "5", SHARED_STATE_OPTION, "redis://127.0.0.1:6379?tick_ms=0"),
+               (SHARED_STATE_OPTION, "tick_ms")),
+    ConfigCase("user header not a header name", (D, "5", HEADER_OPTION, "X User"), (HEADER_OPTION, "X User")),
+    ConfigCase("require user without a header", (D, "5", REQUIRE_OPTION), (REQUIRE_OPTION, HEADER_OPTION)),
+    ConfigCase("identity options without limits", (HEADER_OPTION, "X-User-Id"), (HEADER_OPTION,)),
+    ConfigCase("api keys file missing", (D, "5", API_KEYS_OPTION, "{dir}/absent-keys.yaml"),
+               (API_KEYS_OPTION, "absent-keys.yaml")),
+    ConfigCase("api keys file with a plain key", (D, "5", API_KEYS_OPTION, "{dir}/k.yaml"),
+               (API_KEYS_OPTION, "k.yaml", "SHA-256"), (("k.yaml", "keys: {sk-plain-secret: alice}\n"),)),
+    ConfigCase("prefill schedule interval", (D, "5", "--prefill-schedule-interval", "3"),
+               ("--prefill-schedule-interval 3", D)),
+)
+
+
+def check_config_case(case: ConfigCase, model: str, scratch: Path) -> CaseResult:
+    """Parse and check ``case``'s arguments as ``vllm-output-rate serve``
+    does before it starts an engine; expect a refusal naming the option
+    and the value."""
+    import contextlib
+    import io
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from vllm_output_rate.internals import serve_cli
+
+    for name, content in case.files:
+        (scratch / name).write_text(content)
+    args = [a.replace("{dir}", str(scratch)) for a in case.args]
+    result = CaseResult("config", case.name, " ".join(_quote(a) for a in args),
+                        "refused at start-up, naming " + ", ".join(f"`{n}`" for n in case.names))
+    t0 = time.perf_counter()
+    err = io.StringIO()
+    message = None
+    try:
+        parser = serve_cli()[0](FlexibleArgumentParser())
+        with contextlib.redirect_stderr(err):
+            parsed = parser.parse_args(["--model", model, "--skip-tokenizer-init",
+                                        "--max-model-len", str(MAX_MODEL_LEN), *args])
+        AsyncEngineArgs.from_cli_args(parsed).create_engine_config()
+    except SystemExit:  # argparse: usage and the message on stderr
+        message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else "argparse exit"
+    except Exception as exc:  # noqa: BLE001 - what was refused, and how
+        message = f"{type(exc).__name__}: {exc}"
+    finally:
+        from vllm_output_rate.frontend import forget_identity
+
+        forget_identity()  # the next case checks its own options
+    result.seconds = time.perf_counter() - t0
+    if message is None:
+        result.measured = "accepted"
+        return result
+    result.measured = message[:300]
+    result.ok = all(n in message for n in case.names) and "Traceback" not in message
+    return result
+
+
+def _quote(arg: str) -> str:
+    return f"'{arg}'" if not arg or any(c in arg for c in " {}[]\"'") else arg
+
+
+def serve_refuses(case: ConfigCase, model: str, scratch: Path, log_dir: Path) -> CaseResult:
+    """The full profile: a real ``vllm-output-rate serve`` with ``case``'s
+    arguments exits non-zero, and its output names what the case names."""
+    import subprocess
+
+    for name, content in case.files:
+        (scratch / name).write_text(content)
+    args = [a.replace("{dir}", str(scratch)) for a in case.args]
+    result = CaseResult("config (real server)", case.name, " ".join(_quote(a) for a in args),
+                        "the server exits 2 before loading the model, naming "
+                        + ", ".join(f"`{n}`" for n in case.names) + ", no traceback")
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, "-m", "vllm_output_rate.tools.cli", "serve", model,
+                               "--max-model-len", str(MAX_MODEL_LEN), "--port", "0", *args],
+                              capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        result.measured = "still running after 180 s"
+        return result
+    result.seconds = time.perf_counter() - t0
+    out = proc.stdout + proc.stderr
+    log = log_dir / f"config-{case.name.replace(' ', '-')}.log"
+    log.write_text(out)
+    tail = [line for line in out.strip().splitlines() if line.strip()][-1:] or [""]
+    result.measured = f"exit {proc.returncode} after {result.seconds:.0f} s: {tail[0][:240]}"
+    result.ok = proc.returncode == 2 and all(n in out for n in case.names) and "Traceback" not in out
+    return result
+
+
+# -- against a live server ---------------------------------------------------------
+
+
+class Live:
+    """A running server and the runner's HTTP client."""
+
+    def __init__(self, base_url: str, client: httpx.AsyncClient) -> None:
+        self.base_url = base_url
+        self.client = client
+
+    async def post(self, body: dict[str, Any]) -> tuple[int, Any]:
+        """A non-streamed chat completion: (status, JSON body or text)."""
+        resp = await self.client.post(f"{self.base_url}/v1/chat/completions", json=body)
+        try:
+            return resp.status_code, resp.json()
+        except ValueError:
+            return resp.status_code, resp.text
+
+    async def stream(self, body: dict[str, Any], **kw: Any) -> Any:
+        from vllm_output_rate.tools.client import StreamResult, stream_into
+
+        rec = StreamResult(str(body.get("vllm_xargs", {}).get(USER_FIELD)), body.get("max_tokens", 0),
+                           started=time.monotonic())
+        try:
+            await stream_into(self.client, self.base_url, body, rec, **kw)
+        except Exception as exc:  # noqa: BLE001 - recorded
+            rec.error = f"{type(exc).__name__}: {exc}"
+        return rec
+
+    async def metrics(self) -> tuple[dict[tuple[str, tuple[tuple[str, str], ...]], float], str]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = (await self.client.get(f"{self.base_url}/metrics")).text
+        samples = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return samples, text
+
+    async def charged(self, user: str) -> float:
+        samples, _ = await self.metrics()
+        name = series_name("tokens_charged")
+        return sum(v for (n, labels), v in samples.items() if n == name and dict(labels).get("user") == user)
+
+
+_ABSENT = object()
+
+
+def body_for(user: Any = _ABSENT, max_tokens: int = 8, stream: bool = True, prompt: str = "Say hello.",
+             **options: Any) -> dict[str, Any]:
+    from vllm_output_rate.tools.client import chat_body
+
+    body = chat_body(MODEL_NAME, prompt, max_tokens, None, **options)
+    if not stream:
+        body["stream"] = False
+        body.pop("stream_options", None)
+    if user is not _ABSENT:
+        body["vllm_xargs"] = {USER_FIELD: user}
+    return body
+
+
+#: name -> the user field's value; every one is served (200) or refused (400)
+USER_FIELD_VALUES: tuple[tuple[str, Any], ...] = (
+    ("empty string", ""),
+    ("10,000 characters", "u" * 10_000),
+    ("control characters and quotes", 'a\x00b\x07c\n"d\'\\e'),
+    ("emoji", "user-\U0001F600-\u00e9\u4e2d"),
+    ("integer", 12345),
+    ("float", 1.5),
+    ("boolean", True),
+    ("list", ["a", "b"]),
+    ("object", {"id": "a"}),
+    ("null", None),
+    ("absent", _ABSENT),
+)
+
+
+async def user_field_cases(live: Live, streams: tuple[bool, ...]) -> list[CaseResult]:
+    out = []
+    for stream in streams:
+        for name, value in USER_FIELD_VALUES:
+            mode = "streamed" if stream else "not streamed"
+            shown = "absent" if value is _ABSENT else json.dumps(value)[:60]
+            case = CaseResult("user_field", f"{name} ({mode})",
+                              f"vllm_xargs.{USER_FIELD} = {shown}, max_tokens 4",
+                              "HTTP 200 with 4 tokens, or 400 with a message; never 5xx")
+            t0 = time.perf_counter()
+            body = body_for(value, 4, stream)
+            if stream:
+                rec = await live.stream(body)
+                status = int(rec.error.split()[1].rstrip(":")) if rec.error and rec.error.startswith("HTTP ") \
+                    else (200 if rec.error is None else 0)
+                ok = (status == 200 and rec.completion_tokens == 4) or (status == 400)
+                case.measured = (f"HTTP {status}, {rec.completion_tokens} tokens" if status == 200
+                                 else (rec.error or "")[:200])
+            else:
+                status, doc = await live.post(body)
+                tokens = doc.get("usage", {}).get("completion_tokens") if isinstance(doc, dict) else None
+                ok = (status == 200 and tokens == 4) or status == 400
+                case.measured = f"HTTP {status}, {tokens} tokens" if status == 200 else \
+                    f"HTTP {status}: {_message(doc)}"
+            case.ok = ok
+            case.seconds = time.perf_counter() - t0
+            out.append(case)
+    case = CaseResult("user_field", "/metrics afterwards", "GET /metrics after the next telemetry export",
+                      "parses (Prometheus text format); the served users labelled, every user label "
+                      f"at most {LABEL_CAP} characters")
+    try:
+        await asyncio.sleep(2.5)  # the engine exports about once a second
+        samples, _text = await live.metrics()
+        labels = {dict(ls).get("user") for (_, ls) in samples if dict(ls).get("user") is not None}
+        longest = max((len(v) for v in labels), default=0)
+        case.measured = f"{len(samples)} samples, {len(labels)} user labels, longest {longest} characters"
+        # the long and the odd ids hold labels (seats are free), cut and escaped
+        case.ok = longest <= LABEL_CAP and longest == LABEL_CAP and len(labels) >= 5
+    except Exception as exc:  # noqa: BLE001
+        case.measured = f"{type(exc).__name__}: {exc}"[:300]
+    out.append(case)
+    return out
+
+
+def _message(doc: Any) -> str:
+    if isinstance(doc, dict):
+        err = doc.get("error", doc)
+        if isinstance(err, dict):
+            return str(err.get("message", err))[:200]
+        return str(err)[:200]
+    return str(doc)[:200]
+
+
+async def request_cases(live: Live) -> list[CaseResult]:
+    from vllm_output_rate.tools.loadgen import text_of_tokens
+
+    out: list[CaseResult] = []
+
+    async def run(name: str, sends: str, expects: str,
+                  check: Callable[[CaseResult], Awaitable[bool]]) -> None:
+        case = CaseResult("requests", name, sends, expects)
+        t0 = time.perf_counter()
+        try:
+            case.ok = await check(case)
+        except Exception as exc:  # noqa: BLE001 - a case that raised failed
+            case.measured = f"{type(exc).__name__}: {exc}"[:300]
+        case.seconds = time.perf_counter() - t0
+        out.append(case)
+
+    async def n_samples(case: CaseResult) -> bool:
+        user, n, tokens = "stress-n", 3, 12
+        before = await live.charged(user)
+        status, doc = await live.post(body_for(user, tokens, False, n=n, temperature=1.0))
+        await asyncio.sleep(2.5)  # one telemetry export
+        charged = await live.charged(user) - before
+        got = doc.get("usage", {}).get("completion_tokens") if isinstance(doc, dict) else None
+        case.measured = f"HTTP {status}, {len(doc.get('choices', [])) if isinstance(doc, dict) else 0} choices, " \
+                        f"usage {got} tokens, engine charged {charged:.0f}"
+        return status == 200 and got == n * tokens and charged == n * tokens
+
+    await run("n > 1", f"n=3, max_tokens 12, user stress-n (limit {DEFAULT_LIMIT})",
+              "HTTP 200, 3 choices, every sample charged (36 tokens)", n_samples)
+
+    async def structured(case: CaseResult) -> bool:
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        t0 = time.monotonic()
+        status, doc = await live.post(body_for(THROTTLED_USER, 16, False, response_format=rf,
+                                               ignore_eos=False))
+        took = time.monotonic() - t0
+        if status != 200:
+            case.measured = f"HTTP {status}: {_message(doc)}"
+            return False
+        choice = doc["choices"][0]
+        tokens = doc["usage"]["completion_tokens"]
+        text = choice["message"]["content"] or ""
+        valid = None
+        if choice["finish_reason"] == "stop":
+            try:
+                valid = isinstance(json.loads(text), dict)
+            except ValueError:
+                valid = False
+        case.measured = (f"HTTP 200, {tokens} tokens in {took:.1f} s, finish {choice['finish_reason']}"
+                         + ("" if valid is None else f", JSON {'valid' if valid else 'INVALID'}"))
+        # paced at the user's limit (GCRA: burst of one token plus 100 ms)
+        return valid is not False and took >= (tokens - 1) / THROTTLED_LIMIT - 0.2
+
+    await run("structured output, throttled user",
+              f"response_format json_schema, max_tokens 16, user {THROTTLED_USER} ({THROTTLED_LIMIT} tok/s)",
+              "HTTP 200, paced at the user's limit; JSON that parses when it finished", structured)
+
+    too_long = await text_of_tokens(live.client, live.base_url, MODEL_NAME, MAX_MODEL_LEN + 50, 7)
+
+    async def long_prompt(case: CaseResult) -> bool:
+        status, doc = await live.post(body_for("stress-long", 4, False, prompt=too_long))
+        case.measured = f"HTTP {status}: {_message(doc)}"
+        return status == 400 and ("length" in _message(doc).lower() or "token" in _message(doc).lower())
+
+    await run("prompt longer than the model", f"a prompt of {MAX_MODEL_LEN + 50} tokens "
+              f"(max_model_len {MAX_MODEL_LEN})", "HTTP 400 naming the length", long_prompt)
+
+    chunked = await text_of_tokens(live.client, live.base_url, MODEL_NAME, 3 * MAX_BATCHED_TOKENS, 8)
+
+    async def chunked_prefill(case: CaseResult) -> bool:
+        rec = await live.stream(body_for(THROTTLED_USER, 6, True, prompt=chunked))
+        case.measured = (f"{rec.error or 'HTTP 200'}, prompt {rec.prompt_tokens} tokens, "
+                         f"{rec.completion_tokens} completion tokens")
+        return rec.error is None and rec.completion_tokens == 6 and rec.prompt_tokens > 2 * MAX_BATCHED_TOKENS
+
+    await run("long prompt under chunked prefill, throttled user",
+              f"a prompt of {3 * MAX_BATCHED_TOKENS} tokens (--max-num-batched-tokens "
+              f"{MAX_BATCHED_TOKENS}), max_tokens 6, user {THROTTLED_USER}",
+              "HTTP 200 with 6 tokens", chunked_prefill)
+
+    async def one_token(case: CaseResult) -> bool:
+        rec = await live.stream(body_for(THROTTLED_USER, 1))
+        case.measured = f"{rec.error or 'HTTP 200'}, {rec.completion_tokens} tokens, finish {rec.finish_reason}"
+        return rec.error is None and rec.completion_tokens == 1 and rec.finish_reason == "length"
+
+    await run("max_tokens 1", f"max_tokens 1, streamed, user {THROTTLED_USER}",
+              "HTTP 200, 1 token, finish length", one_token)
+
+    async def not_streamed(case: CaseResult) -> bool:
+        status, doc = await live.post(body_for("stress-plain", 20, False))
+        tokens = doc.get("usage", {}).get("completion_tokens") if isinstance(doc, dict) else None
+        case.measured = f"HTTP {status}, {tokens} tokens"
+        return status == 200 and tokens == 20
+
+    await run("not streamed", "stream false, max_tokens 20", "HTTP 200 with 20 tokens", not_streamed)
+
+    async def stop_strings(case: CaseResult) -> bool:
+        rec = await live.stream(body_for("stress-stop", 30, True, stop=["e", "a", " "],
+                                         ignore_eos=False))
+        case.measured = (f"{rec.error or 'HTTP 200'}, {rec.completion_tokens} tokens, "
+                         f"finish {rec.finish_reason}")
+        return rec.error is None and rec.finish_reason in ("stop", "length") and rec.completion_tokens <= 30
+
+    await run("stop strings", "stop ['e', 'a', ' '], max_tokens 30", "HTTP 200, finish stop or length",
+              stop_strings)
+
+    async def beam(case: CaseResult) -> bool:
+        status, doc = await live.post(body_for("stress-beam", 4, False, use_beam_search=True, n=2))
+        case.measured = f"HTTP {status}: {_message(doc)}"
+        return status == 400 and "beam" in _message(doc).lower()
+
+    await run("beam search", "use_beam_search true, n 2", "HTTP 400 with the reason", beam)
+    return out
+
+
+# -- client faults ----------------------------------------------------------------
+
+
+async def wait_quiet(live: Live, timeout_s: float = 30.0) -> tuple[bool, str]:
+    """Nothing running, waiting or throttled, the KV cache empty, and no
+    user with live requests in the engine's view; (ok, what was seen)."""
+    running = waiting = throttled = kv = None
+    live_users: list[str] = []
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples, _ = await live.metrics()
+
+        def total(name: str) -> float:
+            return sum(v for (n, _), v in samples.items() if n == name)
+
+        running, waiting = total("vllm:num_requests_running"), total("vllm:num_requests_waiting")
+        throttled = total(series_name("engine_throttled_requests"))
+        kv = total("vllm:kv_cache_usage_perc")
+        resp = await live.client.get(f"{live.base_url}/output-rate/users", params={"limit": 1000})
+        users = resp.json().get("users", []) if resp.status_code == 200 else []
+        live_users = [u.get("user", "?") for u in users
+                      if u.get("running") or u.get("waiting") or u.get("throttled")]
+        quiet = not (running or waiting or throttled or kv or live_users)
+        if quiet or time.monotonic() > deadline:
+            seen = (f"running {running:.0f}, waiting {waiting:.0f}, throttled {throttled:.0f}, "
+                    f"KV usage {kv:.3f}, users with live requests {live_users[:5]}")
+            return quiet, seen
+        await asyncio.sleep(0.5)
+
+
+async def client_fault_cases(live: Live, cancels: int) -> list[CaseResult]:
+    from vllm_output_rate.tools.loadgen import text_of_tokens
+
+    out = []
+
+    async def run(name: str, sends: str, expects: str, act: Callable[[CaseResult], Awaitable[bool]]) -> None:
+        case = CaseResult("client_faults", name, sends, expects)
+        t0 = time.perf_counter()
+        try:
+            acted = await act(case)
+            quiet, seen = await wait_quiet(live)
+            case.measured = (case.measured + "; after: " if case.measured else "after: ") + seen
+            case.ok = acted and quiet
+        except Exception as exc:  # noqa: BLE001
+            case.measured = f"{type(exc).__name__}: {exc}"[:300]
+        case.seconds = time.perf_counter() - t0
+        out.append(case)
+
+    users = [f"stress-cancel-{i % 10}" for i in range(cancels)]
+
+    async def cancel_after_first(case: CaseResult) -> bool:
+        recs = await asyncio.gather(*(live.stream(body_for(u, 200), cancel_after_tokens=1)
+                                      for u in users))
+        got = sum(1 for r in recs if r.completion_tokens >= 1)
+        case.measured = f"{got} of {len(recs)} streams cancelled after their first token"
+        return got == len(recs) and not any(r.error for r in recs)
+
+    await run(f"{cancels} throttled streams cancelled after the first token",
+              f"{cancels} streams of 10 users ({DEFAULT_LIMIT} tok/s each), max_tokens 200, "
+              "closed after the first token",
+              "nothing running, waiting or throttled; KV usage 0; no user with live requests",
+              cancel_after_first)
+
+    async def slow_consumers(case: CaseResult) -> bool:
+        async def one(i: int) -> int:
+            body = body_for(THROTTLED_USER, 40)
+            async with live.client.stream("POST", f"{live.base_url}/v1/chat/completions", json=body) as resp:
+                lines = resp.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: "):
+                        break
+                await asyncio.sleep(3.0)  # stops reading; the server keeps generating
+            return resp.status_code
+
+        statuses = await asyncio.gather(*(one(i) for i in range(8)))
+        case.measured = f"statuses {sorted(set(statuses))}"
+        return all(s == 200 for s in statuses)
+
+    await run("slow consumers", f"8 streams of {THROTTLED_USER}, max_tokens 40, no reads for 3 s, "
+              "then closed", "nothing running, waiting or throttled afterwards", slow_consumers)
+
+    long_text = await text_of_tokens(live.client, live.base_url, MODEL_NAME, 3 * MAX_BATCHED_TOKENS, 9)
+
+    async def dropped_mid_prefill(case: CaseResult) -> bool:
+        async def one() -> str:
+            body = body_for(THROTTLED_USER, 50, prompt=long_text)
+            try:
+                async with live.client.stream("POST", f"{live.base_url}/v1/chat/completions",
+                                              json=body, timeout=httpx.Timeout(0.05, connect=5.0)) as resp:
+                    async for _line in resp.aiter_lines():
+                        return "answered before the drop"
+            except httpx.TimeoutException:
+                return "dropped"
+            return "closed"
+
+        outcomes = await asyncio.gather(*(one() for _ in range(6)))
+        case.measured = f"{outcomes.count('dropped')} of {len(outcomes)} connections dropped mid-prefill"
+        return outcomes.count("dropped") >= 1
+
+    await run("connections dropped mid-prefill",
+              f"6 requests with {3 * MAX_BATCHED_TOKENS}-token prompts, the client gives up after 50 ms",
+              "nothing running, waiting or throttled afterwards", dropped_mid_prefill)
+    return out
+
+
+# -- identity churn, without a server ---------------------------------------------------
+
+
+def identity_churn(n_users: int, model: str | None = None, batch: int = 256, limit: int = 20,
+                   max_tokens: int = 4) -> CaseResult:
+    """``n_users`` distinct user ids, ``batch`` new ones per step, each with
+    one request of ``max_tokens`` tokens, through the real scheduler and
+    KV cache manager with the engine telemetry attached (no server: a fake
+    clock, 10 ms steps, an export every 100 steps as the exporter's second).
+    At ``limit`` tok/s a user's last token waits for its budget (the burst
+    lets ``1 + 0.1 x limit`` through), so throttle episodes open and close
+    too. Expected: the ``user`` label capped, no per-request state left,
+    per-user state bounded, the limiter's users dropped once idle, and the
+    process' memory flat over the second half of the run."""
+    import gc
+
+    import psutil
+
+    from vllm_output_rate.scheduler import CLEANUP_EVERY_STEPS
+    from vllm_output_rate.telemetry.engine import USER_STATES_CAP
+    from vllm_output_rate.tools.scheduler_driver import (
+        FakeClock,
+        attach_telemetry,
+        make_request,
+        make_scheduler,
+        model_output_for,
+    )
+
+    case = CaseResult("identity_churn", f"{n_users:,} distinct user ids",
+                      f"{n_users:,} users, {batch} new per 10 ms step, one request of {max_tokens} "
+                      f"tokens each at {limit} tok/s; real scheduler and telemetry, fake clock",
+                      "user label capped; no per-request state left; per-user state bounded; "
+                      "limiter users dropped when idle; RSS flat over the second half")
+    t0 = time.perf_counter()
+    clock = FakeClock()
+    in_flight = batch * (2 + max_tokens * 100 // max(1, limit))
+    sched = make_scheduler({"default_user_output_tokens_per_second": limit}, clock=clock, model=model,
+                           max_num_seqs=in_flight, max_num_batched_tokens=16 * in_flight,
+                           num_blocks=2 * in_flight + 64)
+    proc = psutil.Process()
+    with tempfile.TemporaryDirectory(prefix="output-rate-churn-") as out_dir:
+        tel = attach_telemetry(sched, out_dir, start_thread=False)
+        steps = 0
+
+        def step() -> None:
+            nonlocal steps
+            out = sched.schedule()
+            sched.update_from_output(out, model_output_for(sched, out))
+            clock.advance_ms(10)
+            steps += 1
+            if steps % 100 == 0:
+                tel.export()
+
+        rss: dict[str, float] = {}
+        marks = {"warm": n_users // 10, "half": n_users // 2}
+        added = 0
+        peak_sizes: dict[str, int] = {}
+        peak_limiter = 0
+        while added < n_users:
+            k = min(batch, n_users - added)
+            for i in range(k):
+                sched.add_request(make_request(f"churn-{added + i}", prompt_len=8, max_tokens=max_tokens))
+            before, added = added, added + k
+            step()
+            for name, at in marks.items():
+                if before < at <= added:
+                    gc.collect()
+                    rss[name] = proc.memory_info().rss / 2**20
+            if steps % 50 == 0:
+                peak_limiter = max(peak_limiter, len(sched.output_rate_limiter))
+                for key, v in tel.state_sizes().items():
+                    peak_sizes[key] = max(peak_sizes.get(key, 0), v)
+        while sched.has_requests():
+            step()
+        tel.export()
+        gc.collect()
+        rss["end"] = proc.memory_info().rss / 2**20
+        # idle, past every user's budget; then one request and enough steps
+        # for the limiter's periodic cleanup
+        clock.advance_ms(2000)
+        sched.add_request(make_request("churn-last", prompt_len=8, max_tokens=CLEANUP_EVERY_STEPS + 1))
+        for _ in range(CLEANUP_EVERY_STEPS + 2):
+            step()
+        tel.export()
+        sizes = tel.state_sizes()
+        limiter_users = len(sched.output_rate_limiter)
+        labels = sizes["labels"]
+        cap = tel.labeler.top_k + len(tel.labeler.pinned) + 1
+    per_request = {k: v for k, v in sizes.items() if k.startswith("requests.") and v > 1}
+    bound = {k: v for k, v in peak_sizes.items() if k.startswith("users.")}
+    # per-user state may hold the users of one export interval (100 steps)
+    # and the introspection cap, whatever the number of ids
+    per_user_cap = 2 * batch * 100 + 61 * USER_STATES_CAP
+    growth = rss["end"] - rss["half"]
+    case.seconds = time.perf_counter() - t0
+    case.measured = (f"{steps} steps in {case.seconds:.0f} s; user labels {labels} (cap {cap}); "
+                     f"per-request entries left {sum(v for k, v in sizes.items() if k.startswith('requests.'))} "
+                     f"(the one live request's); per-user entries at most {max(bound.values(), default=0)} "
+                     f"(bound {per_user_cap}, whatever the number of ids); "
+                     f"limiter users at most {peak_limiter} during, {limiter_users} after idle; "
+                     f"RSS {rss['warm']:.0f} MiB at 10%, {rss['half']:.0f} at 50%, {rss['end']:.0f} at the end "
+                     f"(+{growth:.1f} MiB over the second half)")
+    case.ok = (labels <= cap and not per_request and limiter_users <= 1
+               and max(bound.values(), default=0) <= per_user_cap
+               and peak_limiter <= 4 * in_flight and growth <= 64)
+    return case
+
+
+# -- the run ------------------------------------------------------------------------
+
+
+def server_args() -> list[str]:
+    return ["--max-num-seqs", "32", "--max-num-active-seqs", "16", "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
+            DEFAULT_OPTION, str(DEFAULT_LIMIT),
+            USERS_OPTION, json.dumps({THROTTLED_USER: THROTTLED_LIMIT})]
+
+
+async def live_cases(base_url: str, profile: str) -> list[CaseResult]:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+        live = Live(base_url, client)
+        cases = await user_field_cases(live, (True, False))
+        cases += await request_cases(live)
+        cases += await client_fault_cases(live, 100 if profile == "full" else 20)
+    return cases
+
+
+def run(model: str, profile: str, out_dir: Path, log_dir: Path) -> Report:
+    from vllm_output_rate.tools.client import Server
+
+    report = Report(model, profile, server_args())
+    with tempfile.TemporaryDirectory(prefix="output-rate-stress-") as scratch:
+        for case in CONFIG_CASES:
+            report.cases.append(check_config_case(case, model, Path(scratch)))
+        if profile == "full":
+            for case in CONFIG_CASES:
+                report.cases.append(serve_refuses(case, model, Path(scratch), log_dir))
+    report.cases.append(identity_churn(1_000_000 if profile == "full" else 20_000, model))
+    with Server(model, report.server_args, log_dir / "stress-server.log",
+                extra_env={"OUTPUT_RATE_TELEMETRY": "1"}) as server:
+        report.cases += asyncio.run(live_cases(server.base_url, profile))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report.to_json(), indent=1))
+    (out_dir / "report.md").write_text(report.to_markdown())
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vllm_output_rate.tools.tiny_model import cache_dir, ensure_tiny_model
+
+    parser = argparse.ArgumentParser(prog="vllm-output-rate stress", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="model directory (default: the tiny model, made here)")
+    parser.add_argument("--profile", choices=("quick", "full"), default="quick",
+                        help="quick: a few minutes; full: every config case also as a real server, "
+                             "100 cancelled streams")
+    parser.add_argument("--out", default=None, help="report directory (default: reports/stress)")
+    args = parser.parse_args(argv)
+    model = args.model or str(ensure_tiny_model())
+    out = Path(args.out or "reports/stress")
+    log_dir = cache_dir() / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    report = run(model, args.profile, out, log_dir)
+    for c in report.cases:
+        print(f"{'pass' if c.ok else 'FAIL'}  {c.group:<14} {c.name:<50} {c.measured[:120]}")
+    print(f"\n{len(report.cases) - len(report.failed)} passed, {len(report.failed)} failed; "
+          f"report: {out / 'report.md'}")
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

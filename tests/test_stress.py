@@ -1,0 +1,64 @@
+"""The fault and bad-input runner (``vllm-output-rate stress``): its config
+table in-process, and its quick profile against a real CPU engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import tiny_model
+from vllm_output_rate.config import DEFAULT_OPTION
+from vllm_output_rate.tools import stress
+
+
+def test_the_config_table_covers_every_option():
+    assert len(stress.CONFIG_CASES) >= 20
+    options = {a for case in stress.CONFIG_CASES for a in case.args if a.startswith("--")}
+    for option in (stress.DEFAULT_OPTION, stress.USERS_OPTION, stress.LIMITS_FILE_OPTION,
+                   stress.UNLISTED_OPTION, stress.SHARED_STATE_OPTION, stress.HEADER_OPTION,
+                   stress.REQUIRE_OPTION, stress.API_KEYS_OPTION):
+        assert option in options, option
+
+
+@pytest.mark.parametrize("case", stress.CONFIG_CASES, ids=lambda c: c.name)
+def test_every_bad_value_is_refused_naming_option_and_value(case, tmp_path):
+    result = stress.check_config_case(case, tiny_model(), tmp_path)
+    assert result.ok, result
+
+
+def test_a_good_configuration_is_a_failed_case(tmp_path):
+    """The check can fail: a configuration that is accepted is reported."""
+    good = stress.ConfigCase("good", (DEFAULT_OPTION, "5"), (DEFAULT_OPTION,))
+    result = stress.check_config_case(good, tiny_model(), tmp_path)
+    assert not result.ok and result.measured == "accepted"
+
+
+def test_a_refusal_that_does_not_name_the_value_is_a_failed_case(tmp_path):
+    vague = stress.ConfigCase("vague", (DEFAULT_OPTION, "0"), (DEFAULT_OPTION, "a value it never names"))
+    assert not stress.check_config_case(vague, tiny_model(), tmp_path).ok
+
+
+@pytest.mark.e2e
+def test_quick_profile_against_a_real_engine(tmp_path):
+    out = tmp_path / "report"
+    code = stress.main(["--model", tiny_model(), "--profile", "quick", "--out", str(out)])
+    doc = json.loads((out / "report.json").read_text())
+    failed = [c for c in doc["cases"] if not c["ok"]]
+    assert code == 0 and failed == [], failed
+    groups = {c["group"] for c in doc["cases"]}
+    assert groups == {"config", "identity_churn", "user_field", "requests", "client_faults"}
+    names = {c["name"] for c in doc["cases"]}
+    assert {"n > 1", "beam search", "prompt longer than the model", "slow consumers"} <= names
+    markdown = (out / "report.md").read_text()
+    assert f"{len(doc['cases'])} passed, 0 failed." in markdown
+
+
+@pytest.mark.e2e
+def test_a_real_server_refuses_a_bad_file_in_one_line(tmp_path):
+    """``vllm-output-rate serve`` itself: exit 2, one error line naming the
+    option, the file, the key path and the value; no traceback."""
+    case = next(c for c in stress.CONFIG_CASES if c.name == "limits file unknown tier")
+    result = stress.serve_refuses(case, tiny_model(), tmp_path, tmp_path)
+    assert result.ok, result
+    assert "error: --output-rate-limits-file" in result.measured
