@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from harness import tiny_model
+from harness import second_model, tiny_model
 from vllm_output_rate.config import DEFAULT_OPTION
 from vllm_output_rate.tools import stress
 
@@ -40,9 +40,13 @@ def test_a_refusal_that_does_not_name_the_value_is_a_failed_case(tmp_path):
 
 
 @pytest.mark.e2e
-def test_quick_profile_against_a_real_engine(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "second"])
+def test_quick_profile_against_a_real_engine(tmp_path, model):
+    """On the demo's model and on a second one with another tokenizer and
+    shape (prompt sizes are in that model's tokens)."""
     out = tmp_path / "report"
-    code = stress.main(["--model", tiny_model(), "--profile", "quick", "--out", str(out)])
+    path = tiny_model() if model == "tiny" else second_model()
+    code = stress.main(["--model", path, "--profile", "quick", "--out", str(out)])
     doc = json.loads((out / "report.json").read_text())
     failed = [c for c in doc["cases"] if not c["ok"]]
     assert code == 0 and failed == [], failed
