@@ -28,6 +28,16 @@ Groups of cases:
     model's length (a clear 400), a long prompt under chunked prefill for a
     throttled user, ``max_tokens`` 1, non-streaming, ``stop`` strings, beam
     search (400 with the reason).
+``identity_churn``
+    Distinct user ids through the real scheduler and telemetry, no server
+    (20,000; a million in the full profile): labels capped, state bounded
+    and dropped when idle, memory flat.
+``telemetry_faults`` (full profile)
+    A server each: the OTLP endpoint dead, or accepting and never answering;
+    the event log unwritable; the snapshot directory unwritable at start or
+    gone mid-run; ``/metrics`` scraped by five clients aiming at 50 a second. The limit holds, every request completes,
+    drops are counted (or logged once), and the engine's inter-token
+    latency and wake-up lateness are reported.
 ``client_faults``
     Streams of throttled users cancelled after their first token, clients
     that stop reading for a while (slow consumers), connections dropped
@@ -200,7 +210,7 @@ def check_config_case(case: ConfigCase, model: str, scratch: Path) -> CaseResult
     for name, content in case.files:
         (scratch / name).write_text(content)
     args = [a.replace("{dir}", str(scratch)) for a in case.args]
-    result = CaseResult("config", case.name, " ".join(_quote(a) for a in args),
+    result = CaseResult("config", case.name, config_sends(case),
                         "refused at start-up, naming " + ", ".join(f"`{n}`" for n in case.names))
     t0 = time.perf_counter()
     err = io.StringIO()
@@ -223,9 +233,17 @@ def check_config_case(case: ConfigCase, model: str, scratch: Path) -> CaseResult
     if message is None:
         result.measured = "accepted"
         return result
-    result.measured = message[:300]
     result.ok = all(n in message for n in case.names) and "Traceback" not in message
+    result.measured = message.replace(str(scratch), "{dir}")[:300]
     return result
+
+
+def config_sends(case: ConfigCase) -> str:
+    """The case's arguments as typed, and what its files hold."""
+    text = " ".join(_quote(a) for a in case.args)
+    for name, content in case.files:
+        text += f"; {name}: {content.strip()}"
+    return text
 
 
 def _quote(arg: str) -> str:
@@ -240,7 +258,7 @@ def serve_refuses(case: ConfigCase, model: str, scratch: Path, log_dir: Path) ->
     for name, content in case.files:
         (scratch / name).write_text(content)
     args = [a.replace("{dir}", str(scratch)) for a in case.args]
-    result = CaseResult("config (real server)", case.name, " ".join(_quote(a) for a in args),
+    result = CaseResult("config (real server)", case.name, config_sends(case),
                         "the server exits 2 before loading the model, naming "
                         + ", ".join(f"`{n}`" for n in case.names) + ", no traceback")
     t0 = time.perf_counter()
@@ -256,7 +274,8 @@ def serve_refuses(case: ConfigCase, model: str, scratch: Path, log_dir: Path) ->
     log = log_dir / f"config-{case.name.replace(' ', '-')}.log"
     log.write_text(out)
     tail = [line for line in out.strip().splitlines() if line.strip()][-1:] or [""]
-    result.measured = f"exit {proc.returncode} after {result.seconds:.0f} s: {tail[0][:240]}"
+    result.measured = (f"exit {proc.returncode} after {result.seconds:.0f} s: "
+                       + tail[0].replace(str(scratch), "{dir}")[:240])
     result.ok = proc.returncode == 2 and all(n in out for n in case.names) and "Traceback" not in out
     return result
 
@@ -723,6 +742,200 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
     return case
 
 
+# -- telemetry faults (full profile: a server per fault) --------------------------------
+
+#: the load of each telemetry-fault run: a user over its limit (4 streams at
+#: the default limit) and a single stream of another user
+FAULT_LOAD = (("tf-over", 4, 100), ("tf-single", 1, 60))
+#: concurrent scrapers of ``/metrics`` in the scrape case
+SCRAPERS = 5
+
+
+def _histogram_quantile(samples: dict, name: str, q: float) -> float | None:
+    """The ``q`` quantile (upper bucket bound) of histogram ``name``, summed
+    over its label sets."""
+    buckets: dict[float, float] = {}
+    for (n, labels), v in samples.items():
+        if n == name + "_bucket":
+            le = float(dict(labels)["le"])
+            buckets[le] = buckets.get(le, 0.0) + v
+    if not buckets:
+        return None
+    bounds = sorted(buckets)
+    total = buckets[bounds[-1]]
+    if total <= 0:
+        return None
+    for le in bounds:
+        if buckets[le] >= q * total:
+            return le
+    return bounds[-1]
+
+
+class _SilentServer:
+    """Accepts TCP connections and never answers (a hung collector)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[Any] = []
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(conn)
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+def _fault_run(model: str, log_dir: Path, name: str, env: dict[str, str], expects: str,
+               drop_reason: str | None = None, log_line: str | None = None,
+               scrape_hz: float = 0.0, before_load: Callable[[], None] | None = None) -> CaseResult:
+    """One server with ``env``; ``FAULT_LOAD`` against it (and ``/metrics``
+    scraped ``scrape_hz`` times a second meanwhile); the limit held
+    (client-side, with a quarter second of slack for HTTP), every request
+    complete, no 5xx, the drop counted or logged once."""
+    import threading
+
+    from vllm_output_rate.tools.client import Server, run_load, summarize
+    from vllm_output_rate.tools.client import scrape_metrics as scrape
+
+    sends = ", ".join(f"{u} {k} stream(s) x {n} tokens" for u, k, n in FAULT_LOAD) + \
+        (f"; /metrics scraped {scrape_hz:g}/s" if scrape_hz else "")
+    case = CaseResult("telemetry_faults", name, sends, expects)
+    t0 = time.perf_counter()
+    log = log_dir / ("stress-fault-" + "".join(c if c.isalnum() else "-" for c in name) + ".log")
+    try:
+        with Server(model, server_args(), log, extra_env={"OUTPUT_RATE_TELEMETRY": "1", **env}) as server:
+            scrapes = {"ok": 0, "bad": 0}
+            stop = threading.Event()
+
+            def scraper() -> None:  # one of SCRAPERS, each at scrape_hz / SCRAPERS
+                with httpx.Client(timeout=10) as client:
+                    while not stop.wait(SCRAPERS / scrape_hz):
+                        try:
+                            ok = client.get(f"{server.base_url}/metrics").status_code == 200
+                        except httpx.HTTPError:
+                            ok = False
+                        scrapes["ok" if ok else "bad"] += 1
+
+            sides = [threading.Thread(target=scraper, daemon=True)
+                     for _ in range(SCRAPERS if scrape_hz else 0)]
+            if before_load is not None:
+                before_load()
+            load_t0 = time.monotonic()
+            for side in sides:
+                side.start()
+            results = asyncio.run(run_load(server.base_url, list(FAULT_LOAD)))
+            load_s = time.monotonic() - load_t0
+            stop.set()
+            for side in sides:
+                side.join()
+            time.sleep(2.5)  # one telemetry export
+            try:
+                samples = scrape(server.base_url)
+            except Exception:  # noqa: BLE001 - no engine telemetry: reported
+                samples = {}
+        text = log.read_text(errors="replace")
+    except Exception as exc:  # noqa: BLE001
+        case.measured = f"{type(exc).__name__}: {exc}"[:300]
+        case.seconds = time.perf_counter() - t0
+        return case
+    rows = {r.user: r for r in summarize(results, {})}
+    over = rows["tf-over"]
+    held = over.tokens <= (over.span_s + 0.1 + 0.25) * DEFAULT_LIMIT + 1 and over.rate >= 0.9 * DEFAULT_LIMIT
+    complete = all(r.error is None and r.completion_tokens == r.max_tokens for r in results)
+    drops = {dict(ls).get("reason", ""): v for (n, ls), v in samples.items()
+             if n == series_name("telemetry_dropped") and v > 0}
+    itl99 = _histogram_quantile(samples, "vllm:inter_token_latency_seconds", 0.99)
+    late99 = _histogram_quantile(samples, series_name("wake_lateness_seconds", "bucket").removesuffix("_bucket"),
+                                 0.99)
+    parts = [f"tf-over {over.rate:.1f} tok/s (limit {DEFAULT_LIMIT})",
+             f"{sum(r.completion_tokens == r.max_tokens for r in results)}/{len(results)} complete",
+             f"drops {drops or 'none'}",
+             f"ITL p99 <= {itl99 if itl99 is not None else '?'} s",
+             f"wake lateness p99 <= {late99 if late99 is not None else '?'} s"]
+    ok = held and complete
+    if drop_reason is not None:
+        ok = ok and drops.get(drop_reason, 0) > 0
+    if log_line is not None:
+        count = text.count(log_line)
+        parts.append(f"log lines '{log_line}': {count}")
+        ok = ok and count == 1
+    if scrape_hz:
+        parts.append(f"scrapes {scrapes['ok']} ok ({scrapes['ok'] / load_s:.0f}/s), "
+                     f"{scrapes['bad']} failed")
+        ok = ok and scrapes["bad"] == 0 and scrapes["ok"] > 0
+    case.measured = "; ".join(parts)
+    case.ok = ok
+    case.seconds = time.perf_counter() - t0
+    return case
+
+
+def telemetry_fault_cases(model: str, log_dir: Path) -> list[CaseResult]:
+    from vllm_output_rate import settings
+    from vllm_output_rate.tools.client import free_port
+
+    out = []
+    otlp = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT": "1"}
+    dead = free_port()
+    out.append(_fault_run(model, log_dir, "OTLP endpoint dead",
+                          {**otlp, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{dead}/v1/traces"},
+                          "limit held, every request complete; span exports counted as dropped",
+                          drop_reason="trace_export_failed"))
+    silent = _SilentServer()
+    try:
+        out.append(_fault_run(model, log_dir, "OTLP endpoint accepts and never answers",
+                              {**otlp, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT":
+                               f"http://127.0.0.1:{silent.port}/v1/traces"},
+                              "limit held, every request complete; span exports counted as dropped",
+                              drop_reason="trace_export_failed"))
+    finally:
+        silent.close()
+    with tempfile.TemporaryDirectory(prefix="output-rate-faults-") as scratch:
+        blocker = Path(scratch) / "a-file"
+        blocker.write_text("not a directory\n")
+        out.append(_fault_run(model, log_dir, "event log unwritable",
+                              {settings.name("EVENTS"): str(blocker / "events.jsonl")},
+                              "limit held, every request complete; event-log writes counted as dropped",
+                              drop_reason="events_write_failed"))
+        out.append(_fault_run(model, log_dir, "snapshot directory unwritable at start",
+                              {settings.name("TELEMETRY_DIR"): str(blocker / "telemetry")},
+                              "limit held, every request complete; telemetry does not start, "
+                              "logged once; the limiter runs without it",
+                              log_line="output-rate telemetry could not start"))
+        snapshots = Path(scratch) / "telemetry"
+        snapshots.mkdir()
+
+        def pull_the_directory() -> None:
+            snapshots.rename(Path(scratch) / "telemetry-gone")
+            snapshots.write_text("no longer a directory\n")
+
+        out.append(_fault_run(model, log_dir, "snapshot directory gone mid-run",
+                              {settings.name("TELEMETRY_DIR"): str(snapshots)},
+                              "limit held, every request complete; failed snapshots logged once "
+                              "(then only counted; /metrics has no fresh engine telemetry)",
+                              log_line="output-rate telemetry: writing",
+                              before_load=pull_the_directory))
+    out.append(_fault_run(model, log_dir, "/metrics scraped by 5 clients aiming at 50/s", {},
+                          "limit held, every request complete, every scrape answered",
+                          scrape_hz=50.0))
+    return out
+
+
 # -- the run ------------------------------------------------------------------------
 
 
@@ -756,6 +969,8 @@ def run(model: str, profile: str, out_dir: Path, log_dir: Path) -> Report:
     with Server(model, report.server_args, log_dir / "stress-server.log",
                 extra_env={"OUTPUT_RATE_TELEMETRY": "1"}) as server:
         report.cases += asyncio.run(live_cases(server.base_url, profile))
+    if profile == "full":
+        report.cases += telemetry_fault_cases(model, log_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "report.json").write_text(json.dumps(report.to_json(), indent=1))
     (out_dir / "report.md").write_text(report.to_markdown())
