@@ -201,14 +201,7 @@ class OutputRateConfig:
                     f"or {USERS_OPTION}: the file holds the default and every "
                     f"user's limit (its 'default' and 'users' keys)"
                 )
-            try:
-                config = load_limits_file(str(limits_file))
-            except OutputRateConfigError as exc:
-                # At start-up, name the option too (a reload names the file)
-                text = str(exc)
-                if text.startswith(LIMITS_FILE_OPTION):
-                    raise
-                raise OutputRateConfigError(f"{LIMITS_FILE_OPTION} {text}") from None
+            config = load_limits_file(str(limits_file))
             if unlisted_users is not None:
                 config = replace(config, unlisted_users=_unlisted_mode(unlisted_users))
             return config
@@ -336,9 +329,15 @@ def read_limits_file(path: str) -> bytes:
 
 
 def load_limits_file(path: str) -> OutputRateConfig:
-    """Read and check a limits file (YAML or JSON)."""
+    """Read and check a limits file (YAML or JSON) at start-up: every error
+    names the option too (a reload, ``parse_limits_document``, names the
+    file)."""
     path = os.path.abspath(path)
-    return parse_limits_document(read_limits_file(path), path)
+    content = read_limits_file(path)  # its errors name the option already
+    try:
+        return parse_limits_document(content, path)
+    except OutputRateConfigError as exc:
+        raise OutputRateConfigError(f"{LIMITS_FILE_OPTION} {exc}") from None
 
 
 def parse_limits_document(content: bytes, path: str) -> OutputRateConfig:
