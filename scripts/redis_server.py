@@ -88,6 +88,13 @@ class RedisServer:
                 self.proc.wait()
         self.proc = None
 
+    def kill(self) -> None:
+        """SIGKILL: a store that crashed (no shutdown, its data gone)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.proc = None
+
     def restart(self) -> RedisServer:
         """Stop and start on the same port: the store comes back empty."""
         self.stop()

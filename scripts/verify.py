@@ -142,13 +142,11 @@ class Analysis:
     #: engine steps a dispatch may precede the previous output by (1 sync, 2 async)
     lag: int = 1
     reqs: dict[str, ReqData] = field(default_factory=dict)
-    step_times: list[int] = field(default_factory=list)
     unmatched_engine_ids: int = 0
 
     def __post_init__(self) -> None:
         by_rid = {r.rid: ReqData(r) for r in self.run.requests}
         for t_ns, toks in self.log.steps:
-            self.step_times.append(t_ns)
             for eid, _user, n in toks:
                 rd = by_rid.get(base_request_id(eid))
                 if rd is None:
@@ -198,15 +196,6 @@ class Analysis:
             return self.log.starts[-1]
         before = [s for s in self.log.starts if int(s["t_ns"]) <= window[0]]
         return before[-1] if before else self.log.starts[0]
-
-    def dispatch_lower_bound(self, t_ns: int) -> int:
-        """Earliest moment the step whose output came at ``t_ns`` can have been
-        dispatched: the engine output ``lag`` steps before (sync: a step is
-        scheduled only after the previous step's output was processed)."""
-        import bisect
-
-        i = bisect.bisect_left(self.step_times, t_ns) - self.lag
-        return self.step_times[i] if i >= 0 else -(1 << 62)
 
     def alive_count(self, user: str, t_ns: int) -> int:
         """The user's requests generating at ``t_ns`` (first token <= t <= last token)."""
@@ -332,7 +321,7 @@ def user_stats(a: Analysis, user: str) -> UserStats:
                    quantile(raw, 0.5), quantile(expected, 0.5), quantile(normalized, 0.5),
                    quantile(user_gaps, 0.5), max_streams)
     if limit is not None:
-        st.gcra = gcra_worst_window(events, limit, [a.dispatch_lower_bound(t) for t, _ in events])
+        st.gcra = gcra_worst_window(events, limit, a.log.dispatch_lower_bounds((t for t, _ in events), a.lag))
         st.gcra_strict = gcra_worst_window(events, limit)
     return st
 

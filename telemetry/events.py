@@ -136,3 +136,31 @@ class EngineLog:
     def read(cls, path: str | os.PathLike[str]) -> EngineLog:
         with open(path, errors="replace") as f:
             return cls.from_lines(f.read().split("\n"))
+
+    def user_spends(self, user: str, since_ns: int = 0) -> list[tuple[int, int]]:
+        """(t_ns, tokens) of ``user``'s steps from ``since_ns`` on, in time
+        order: the tokens of one step summed."""
+        return [(t, n) for t, tokens in self.steps if t >= since_ns
+                for n in [sum(k for _, u, k in tokens if u == user)] if n]
+
+    def dispatch_lower_bounds(self, times: Iterable[int], lag: int = 1) -> list[int]:
+        """Per output time in ``times``, the earliest moment its step can
+        have been dispatched: the engine's output ``lag`` steps before (a
+        synchronously scheduling engine dispatches a step after the previous
+        step's output was processed; async scheduling runs one step ahead,
+        ``lag=2``). The limiter charges at dispatch, the log stamps when the
+        output is processed: ``lag`` steps of slack, as ``verify`` allows."""
+        import bisect
+
+        stamps = [t for t, _ in self.steps]
+        out = []
+        for t in times:
+            i = bisect.bisect_left(stamps, t) - lag
+            out.append(stamps[i] if i >= 0 else -(1 << 62))
+        return out
+
+
+def fleet_spends(logs: Iterable[EngineLog], user: str, since_ns: int = 0) -> list[tuple[int, int]]:
+    """(t_ns, tokens) of ``user`` over several engines' logs on one machine
+    (their monotonic clocks are the same clock), in time order."""
+    return sorted(s for log in logs for s in log.user_spends(user, since_ns))

@@ -44,6 +44,14 @@ def limit_integral(schedule, a, b):
                 for lo, hi in zip(points, points[1:])), Fraction(0))
 
 
+def spend_rate(spends: list[tuple[int, int]]) -> float:
+    """Tokens per second over (t_ns, tokens) spends in time order, first to
+    last: the first step's tokens open the span and are not counted in it."""
+    if len(spends) < 2:
+        return 0.0
+    return (sum(n for _, n in spends) - spends[0][1]) / ((spends[-1][0] - spends[0][0]) / 1e9)
+
+
 def second_model() -> str:
     """Another tokenizer (Unigram) and shape: tools are tried on it too."""
     from vllm_output_rate.tools.tiny_model import ensure_second_model

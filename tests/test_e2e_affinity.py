@@ -10,7 +10,6 @@ engine, at its limit.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import subprocess
 import threading
 import time
@@ -19,7 +18,7 @@ from fractions import Fraction
 import httpx
 import pytest
 
-from harness import REPO, tiny_model
+from harness import REPO, spend_rate, tiny_model
 from test_proxy import nginx_binary
 from vllm_output_rate.dashboards import proxy
 from vllm_output_rate.limiter import NS_PER_S
@@ -114,24 +113,6 @@ async def warm_up(engines, streams):
     assert [r.error for r in results if r.error] == []
 
 
-def user_spends(log, user, since_ns):
-    """(t_ns, tokens) of ``user`` in one engine's event log, in time order."""
-    return [(t, n) for t, tokens in log.steps if t >= since_ns
-            for n in [sum(k for _, u, k in tokens if u == user)] if n]
-
-
-def dispatch_lower_bounds(log, spends):
-    """Per spend, the earliest moment its step can have been dispatched: the
-    engine's previous output (these engines schedule synchronously: a step
-    is dispatched after the previous step's output was processed). The
-    limiter charges at dispatch, the log stamps when the output is
-    processed: exactly one step of slack, as the pre-launch verification
-    allows."""
-    steps = [t for t, _ in log.steps]
-    return [steps[i - 1] if (i := bisect.bisect_left(steps, t)) >= 1 else -(1 << 62)
-            for t, _ in spends]
-
-
 def test_each_user_lands_on_one_engine_at_its_limit(fleet):
     base_url, engines, events = fleet
     start = time.monotonic_ns()
@@ -169,14 +150,17 @@ def test_each_user_lands_on_one_engine_at_its_limit(fleet):
     assert predicted == observed
     # each user's rate, engine-side over its first-to-last token (the engines
     # stamp each step; a proxy between them and the client delays chunks
-    # unevenly): at its limit, and the GCRA bound in every window
+    # unevenly): the GCRA bound in every window, one engine step of slack
+    # (the upper side: over these 4 s runs the burst alone allows a rate
+    # 5% above the limit), and most of the limit
     logs = [EngineLog.read(path) for path in events]
     for user in USERS:
         log = logs[observed[user]]
-        spends = user_spends(log, user, start)
+        spends = log.user_spends(user, start)
         assert sum(n for _, n in spends) == STREAMS * TOKENS
-        rate = (STREAMS * TOKENS - spends[0][1]) / ((spends[-1][0] - spends[0][0]) / NS_PER_S)
+        rate = spend_rate(spends)
         print(f"{user}: engine-side rate {rate:.2f} tok/s on engine {observed[user]}")
-        assert 0.97 * LIMIT <= rate <= 1.03 * LIMIT, (user, rate)
-        worst = gcra_worst_window(spends, Fraction(LIMIT), dispatch_lower_bounds(log, spends))
+        worst = gcra_worst_window(spends, Fraction(LIMIT),
+                                  log.dispatch_lower_bounds(t for t, _ in spends))
         assert worst["excess"] <= 0, (user, worst)
+        assert rate >= 0.95 * LIMIT, (user, rate)

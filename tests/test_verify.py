@@ -222,10 +222,12 @@ def test_one_engine_step_of_slack_only():
 def test_the_analysis_takes_the_dispatch_bound_from_the_previous_engine_output(good):
     sc, run, log, metrics = good
     a = Analysis(sc, run, log, metrics)
-    t = a.step_times[5]
-    assert a.dispatch_lower_bound(t) == a.step_times[4]
+    stamps = [t for t, _ in a.log.steps]
+    t = stamps[5]
+    assert a.log.dispatch_lower_bounds([t], a.lag) == [stamps[4]]
     a.lag = 2  # async scheduling: one step in flight
-    assert a.dispatch_lower_bound(t) == a.step_times[3]
+    assert a.log.dispatch_lower_bounds([t], a.lag) == [stamps[3]]
+    assert a.log.dispatch_lower_bounds([stamps[0]], 1) == [-(1 << 62)]  # nothing before
     assert verify.is_async(sc, {"async_scheduling": True})
     assert not verify.is_async(sc, None)
 
