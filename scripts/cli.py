@@ -29,6 +29,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "py-spy schedule-cost report of the engine core (limiter on vs off)"),
     "stress": ("vllm_output_rate.tools.stress",
                "fault and bad-input matrix against a real engine, Markdown and JSON report"),
+    "soak": ("vllm_output_rate.tools.soak",
+             "mixed load for a long while: conformance, completion, memory and step-time slopes"),
 }
 
 

@@ -326,3 +326,11 @@ async def run_load(base_url: str, plan: list[tuple[str | None, int, int]], model
             for user, streams, max_tokens in plan
             for _ in range(streams)
         )))
+
+
+def rss_mib(proc: Any) -> float:
+    """The resident set of a ``psutil.Process`` in MiB (NaN when gone)."""
+    try:
+        return proc.memory_info().rss / 2**20 if proc is not None else float("nan")
+    except Exception:  # noqa: BLE001 - gone
+        return float("nan")

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-dir", default=None,
                         help="where the tiny model is made (default: %s)" % default_model_dir())
+    parser.add_argument("--model", default=None,
+                        help="serve this model directory as it is instead of making the tiny "
+                        "model (any model vLLM's CPU engine loads; sizes are in its tokens)")
     parser.add_argument("--log", default=None,
                         help="server log (default: %s)" % (cache_dir() / "logs" / "demo-server.log"))
     args = parser.parse_args(argv)
@@ -42,8 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_output_rate.tools.client import Server, metric_value, run_load, scrape_metrics, summarize
     from vllm_output_rate.tools.tiny_model import ensure_tiny_model
 
-    print(f"[1/3] tiny model in {args.model_dir}")
-    model = str(ensure_tiny_model(args.model_dir))
+    if args.model:
+        model = args.model
+        print(f"[1/3] model {model}")
+    else:
+        print(f"[1/3] tiny model in {args.model_dir}")
+        model = str(ensure_tiny_model(args.model_dir))
     serve_args = [
         "--max-num-seqs", "16", "--max-num-active-seqs", "8", "--max-model-len", "1024",
         "--default-user-output-tokens-per-second", str(DEFAULT_LIMIT),

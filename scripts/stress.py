@@ -1,6 +1,6 @@
 """The fault and bad-input runner: named cases against a real CPU engine.
 
-``vllm-output-rate stress [--model DIR] [--profile quick|full] [--out DIR]``
+``vllm-output-rate stress [--model DIR] [--profile quick|full] [--out DIR] [--groups G,...]``
 starts ``vllm-output-rate serve`` on the model (default: the tiny model,
 generated locally) with per-user limits and runs named cases, each with what
 it sends, what it expects and what it measured; it writes ``report.md`` and
@@ -23,7 +23,9 @@ Groups of cases:
     never a 5xx; then ``/metrics`` still parses and no ``user`` label is
     longer than 64 characters.
 ``requests``
-    Requests the limiter must handle: ``n`` > 1 (every sample charged),
+    Requests the limiter must handle: ``n`` > 1 (every sample charged; the
+    samples of a user at its limit share its budget: the rate and the GCRA
+    bound over the stream),
     structured output for a throttled user, a prompt longer than the
     model's length (a clear 400), a long prompt under chunked prefill for a
     throttled user, ``max_tokens`` 1, non-streaming, ``stop`` strings, beam
@@ -31,11 +33,17 @@ Groups of cases:
 ``identity_churn``
     Distinct user ids through the real scheduler and telemetry, no server
     (20,000; a million in the full profile): labels capped, state bounded
-    and dropped when idle, memory flat.
+    and dropped when idle, memory flat. Then through the server (300; 2,000
+    in the full profile): every request served, the ``user`` label capped,
+    the engine core's state sizes (``vllm_output_rate_state_entries``) and
+    RSS (psutil) bounded and flat.
 ``telemetry_faults`` (full profile)
-    A server each: the OTLP endpoint dead, or accepting and never answering;
-    the event log unwritable; the snapshot directory unwritable at start or
-    gone mid-run; ``/metrics`` scraped by five clients aiming at 50 a second. The limit holds, every request completes,
+    A server each: the OTLP endpoint dead, accepting and never answering, or
+    flapping (2 s up, 2 s down); the event log unwritable; the snapshot
+    directory unwritable at start or gone mid-run; the snapshot directory or
+    the event log on a full disk (a filled 64 KiB tmpfs: needs the right to
+    mount); ``/metrics`` scraped by five clients aiming at 50 a second. The
+    limit holds, every request completes,
     drops are counted (or logged once), and the engine's inter-token
     latency and wake-up lateness are reported.
 ``client_faults``
@@ -440,6 +448,23 @@ async def request_cases(live: Live) -> list[CaseResult]:
     await run("n > 1", f"n=3, max_tokens 12, user stress-n (limit {DEFAULT_LIMIT})",
               "HTTP 200, 3 choices, every sample charged (36 tokens)", n_samples)
 
+    async def n_samples_rate(case: CaseResult) -> bool:
+        n, tokens = 3, 8
+        rec = await live.stream(body_for(THROTTLED_USER, tokens, True, n=n, temperature=1.0))
+        got = rec.completion_tokens
+        span = (rec.chunks[-1][0] - rec.first) if rec.first is not None and rec.chunks else 0.0
+        first = next((c for _, c in rec.chunks if c > 0), 0)
+        rate = (got - first) / span if span > 0 else float("inf")
+        bound = (span + 0.1 + 0.25) * THROTTLED_LIMIT + 1  # the GCRA bound, HTTP slack
+        case.measured = (f"{rec.error or 'HTTP 200'}, {got} tokens over {span:.2f} s: {rate:.2f} tok/s "
+                         f"(bound {bound:.1f} tokens in that span)")
+        return rec.error is None and got == n * tokens and got <= bound and rate >= 0.85 * THROTTLED_LIMIT
+
+    await run("n > 1 at the user's limit",
+              f"n=3, max_tokens 8, streamed, user {THROTTLED_USER} ({THROTTLED_LIMIT} tok/s)",
+              "HTTP 200, 24 tokens; the three samples share the user's budget: its limit, "
+              "the GCRA bound over the span", n_samples_rate)
+
     async def structured(case: CaseResult) -> bool:
         schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
         rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
@@ -742,6 +767,83 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
     return case
 
 
+async def state_entries(live: Live) -> dict[str, float]:
+    """``vllm_output_rate_state_entries`` on ``/metrics``, per container."""
+    samples, _ = await live.metrics()
+    state: dict[str, float] = {}
+    for (n, ls), v in samples.items():
+        if n == series_name("state_entries"):
+            container = dict(ls)["container"]
+            state[container] = state.get(container, 0.0) + v
+    return state
+
+
+async def http_churn_case(live: Live, n_users: int, server_pid: int) -> CaseResult:
+    """``n_users`` distinct user ids through a real server (16 requests at a
+    time, 2 tokens each): every request served, the ``user`` label capped,
+    the engine core's own state back to empty or bounded once quiet, its
+    RSS flat (read with psutil; state sizes from ``/metrics``)."""
+    import psutil
+
+    from vllm_output_rate import settings
+    from vllm_output_rate.scheduler import CLEANUP_EVERY_STEPS
+    from vllm_output_rate.telemetry.engine import USER_STATES_CAP
+    from vllm_output_rate.tools.client import rss_mib
+    from vllm_output_rate.tools.profile_engine import find_engine_core
+
+    top_k = int(settings.get_or_default("TOP_K_USERS"))
+    label_cap = top_k + 2  # the top users, the configured one, the overflow bucket
+    case = CaseResult(
+        "identity_churn", f"{n_users:,} ids through the server",
+        f"{n_users} non-streamed requests, max_tokens 2, each with a user id of its own, 16 at a time",
+        f"every request HTTP 200; at most {label_cap} user labels on /metrics; once quiet the "
+        "per-request state empty, per-user state bounded; the limiter's idle users dropped "
+        "once the engine runs again (one more stream); engine-core RSS growth <= 64 MiB")
+    t0 = time.perf_counter()
+    try:
+        engine = psutil.Process(find_engine_core(server_pid, timeout_s=30))
+        gate = asyncio.Semaphore(16)
+
+        async def one(user: str) -> int:
+            async with gate:
+                status, _ = await live.post(body_for(user, 2, False))
+                return status
+
+        await asyncio.gather(*(one(f"churn-warm-{i}") for i in range(64)))  # allocator warm-up
+        await asyncio.sleep(2.5)
+        rss_before = rss_mib(engine)
+        statuses = await asyncio.gather(*(one(f"churn-http-{i}") for i in range(n_users)))
+        quiet, seen = await wait_quiet(live)
+        await asyncio.sleep(2.5)  # one export after going quiet
+        rss_after = rss_mib(engine)
+        idle_users = (await state_entries(live)).get("limiter.users", -1.0)
+        # the limiter drops idle users every CLEANUP_EVERY_STEPS steps of the
+        # engine (an idle engine runs none): one more stream, longer than
+        # that, and the churned ids are gone
+        status, _ = await live.post(body_for("churn-after", CLEANUP_EVERY_STEPS + 44, False))
+        await asyncio.sleep(2.5)
+        samples, _ = await live.metrics()
+        users = {dict(ls).get("user") for (n, ls), _ in samples.items() if n == series_name("tokens_charged")}
+        state = await state_entries(live)
+        per_request = sum(v for k, v in state.items() if k.startswith("requests."))
+        per_user = max((v for k, v in state.items() if k.startswith("users.")), default=0.0)
+        limiter = state.get("limiter.users", -1.0)
+        ok_status = sum(1 for st in statuses if st == 200)
+        growth = rss_after - rss_before
+        case.measured = (f"{ok_status}/{n_users} HTTP 200; {len(users)} user labels; after: {seen}; "
+                         f"limiter users {idle_users:.0f} while idle, {limiter:.0f} after a "
+                         f"{CLEANUP_EVERY_STEPS + 44}-token stream (HTTP {status}); per-request "
+                         f"state {per_request:.0f}, largest per-user {per_user:.0f}; engine-core RSS "
+                         f"{rss_before:.0f} -> {rss_after:.0f} MiB ({growth:+.1f})")
+        case.ok = (ok_status == n_users and status == 200 and len(users) <= label_cap and quiet
+                   and bool(state) and per_request == 0 and per_user <= 61 * USER_STATES_CAP
+                   and 0 <= limiter <= 2 and growth <= 64)
+    except Exception as exc:  # noqa: BLE001
+        case.measured = f"{type(exc).__name__}: {exc}"[:300]
+    case.seconds = time.perf_counter() - t0
+    return case
+
+
 # -- telemetry faults (full profile: a server per fault) --------------------------------
 
 #: the load of each telemetry-fault run: a user over its limit (4 streams at
@@ -800,9 +902,99 @@ class _SilentServer:
             conn.close()
 
 
+class _FlappingCollector:
+    """An OTLP/HTTP receiver that comes and goes: its port answers (HTTP
+    200) for ``period_s``, then is closed for ``period_s``, and so on."""
+
+    def __init__(self, period_s: float = 2.0) -> None:
+        import threading
+
+        from vllm_output_rate.tools.client import free_port
+
+        self.port = free_port()
+        self.period_s = period_s
+        self.received = 0
+        self.up_periods = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - the stdlib's name
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                outer.received += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        while not self._stop.is_set():
+            try:
+                server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+            except OSError:  # the port not free again yet: down a while longer
+                self._stop.wait(0.2)
+                continue
+            serving = threading.Thread(target=server.serve_forever, daemon=True)
+            serving.start()
+            self._stop.wait(self.period_s)
+            server.shutdown()
+            server.server_close()
+            self.up_periods += 1
+            self._stop.wait(self.period_s)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+class _FullDisk:
+    """A 64 KiB tmpfs mounted on a fresh directory and filled up: writes
+    there fail with ENOSPC, as on a full disk. Needs the right to mount
+    (root); ``error`` says why not otherwise."""
+
+    def __init__(self) -> None:
+        import subprocess
+
+        self.path = Path(tempfile.mkdtemp(prefix="output-rate-full-"))
+        self.error: str | None = None
+        self.mounted = False
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(self.path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            self.error = f"could not mount a tmpfs: {(done.stderr or done.stdout).strip()[:200]}"
+            return
+        self.mounted = True
+        try:
+            with open(self.path / "filler", "wb") as f:
+                while True:
+                    f.write(b"\0" * 4096)
+                    f.flush()
+        except OSError:
+            pass  # full
+
+    def close(self) -> None:
+        import shutil
+        import subprocess
+
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
 def _fault_run(model: str, log_dir: Path, name: str, env: dict[str, str], expects: str,
                drop_reason: str | None = None, log_line: str | None = None,
-               scrape_hz: float = 0.0, before_load: Callable[[], None] | None = None) -> CaseResult:
+               scrape_hz: float = 0.0, before_load: Callable[[], None] | None = None,
+               after: Callable[[], tuple[bool, str]] | None = None) -> CaseResult:
     """One server with ``env``; ``FAULT_LOAD`` against it (and ``/metrics``
     scraped ``scrape_hz`` times a second meanwhile); the limit held
     (client-side, with a quarter second of slack for HTTP), every request
@@ -878,6 +1070,10 @@ def _fault_run(model: str, log_dir: Path, name: str, env: dict[str, str], expect
         parts.append(f"scrapes {scrapes['ok']} ok ({scrapes['ok'] / load_s:.0f}/s), "
                      f"{scrapes['bad']} failed")
         ok = ok and scrapes["bad"] == 0 and scrapes["ok"] > 0
+    if after is not None:
+        good, seen = after()
+        parts.append(seen)
+        ok = ok and good
     case.measured = "; ".join(parts)
     case.ok = ok
     case.seconds = time.perf_counter() - t0
@@ -905,6 +1101,38 @@ def telemetry_fault_cases(model: str, log_dir: Path) -> list[CaseResult]:
                               drop_reason="trace_export_failed"))
     finally:
         silent.close()
+    flapping = _FlappingCollector(period_s=2.0)
+    try:
+        out.append(_fault_run(
+            model, log_dir, "OTLP endpoint flapping (2 s up, 2 s down)",
+            {**otlp, "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{flapping.port}/v1/traces",
+             "OTEL_BSP_SCHEDULE_DELAY": "500"},
+            "limit held, every request complete; exports while it is down counted as dropped, "
+            "exports while it is up delivered",
+            drop_reason="trace_export_failed",
+            after=lambda: (flapping.received > 0,
+                           f"collector up {flapping.up_periods} times, {flapping.received} exports delivered")))
+    finally:
+        flapping.close()
+    for what, setting, reason, line in (
+            ("snapshot directory", "TELEMETRY_DIR", None, "output-rate telemetry: writing"),
+            ("event log", "EVENTS", "events_write_failed", None)):
+        disk = _FullDisk()
+        try:
+            if disk.error:
+                case = CaseResult("telemetry_faults", f"{what} on a full disk", "-", "-")
+                case.measured = f"not run: {disk.error}"
+                out.append(case)
+                continue
+            target = str(disk.path) if setting == "TELEMETRY_DIR" else str(disk.path / "events.jsonl")
+            out.append(_fault_run(
+                model, log_dir, f"{what} on a full disk (ENOSPC)", {settings.name(setting): target},
+                "limit held, every request complete; "
+                + ("failed snapshots logged once, then only counted" if reason is None
+                   else "event-log writes counted as dropped"),
+                drop_reason=reason, log_line=line))
+        finally:
+            disk.close()
     with tempfile.TemporaryDirectory(prefix="output-rate-faults-") as scratch:
         blocker = Path(scratch) / "a-file"
         blocker.write_text("not a directory\n")
@@ -946,40 +1174,68 @@ def server_args() -> list[str]:
             USERS_OPTION, json.dumps({THROTTLED_USER: THROTTLED_LIMIT})]
 
 
-async def live_cases(base_url: str, profile: str) -> list[CaseResult]:
+GROUPS = ("config", "identity_churn", "user_field", "requests", "client_faults", "telemetry_faults")
+
+
+async def live_cases(base_url: str, profile: str, server_pid: int,
+                     groups: frozenset[str] = frozenset(GROUPS)) -> list[CaseResult]:
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
         live = Live(base_url, client)
-        cases = await user_field_cases(live, (True, False))
-        cases += await request_cases(live)
-        cases += await client_fault_cases(live, 100 if profile == "full" else 20)
+        cases: list[CaseResult] = []
+        if "user_field" in groups:
+            cases += await user_field_cases(live, (True, False))
+        if "requests" in groups:
+            cases += await request_cases(live)
+        if "client_faults" in groups:
+            cases += await client_fault_cases(live, 100 if profile == "full" else 20)
+        if "identity_churn" in groups:
+            cases.append(await http_churn_case(live, 2000 if profile == "full" else 300, server_pid))
     return cases
 
 
-def run(model: str, profile: str, out_dir: Path, log_dir: Path) -> Report:
+def run(model: str, profile: str, out_dir: Path, log_dir: Path,
+        groups: frozenset[str] = frozenset(GROUPS)) -> Report:
+    """The cases of ``groups`` (telemetry faults: full profile only)."""
     from vllm_output_rate.tools.client import Server
 
     report = Report(model, profile, server_args())
-    with tempfile.TemporaryDirectory(prefix="output-rate-stress-") as scratch:
-        for case in CONFIG_CASES:
-            report.cases.append(check_config_case(case, model, Path(scratch)))
-        if profile == "full":
+    if "config" in groups:
+        with tempfile.TemporaryDirectory(prefix="output-rate-stress-") as scratch:
             for case in CONFIG_CASES:
-                report.cases.append(serve_refuses(case, model, Path(scratch), log_dir))
-    report.cases.append(identity_churn(1_000_000 if profile == "full" else 20_000, model))
-    with Server(model, report.server_args, log_dir / "stress-server.log",
-                extra_env={"OUTPUT_RATE_TELEMETRY": "1"}) as server:
-        report.cases += asyncio.run(live_cases(server.base_url, profile))
-    if profile == "full":
+                report.cases.append(check_config_case(case, model, Path(scratch)))
+            if profile == "full":
+                for case in CONFIG_CASES:
+                    report.cases.append(serve_refuses(case, model, Path(scratch), log_dir))
+    if "identity_churn" in groups:
+        report.cases.append(identity_churn(1_000_000 if profile == "full" else 20_000, model))
+    if groups & {"user_field", "requests", "client_faults", "identity_churn"}:
+        with Server(model, report.server_args, log_dir / "stress-server.log",
+                    extra_env={"OUTPUT_RATE_TELEMETRY": "1"}) as server:
+            report.cases += asyncio.run(live_cases(server.base_url, profile, server.proc.pid, groups))
+    if profile == "full" and "telemetry_faults" in groups:
         report.cases += telemetry_fault_cases(model, log_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report.to_json(), indent=1))
-    (out_dir / "report.md").write_text(report.to_markdown())
+    write_report(out_dir, report)
     return report
 
 
-def main(argv: list[str] | None = None) -> int:
+def write_report(out_dir: Path, report: Any) -> None:
+    """``report.json`` and ``report.md`` of a runner's report into ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "report.json").write_text(json.dumps(report.to_json(), indent=1))
+    (out_dir / "report.md").write_text(report.to_markdown())
+
+
+def model_and_logs(model: str | None) -> tuple[str, Path]:
+    """The model to serve (``None``: the tiny model, made here) and the
+    directory of the servers' logs."""
     from vllm_output_rate.tools.tiny_model import cache_dir, ensure_tiny_model
 
+    log_dir = cache_dir() / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return model or str(ensure_tiny_model()), log_dir
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-output-rate stress", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the tiny model, made here)")
@@ -987,12 +1243,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="quick: a few minutes; full: every config case also as a real server, "
                              "100 cancelled streams")
     parser.add_argument("--out", default=None, help="report directory (default: reports/stress)")
+    parser.add_argument("--groups", default=",".join(GROUPS),
+                        help=f"comma-separated groups to run (default: all; {', '.join(GROUPS)})")
     args = parser.parse_args(argv)
-    model = args.model or str(ensure_tiny_model())
+    groups = frozenset(g.strip() for g in args.groups.split(",") if g.strip())
+    if not groups or groups - set(GROUPS):
+        parser.error(f"--groups: unknown {sorted(groups - set(GROUPS)) or 'empty'}; "
+                     f"choose from {', '.join(GROUPS)}")
+    model, log_dir = model_and_logs(args.model)
     out = Path(args.out or "reports/stress")
-    log_dir = cache_dir() / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    report = run(model, args.profile, out, log_dir)
+    report = run(model, args.profile, out, log_dir, groups)
     for c in report.cases:
         print(f"{'pass' if c.ok else 'FAIL'}  {c.group:<14} {c.name:<50} {c.measured[:120]}")
     print(f"\n{len(report.cases) - len(report.failed)} passed, {len(report.failed)} failed; "

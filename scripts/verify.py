@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_output_rate import settings
-from vllm_output_rate.limiter import BURST_NS
+from vllm_output_rate.limiter import BURST_NS, NS_PER_S
 from vllm_output_rate.telemetry.events import EngineLog
 from vllm_output_rate.telemetry.metrics import series_name
 from vllm_output_rate.tools.loadgen import (
@@ -259,6 +259,38 @@ def gcra_worst_window(events: list[tuple[int, int]], rate: Fraction,
                          window_s=int(t[i + k] - t[i]) / 1e9, from_ns=int(t[i]),
                          to_ns=int(t[i + k]), slack_s=int(t[i] - s[i]) / 1e9)
     return worst
+
+
+def gcra_max_excess(events: list[tuple[int, int]], rate: Fraction, starts: list[int] | None = None,
+                    burst_ns: int = BURST_NS) -> tuple[Fraction, tuple[int, int]]:
+    """The largest ``tokens - (W + burst) x rate - 1`` over every window of
+    ``events`` (as in ``gcra_worst_window``: event i to event j, W = t_j -
+    starts[i]), and its (i, j), in one pass: for soak-length runs.
+
+    Tokens are whole numbers, so a window holds at most ``floor((W + burst)
+    x rate) + 1`` of them exactly when this excess is <= 0 (``C - 1 <=
+    floor(x)`` iff ``C - 1 <= x``): the same verdict as
+    ``gcra_worst_window``, exact (integer arithmetic), in O(n). Empty:
+    (-1, (0, 0))."""
+    if not events:
+        return Fraction(-1), (0, 0)
+    num, den = rate.numerator, rate.denominator * NS_PER_S
+    # excess(i, j) x den = (den C_j - num t_j) + (num s_i - den C_{i-1}) - num burst - den,
+    # with C the running token count: the best i for each j is a running maximum
+    best: int | None = None
+    where = (0, 0)
+    lead = lead_i = None
+    before = 0  # C_{i-1}
+    for k, (t, n) in enumerate(events):
+        s = t if starts is None else min(starts[k], t)
+        here = num * s - den * before
+        if lead is None or here > lead:
+            lead, lead_i = here, k
+        before += n
+        value = den * before - num * t + lead
+        if best is None or value > best:
+            best, where = value, (lead_i, k)
+    return Fraction(best - num * burst_ns - den, den), where
 
 
 def demand_segments(reqs: list[ReqData]) -> list[tuple[int, int]]:

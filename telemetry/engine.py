@@ -700,6 +700,7 @@ class EngineTelemetry(OutputRateObserver):
             "users.window": sum(len(d) for _, d in self._charged_window),
             "labels": len(self.labeler.labelled_users()),
             "series": len(self.counters) + len(self.gauges) + len(self.histograms),
+            "limiter.users": self.view.limiter_users(),
         }
 
     def on_idle_wait(self, wait: IdleWait) -> None:
@@ -759,6 +760,11 @@ class EngineTelemetry(OutputRateObserver):
         for hist in list(self._spacing.values()):
             total.add(hist)
         histograms[("engine_inter_token_seconds", ())] = total
+        try:  # len() of containers the scheduler's thread may be resizing
+            for container, n in self.state_sizes().items():
+                gauges[("state_entries", (container,))] = n
+        except RuntimeError:  # (a dict changed size during iteration: next export)
+            pass
         written = time.time()
         gauges[("telemetry_snapshot_timestamp_seconds", ())] = written
         return {

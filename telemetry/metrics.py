@@ -148,6 +148,11 @@ METRICS: tuple[Metric, ...] = (
            "Times this engine found the shared store had lost its data (restarted empty).", renamed=False, only_in="shared_state"),
     Metric("shared_live_engines", "gauge", "engines",
            "Engines the shared store last counted as live (heartbeats within 2 s).", renamed=False, only_in="shared_state"),
+    Metric("state_entries", "gauge", "entries",
+           "Entries held by the project's own per-request and per-user state in the engine core, "
+           "by container (requests.*: empty when nothing is live; users.*, labels and series: "
+           "bounded by the label cap; limiter.users: users whose budget is not full).",
+           ("container",), renamed=False),
     Metric("telemetry_dropped", "counter", "events",
            "Telemetry data dropped (export failed, event log write failed, event queue full), by reason.", ("reason",)),
 )

@@ -13,6 +13,8 @@ import json
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_output_rate.tools import verify
 from vllm_output_rate.tools.loadgen import RequestRecord, RunRecord, parse_scenario
@@ -470,3 +472,28 @@ def test_the_reports_quantile_interpolates_linearly_between_ranks():
         values = [rng.uniform(0, 50) for _ in range(n)]
         for q in (0.0, 0.1, 0.5, 0.9, 0.99, 1.0):
             assert quantile(values, q) == pytest.approx(float(np.quantile(values, q)), abs=1e-12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 400), st.integers(1, 4)), min_size=1, max_size=40),
+       st.lists(st.integers(0, 60), min_size=40, max_size=40),
+       st.sampled_from([Fraction(20), Fraction(1, 2), Fraction(7, 3), Fraction(100)]),
+       st.booleans())
+def test_the_one_pass_excess_gives_the_same_verdict_as_every_window(steps, slack, rate, with_starts):
+    """``gcra_max_excess`` (O(n), for soak-length runs) against the window
+    by window check: a violation exactly when the other finds one."""
+    from vllm_output_rate.tools.verify import gcra_max_excess
+
+    events, t = [], 0
+    for gap_ms, n in steps:
+        t += gap_ms * MS
+        events.append((t, n))
+    starts = [t - s * MS for (t, _), s in zip(events, slack)] if with_starts else None
+    exact = gcra_worst_window(events, rate, starts)
+    excess, (i, j) = gcra_max_excess(events, rate, starts)
+    assert (excess > 0) == (exact["excess"] > 0), (excess, exact)
+    assert i <= j < len(events)
+    # the window it names has that excess
+    s_i = events[i][0] if starts is None else min(starts[i], events[i][0])
+    tokens = sum(n for _, n in events[i:j + 1])
+    assert excess == tokens - (Fraction(events[j][0] - s_i + 100 * MS, 10**9)) * rate - 1

@@ -232,6 +232,9 @@ class SchedulerView(EngineView):
     def ready_at_ns(self, user: str) -> int:
         return self._limiter.ready_at_ns(user)
 
+    def limiter_users(self) -> int:
+        return len(self._limiter)
+
     def shared_state_stats(self) -> dict[str, Any] | None:
         stats = getattr(self._limiter, "stats", None)
         if stats is None:

@@ -196,6 +196,10 @@ class EngineView(ABC):
         """When the user's budget next allows a token (monotonic ns; 0: now)."""
         return 0
 
+    def limiter_users(self) -> int:
+        """Users with live state in the limiter (any thread: one len())."""
+        return 0
+
     def shared_state_stats(self) -> dict[str, Any] | None:
         """In shared-budget mode, the lease machinery's counters (any thread,
         one reader: ``call_seconds`` holds the store calls' latencies since
