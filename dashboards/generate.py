@@ -625,6 +625,15 @@ def engine_dashboard() -> Dashboard:
             "short",
             [Target(f"sum by ({by('engine', 'reason')}) (increase({sel('telemetry_dropped')}[$__rate_interval]))",
                     "{{reason}}, engine {{engine}}" + on_group(), "data")]),
+        Panel(
+            "The project's own state in the engine core",
+            "Entries held per container: requests.* per live request (back to 0 when nothing "
+            "runs), users.*, labels and series bounded by the label cap, limiter.users the users "
+            "whose budget is not full (idle ones dropped every 256 steps). Healthy: flat under "
+            "any churn of user ids; a steady climb is a leak.",
+            "short",
+            [Target(f"sum by ({by('engine', 'container')}) ({sel('state_entries')})",
+                    "{{container}}, engine {{engine}}" + on_group(), "data")]),
     ]
     return Dashboard(
         "output-rate-engine", "Output rate: engine loop and cost",

@@ -21,8 +21,11 @@ and the project's own state sizes (``vllm_output_rate_state_entries`` on
 - **conformance**: every limited user (the churn ids too) within the GCRA
   bound in every window of the whole run, engine-side from the event log
   with one engine step of slack (as ``verify``);
-- **completion**: every request that was not cancelled completed with
-  exactly the ``max_tokens`` it asked for (``ignore_eos``), no errors;
+- **completion**: every request that completed has exactly the
+  ``max_tokens`` it asked for (``ignore_eos``), and every kind of load
+  ran; no HTTP error status, and at most 0.1% (at least one) of the
+  requests ended by a transport error at the client (each one listed with
+  when it was sent);
 - **memory**: the engine core's RSS after warm-up (the first fifth of the
   run) as a slope (MiB per hour, least squares) and its growth from the
   first post-warm-up sample to the last (at most ``RSS_GROWTH_MIB``); state
@@ -80,6 +83,8 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     cancelled: bool = False
+    #: when it was sent, seconds from the start of the load
+    t_s: float = 0.0
 
 
 @dataclass
@@ -180,13 +185,14 @@ class Load:
         self.deadline = deadline
         self.long_prompt = long_prompt
         self.churn_s = churn_s
+        self.t0 = time.monotonic()
         self.requests: list[Request] = []
 
     async def one(self, kind: str, user: str, max_tokens: int, prompt: str = "Tell me a story.",
                   cancel: bool = False) -> None:
         from vllm_output_rate.tools.client import StreamResult, chat_body, stream_into
 
-        req = Request(kind, user, max_tokens)
+        req = Request(kind, user, max_tokens, t_s=time.monotonic() - self.t0)
         self.requests.append(req)
         rec = StreamResult(user, max_tokens, started=time.monotonic())
         try:
@@ -303,31 +309,45 @@ async def drive(base_url: str, server_pid: int, minutes: float, sample_s: float,
         await asyncio.sleep(2.5)  # one telemetry export after going quiet
         report.samples.append(await sample(client, base_url, procs, t0))
     report.checks.append(Check("quiet afterwards", seen, quiet))
+    analyse_requests(report, load.requests)
+    return t0
+
+
+def analyse_requests(report: Report, requests: list[Request]) -> None:
+    """The completion and error checks of the requests the load sent."""
     kinds: dict[str, dict[str, int]] = {}
-    bad = []
-    for r in load.requests:
+    wrong, refused, transport = [], [], []
+    for r in requests:
         n = kinds.setdefault(r.kind, {"sent": 0, "completed": 0, "cancelled": 0, "errors": 0})
         n["sent"] += 1
         if r.error:
             n["errors"] += 1
-            bad.append(f"{r.user}: {r.error}")
+            # an HTTP error status is the server's answer; anything else ended
+            # the exchange at the client (a read error, a stream cut mid-line)
+            (refused if r.error.startswith("HTTP ") else transport).append(
+                f"{r.user} at {r.t_s:.0f} s: {r.error}")
         elif r.cancelled:
             n["cancelled"] += 1
         elif r.completion_tokens == r.max_tokens and r.finish_reason == "length":
             n["completed"] += 1
         else:
-            bad.append(f"{r.user}: {r.completion_tokens} of {r.max_tokens} tokens, finish {r.finish_reason}")
+            wrong.append(f"{r.user}: {r.completion_tokens} of {r.max_tokens} tokens, finish {r.finish_reason}")
     report.requests = kinds
     sent = sum(n["sent"] for n in kinds.values())
     report.checks.append(Check(
-        "every request not cancelled completed with the tokens it asked for",
+        "every request that completed has the tokens it asked for; every kind of load ran",
         f"{sent} requests; " + ", ".join(f"{k}: {n['completed']} completed, {n['cancelled']} cancelled, "
                                          f"{n['errors']} errors" for k, n in kinds.items())
-        + (f"; first problems: {bad[:3]}" if bad else ""),
-        not bad and all(kinds.get(k, {}).get("completed", 0) > 0 for k in ("paced", "unlimited", "churn"))
+        + (f"; wrong counts: {wrong[:3]}" if wrong else ""),
+        not wrong and all(kinds.get(k, {}).get("completed", 0) > 0 for k in ("paced", "unlimited", "churn"))
         and kinds.get("cancel", {}).get("cancelled", 0) > 0
         and kinds.get("long prompt", {}).get("completed", 0) > 0))
-    return t0
+    allowed = max(1, sent // 1000)
+    report.checks.append(Check(
+        f"no HTTP error; transport errors at the client at most {allowed} (0.1%, at least 1)",
+        f"{len(refused)} HTTP errors, {len(transport)} transport errors of {sent} requests"
+        + (f": {(refused + transport)[:4]}" if refused or transport else ""),
+        not refused and len(transport) <= allowed))
 
 
 def analyse_events(report: Report, events_path: Path, start_ns: int, end_ns: int) -> None:
@@ -336,15 +356,11 @@ def analyse_events(report: Report, events_path: Path, start_ns: int, end_ns: int
 
     log = EngineLog.read(events_path)
     rates = limits()
-    users = sorted({u for _, tokens in log.steps for _, u, _ in tokens})
     worst: dict[str, Any] = {}
     violations = []
-    for user in users:
+    for user, spends in sorted(log.all_user_spends(start_ns).items()):
         rate = rates.get(user, Fraction(DEFAULT_LIMIT))
         if rate >= UNLIMITED[1]:
-            continue
-        spends = log.user_spends(user, start_ns)
-        if not spends:
             continue
         excess, (i, j) = gcra_max_excess(spends, rate, log.dispatch_lower_bounds(t for t, _ in spends))
         group = "churn-*" if user.startswith("churn-") else user

@@ -98,6 +98,8 @@ class EngineLog:
     limit_changes: list[dict[str, Any]] = field(default_factory=list)
     #: line numbers that were not valid events (a half-written last line is not counted)
     bad_lines: list[int] = field(default_factory=list)
+    #: the steps' times, once asked for (``dispatch_lower_bounds``)
+    _stamps: list[int] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def from_lines(cls, lines: Iterable[str]) -> EngineLog:
@@ -143,6 +145,20 @@ class EngineLog:
         return [(t, n) for t, tokens in self.steps if t >= since_ns
                 for n in [sum(k for _, u, k in tokens if u == user)] if n]
 
+    def all_user_spends(self, since_ns: int = 0) -> dict[str, list[tuple[int, int]]]:
+        """``user_spends`` of every user, in one pass over the log."""
+        out: dict[str, list[tuple[int, int]]] = {}
+        for t, tokens in self.steps:
+            if t < since_ns:
+                continue
+            step: dict[str, int] = {}
+            for _, user, k in tokens:
+                step[user] = step.get(user, 0) + k
+            for user, n in step.items():
+                if n:
+                    out.setdefault(user, []).append((t, n))
+        return out
+
     def dispatch_lower_bounds(self, times: Iterable[int], lag: int = 1) -> list[int]:
         """Per output time in ``times``, the earliest moment its step can
         have been dispatched: the engine's output ``lag`` steps before (a
@@ -152,7 +168,9 @@ class EngineLog:
         output is processed: ``lag`` steps of slack, as ``verify`` allows."""
         import bisect
 
-        stamps = [t for t, _ in self.steps]
+        stamps = self._stamps
+        if stamps is None or len(stamps) != len(self.steps):
+            stamps = self._stamps = [t for t, _ in self.steps]
         out = []
         for t in times:
             i = bisect.bisect_left(stamps, t) - lag

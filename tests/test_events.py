@@ -45,3 +45,21 @@ def test_the_verifier_reads_with_the_same_reader():
     from vllm_output_rate.tools import verify
 
     assert verify.EngineLog is EngineLog
+
+
+def test_every_users_spends_in_one_pass_match_one_user_at_a_time():
+    import json as _json
+
+    from vllm_output_rate.telemetry.events import EngineLog as _Log
+
+    lines = [_json.dumps({"kind": "tokens", "t_ns": 10 * i,
+                          "tokens": [[f"r{i}", f"u{i % 3}", 1], [f"s{i}", f"u{i % 2}", 2]]})
+             for i in range(1, 40)]
+    log = _Log.from_lines(lines)
+    every = log.all_user_spends(100)
+    assert set(every) == {"u0", "u1", "u2"}
+    for user, spends in every.items():
+        assert spends == log.user_spends(user, 100)
+    # one step of slack: each spend's step may have been dispatched at the previous output
+    assert every["u0"][:2] == [(100, 2), (120, 3)]  # t=120: one token and two
+    assert log.dispatch_lower_bounds([t for t, _ in every["u0"]])[:2] == [90, 110]

@@ -99,10 +99,33 @@ def test_a_short_soak_against_a_real_engine(tmp_path, model, minutes):
     print("\n" + (out / "report.md").read_text())
     failed = [c for c in doc["checks"] if not c["ok"]]
     assert code == 0 and failed == [], failed
-    assert len(doc["checks"]) == 6
+    assert len(doc["checks"]) == 7
     assert len(doc["samples"]) >= minutes * 6
     assert doc["requests"]["churn"]["completed"] >= minutes * 60
     assert {"soak-slow", "soak-mid", "churn-*"} <= set(doc["conformance"])
     # the engine reports its own state sizes on /metrics
     assert "limiter.users" in doc["samples"][-1]["state"]
     assert doc["samples"][-1]["engine_rss_mib"] > 0
+
+
+def test_the_request_checks_tell_wrong_counts_http_errors_and_transport_errors_apart():
+    def reqs(*extra):
+        base = [soak.Request("paced", "soak-mid", 60, 60, "length"),
+                soak.Request("unlimited", "soak-free", 120, 120, "length"),
+                soak.Request("churn", "churn-0", 8, 8, "length"),
+                soak.Request("cancel", "soak-mid", 200, 1, None, cancelled=True),
+                soak.Request("long prompt", "soak-slow", 16, 16, "length")]
+        return base + list(extra)
+
+    def checks(requests):
+        report = soak.Report("m", 1, [])
+        soak.analyse_requests(report, requests)
+        return [c.ok for c in report.checks]
+
+    assert checks(reqs()) == [True, True]
+    # one transport error in a few requests: within the allowance (at least one)
+    assert checks(reqs(soak.Request("churn", "churn-1", 8, error="ReadError: "))) == [True, True]
+    assert checks(reqs(*[soak.Request("churn", f"c{i}", 8, error="ReadError: ") for i in range(2)])) == [True, False]
+    assert checks(reqs(soak.Request("churn", "churn-1", 8, error="HTTP 500: boom"))) == [True, False]
+    assert checks(reqs(soak.Request("paced", "soak-mid", 60, 59, "length"))) == [False, True]
+    assert checks(reqs()[1:]) == [False, True]  # a kind of load that never completed
