@@ -36,6 +36,10 @@ and the project's own state sizes (``vllm_output_rate_state_entries`` on
   most 1.5 times the first plus 5 ms (a loop that slows as state grows
   fails this).
 
+``--feature-off`` runs the same load on a server without limits (vLLM as
+upstream; the plugin installed does nothing): the control arm for the
+memory slope, with the requests, quiet and RSS checks only.
+
 Writes ``report.md`` and ``report.json`` to ``--out``; exits non-zero when
 a check fails. ``make test`` runs a short variant (``tests/test_soak.py``).
 """
@@ -104,12 +108,17 @@ class Check:
     ok: bool
 
 
-def server_args() -> list[str]:
+def server_args(feature_off: bool = False) -> list[str]:
+    """The server's flags; ``feature_off``: the same without any limit (the
+    plugin does nothing: vLLM as upstream), the control arm of a memory
+    comparison."""
+    args = ["--max-num-seqs", "32", "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)]
+    if feature_off:
+        return args
     users = {u: limit for u, limit, _, _ in PACED}
     users[UNLIMITED[0]] = UNLIMITED[1]
-    return ["--max-num-seqs", "32", "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-batched-tokens", str(MAX_BATCHED_TOKENS),
-            DEFAULT_OPTION, str(DEFAULT_LIMIT), USERS_OPTION, json.dumps(users)]
+    return args + [DEFAULT_OPTION, str(DEFAULT_LIMIT), USERS_OPTION, json.dumps(users)]
 
 
 def limits() -> dict[str, Fraction]:
@@ -398,7 +407,7 @@ def analyse_events(report: Report, events_path: Path, start_ns: int, end_ns: int
         ok))
 
 
-def analyse_samples(report: Report, minutes: float) -> None:
+def analyse_samples(report: Report, minutes: float, state: bool = True) -> None:
     samples = report.samples
     warm = minutes * 60.0 / 5.0
     # under load: after warm-up, without the last sample (taken once quiet)
@@ -415,6 +424,8 @@ def analyse_samples(report: Report, minutes: float) -> None:
         f"{rss[-1] if rss else float('nan'):.1f} MiB ({growth:+.1f} MiB), slope "
         f"{report.rss_slope_mib_per_hour:+.1f} MiB/hour",
         bool(rss) and growth <= RSS_GROWTH_MIB))
+    if not state:
+        return
     final = samples[-1].state
     per_request = {k: v for k, v in final.items() if k.startswith("requests.")}
     peak_users = {k: max(s.state.get(k, 0.0) for s in samples)
@@ -429,7 +440,11 @@ def analyse_samples(report: Report, minutes: float) -> None:
         and all(v <= USER_STATE_BOUND for v in peak_users.values())))
 
 
-def run(model: str, minutes: float, sample_s: float, churn_s: float, out_dir: Path, log_dir: Path) -> Report:
+def run(model: str, minutes: float, sample_s: float, churn_s: float, out_dir: Path, log_dir: Path,
+        feature_off: bool = False) -> Report:
+    """The soak; with ``feature_off`` the same load on a server without
+    limits (no limits, no event log, no state of ours: the requests, quiet
+    and RSS checks only)."""
     from vllm_output_rate import settings
     from vllm_output_rate.tools.client import Server
 
@@ -437,15 +452,16 @@ def run(model: str, minutes: float, sample_s: float, churn_s: float, out_dir: Pa
     events = out_dir / "events.jsonl"
     if events.exists():
         events.unlink()
-    report = Report(model, minutes, server_args())
-    with Server(model, report.server_args, log_dir / "soak-server.log",
-                extra_env={settings.name("TELEMETRY"): "1", settings.name("EVENTS"): str(events)}) as server:
+    report = Report(model, minutes, server_args(feature_off))
+    env = {} if feature_off else {settings.name("TELEMETRY"): "1", settings.name("EVENTS"): str(events)}
+    with Server(model, report.server_args, log_dir / "soak-server.log", extra_env=env) as server:
         t0 = asyncio.run(drive(server.base_url, server.proc.pid, minutes, sample_s, churn_s, report))
         time.sleep(1.5)  # the event log's last append
     # (time.monotonic and the engine's monotonic_ns stamps are one clock)
     start_ns, end_ns = int(t0 * 1e9), int((t0 + minutes * 60.0) * 1e9)
-    analyse_events(report, events, start_ns, end_ns)
-    analyse_samples(report, minutes)
+    if not feature_off:
+        analyse_events(report, events, start_ns, end_ns)
+    analyse_samples(report, minutes, state=not feature_off)
     write_report(out_dir, report)
     return report
 
@@ -460,12 +476,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--churn-s", type=float, default=1.0,
                         help="seconds between two new user ids (default 1)")
     parser.add_argument("--out", default=None, help="report directory (default: reports/soak)")
+    parser.add_argument("--feature-off", action="store_true",
+                        help="the same load on a server without limits (vLLM as upstream): the "
+                             "control arm of a memory comparison; requests, quiet and RSS checks only")
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.sample_s <= 0 or args.churn_s <= 0:
         parser.error("--minutes, --sample-s and --churn-s must be positive")
     model, log_dir = model_and_logs(args.model)
     out = Path(args.out or "reports/soak")
-    report = run(model, args.minutes, args.sample_s, args.churn_s, out, log_dir)
+    report = run(model, args.minutes, args.sample_s, args.churn_s, out, log_dir, args.feature_off)
     for c in report.checks:
         print(f"{'pass' if c.ok else 'FAIL'}  {c.name}: {c.measured[:300]}")
     print(f"\n{len(report.checks) - len(report.failed)} passed, {len(report.failed)} failed; "

@@ -129,3 +129,11 @@ def test_the_request_checks_tell_wrong_counts_http_errors_and_transport_errors_a
     assert checks(reqs(soak.Request("churn", "churn-1", 8, error="HTTP 500: boom"))) == [True, False]
     assert checks(reqs(soak.Request("paced", "soak-mid", 60, 59, "length"))) == [False, True]
     assert checks(reqs()[1:]) == [False, True]  # a kind of load that never completed
+
+
+def test_the_feature_off_arm_has_no_limits_and_no_state_checks():
+    assert soak.DEFAULT_OPTION not in soak.server_args(feature_off=True)
+    assert soak.DEFAULT_OPTION in soak.server_args()
+    report = soak.Report("m", 10, [], samples=_samples([900.0] * 6, final_requests=2.0))
+    soak.analyse_samples(report, 10, state=False)
+    assert [c.ok for c in report.checks] == [True]  # RSS only: no state of ours to check
