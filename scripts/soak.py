@@ -59,7 +59,7 @@ from typing import Any
 import httpx
 
 from vllm_output_rate.config import DEFAULT_OPTION, USERS_OPTION
-from vllm_output_rate.telemetry.metrics import series_name
+from vllm_output_rate.tools.stats import quantile
 from vllm_output_rate.tools.stress import model_and_logs, write_report
 
 MODEL_NAME = "tiny"
@@ -131,23 +131,15 @@ def limits() -> dict[str, Fraction]:
 
 
 async def sample(client: httpx.AsyncClient, base_url: str, procs: tuple[Any, Any], t0: float) -> Sample:
-    from prometheus_client.parser import text_string_to_metric_families
-
     from vllm_output_rate.tools.client import rss_mib
+    from vllm_output_rate.tools.stress import Live, state_entries
 
     api, engine = procs
     out = Sample(time.monotonic() - t0, rss_mib(engine), rss_mib(api))
-    text = (await client.get(f"{base_url}/metrics")).text
-    name = series_name("state_entries")
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name:
-                container = s.labels.get("container", "?")
-                out.state[container] = out.state.get(container, 0.0) + s.value
-            elif s.name == "vllm:num_requests_running":
-                out.running += s.value
-            elif s.name == "vllm:num_requests_waiting":
-                out.waiting += s.value
+    samples, _ = await Live(base_url, client).metrics()
+    out.state = state_entries(samples)
+    out.running = sum(v for (n, _), v in samples.items() if n == "vllm:num_requests_running")
+    out.waiting = sum(v for (n, _), v in samples.items() if n == "vllm:num_requests_waiting")
     return out
 
 
@@ -155,25 +147,18 @@ def slope_per_hour(points: list[tuple[float, float]]) -> float:
     """Least-squares slope of (seconds, value) points, per hour (0 for
     fewer than two points or no spread in time)."""
     points = [(t, v) for t, v in points if v == v]  # (NaN: a process gone)
-    if len(points) < 2:
+    if len(points) < 2 or len({t for t, _ in points}) < 2:
         return 0.0
-    mt = statistics.fmean(t for t, _ in points)
-    mv = statistics.fmean(v for _, v in points)
-    sxx = sum((t - mt) ** 2 for t, _ in points)
-    if sxx == 0:
-        return 0.0
-    return sum((t - mt) * (v - mv) for t, v in points) / sxx * 3600.0
+    return statistics.linear_regression([t for t, _ in points], [v for _, v in points]).slope * 3600.0
 
 
 def quantiles_ms(values_ns: list[int]) -> dict[str, float]:
+    """Count, p50, p90, p99 and max (ms) of durations in ns (``stats.quantile``)."""
     if not values_ns:
         return {}
-    v = sorted(values_ns)
-
-    def q(p: float) -> float:
-        return v[min(len(v) - 1, int(p * (len(v) - 1) + 0.5))] / 1e6
-
-    return {"n": len(v), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "max": v[-1] / 1e6}
+    ms = [v / 1e6 for v in values_ns]
+    return {"n": len(ms), **{f"p{round(q * 100)}": quantile(ms, q) for q in (0.5, 0.9, 0.99)},
+            "max": max(ms)}
 
 
 def step_times(steps: list[int], lo: int, hi: int, busy_gap_ns: int = 500_000_000) -> list[int]:

@@ -767,13 +767,13 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
     return case
 
 
-async def state_entries(live: Live) -> dict[str, float]:
-    """``vllm_output_rate_state_entries`` on ``/metrics``, per container."""
-    samples, _ = await live.metrics()
+def state_entries(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[str, float]:
+    """``vllm_output_rate_state_entries`` per container, from ``Live.metrics``
+    samples (summed over engines)."""
     state: dict[str, float] = {}
     for (n, ls), v in samples.items():
         if n == series_name("state_entries"):
-            container = dict(ls)["container"]
+            container = dict(ls).get("container", "?")
             state[container] = state.get(container, 0.0) + v
     return state
 
@@ -816,7 +816,7 @@ async def http_churn_case(live: Live, n_users: int, server_pid: int) -> CaseResu
         quiet, seen = await wait_quiet(live)
         await asyncio.sleep(2.5)  # one export after going quiet
         rss_after = rss_mib(engine)
-        idle_users = (await state_entries(live)).get("limiter.users", -1.0)
+        idle_users = state_entries((await live.metrics())[0]).get("limiter.users", -1.0)
         # the limiter drops idle users every CLEANUP_EVERY_STEPS steps of the
         # engine (an idle engine runs none): one more stream, longer than
         # that, and the churned ids are gone
@@ -824,7 +824,7 @@ async def http_churn_case(live: Live, n_users: int, server_pid: int) -> CaseResu
         await asyncio.sleep(2.5)
         samples, _ = await live.metrics()
         users = {dict(ls).get("user") for (n, ls), _ in samples.items() if n == series_name("tokens_charged")}
-        state = await state_entries(live)
+        state = state_entries(samples)
         per_request = sum(v for k, v in state.items() if k.startswith("requests."))
         per_user = max((v for k, v in state.items() if k.startswith("users.")), default=0.0)
         limiter = state.get("limiter.users", -1.0)
