@@ -58,8 +58,14 @@ class RedisServer:
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             preexec_fn=self._raise_priority if self.nice else None)
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1)
+        # no retries inside the client: redis-py's default retries a refused
+        # connection with exponential backoff (seconds), which hid a store
+        # that was up long before the helper said so (12 s on a busy machine)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1,
+                             socket_connect_timeout=0.5, retry=Retry(NoBackoff(), 0))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -67,9 +73,11 @@ class RedisServer:
                                    + (self.dir / "redis.log").read_text(errors="replace")[-2000:])
             try:
                 if client.ping():
+                    client.close()
                     return self
             except redis.RedisError:
                 time.sleep(0.05)
+        client.close()
         raise TimeoutError(f"redis-server not ready on port {self.port}")
 
     def _raise_priority(self) -> None:
