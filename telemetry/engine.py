@@ -31,6 +31,7 @@ import os
 import threading
 import time
 from collections import Counter, defaultdict, deque
+from itertools import chain
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,9 @@ logger = logging.getLogger("vllm_output_rate.telemetry")
 #: Event records queued between two exports before new ones are dropped.
 EVENTS_QUEUE_CAP = 500_000
 EXPORT_INTERVAL_S = 1.0
+#: Steps' charges and skips kept for the next fold before one is forced (an
+#: export is due every ``EXPORT_INTERVAL_S``; this bounds them if it is late).
+PENDING_STEPS_CAP = 4096
 
 Labels = tuple[str, ...]
 #: Why a charged token was given back (see the scheduler's refund point).
@@ -134,17 +138,33 @@ class EngineTelemetry(OutputRateObserver):
         #: user -> counter key (bounded; cleared when labels change)
         self._charged_keys: dict[str, tuple] = {}
         self._skipped_keys: dict[str, tuple] = {}
-        #: per user: tokens charged per step, throttled requests per step
-        self._charges = _StepCounts(self._charge_fold)
-        self._skips = _StepCounts(self._skip_fold)
+        #: What each step charged per user and throttled, kept as references
+        #: to the step reports' own containers, run-length encoded ([the
+        #: step's dict or list, how many steps in a row had it]): no work per
+        #: user or per request in a step; folded into the counters at
+        #: exports, aborts, when the engine goes idle and at close
+        #: (``_fold``), or when ``PENDING_STEPS_CAP`` runs are pending.
+        self._charge_runs: list[list[Any]] = []
+        self._skip_runs: list[list[Any]] = []
+        #: closed throttle episodes not yet in their histograms: (end ns,
+        #: request ids, start ns of each, request id -> user)
+        self._ended_runs: list[tuple[int, list[str], list[int], Any]] = []
+        #: spacings of requests back after a pause, not yet in their
+        #: histograms: (update ns, previous token ns of each, label of each)
+        self._resume_runs: list[tuple[int, list[int], list[str | None]]] = []
         #: the requests throttled in the last step (a set, the list), and
-        #: their users
+        #: the users of the requests throttled since the last fold
         self._thr_prev: set[str] = set()
         self._thr_prev_list: list[str] = []
         self._thr_users: dict[str, str] = {}
         #: request ids that had tokens at the previous update, and when
         self._prev_ids: set[str] = set()
-        #: label -> how many of ``_prev_ids`` carry it
+        #: those of them that had none at the update before (back after a
+        #: throttle, or their first token): not yet counted in
+        #: ``_prev_by_label``, so a request of a user pacing at its limit
+        #: (one token, then throttled again) never is
+        self._joining: set[str] = set()
+        #: label -> how many of ``_prev_ids`` (less ``_joining``) carry it
         self._prev_by_label: dict[str, int] = {}
         self._prev_now = 0
         #: steady updates so far: how many, per spacing bucket, and their
@@ -161,8 +181,10 @@ class EngineTelemetry(OutputRateObserver):
         #: store-call latencies of shared-budget mode (exporter thread only)
         self._store_call_hist: Histogram | None = None
         self._request_label: dict[str, str] = {}
-        #: request id -> (first skipped step's ns, user label) of open throttle episodes
-        self._episodes: dict[str, tuple[int, str]] = {}
+        #: label -> its throttle_episode_seconds histogram (cleared when labels change)
+        self._episode_hists: dict[str, Histogram] = {}
+        #: request id -> first skipped step's ns, of open throttle episodes
+        self._episodes: dict[str, int] = {}
         #: the opt-in event log: plain tuples queued here, written by the exporter
         self._events_path = events_path
         self._events: deque[tuple] | None = deque() if events_path else None
@@ -235,76 +257,82 @@ class EngineTelemetry(OutputRateObserver):
     # -- the scheduler's thread -------------------------------------------------
 
     def on_step(self, record: StepReport) -> None:
-        """Fold one ``StepReport`` in."""
-        labeler, counters = self.labeler, self.counters
+        """Fold one ``StepReport`` in.
+
+        Per step this keeps references to the report's own containers and
+        runs set operations in C; a Python loop runs only over the requests
+        newly throttled whose user is not yet known. What each user was
+        charged and how many of its requests were skipped go to the counters
+        at the next fold (``_fold``), from the runs kept here."""
+        counters = self.counters
         charged = record.charged
-        # Per user, as the scheduler settled them with the limiter (no work
-        # per request here), and only for the users whose count changed since
-        # the last step (a set difference of the two steps' items, in C):
-        # a user's tokens are folded into its counter and its activity when
-        # its count changes, at each export, when the engine goes idle and
-        # at close.
+        # Per user, as the scheduler settled them with the limiter: the
+        # step's dict itself, or one more step of the last one when equal
+        # (a steady engine: most steps).
         per_user = record.charged_by_user
-        charges = self._charges
-        if per_user or charges.count:
-            if per_user != charges.count:
-                for user in {u for u, _ in per_user.items() ^ charges.count.items()}:
-                    if user not in charges.count:  # a label at once while seats are free
-                        self._user_key(self._charged_keys, "tokens_charged", user)
-                    charges.set(user, per_user.get(user, 0))
-            charges.steps += 1
+        if per_user:
+            runs = self._charge_runs
+            if runs and runs[-1][0] == per_user:
+                runs[-1][1] += 1
+            else:
+                runs.append([per_user, 1])
             counters[("engine_tokens_charged", ())] += len(charged)
-        for _req_id, user, reason in record.refunded:
-            counters[("tokens_refunded", (labeler.label(user), reason))] += 1
-            counters[("engine_tokens_refunded", ())] += 1
+        if record.refunded:
+            labeler = self.labeler
+            for _req_id, user, reason in record.refunded:
+                counters[("tokens_refunded", (labeler.label(user), reason))] += 1
+                counters[("engine_tokens_refunded", ())] += 1
         # Throttle episodes: which close (dispatched again) and which open
-        # (throttled now, not before), by set operations in C; a Python loop
-        # only over the requests whose state changed. Spans get the same sets.
+        # (throttled now, not before), by set operations in C; the closed
+        # ones' durations are observed at the next fold. Spans get the same.
         episodes = self._episodes
-        ended = episodes.keys() & charged.keys() if episodes and charged else ()
-        opened: list[Any] = []
+        now = record.now_ns
+        ended: list[str] = []
+        starts: list[int] = []
+        if episodes and charged:
+            ended = list(episodes.keys() & charged.keys())
+            if ended:
+                starts = list(map(episodes.pop, ended))
+                self._ended_runs.append((now, ended, starts, charged))
+        opened: Any = ()
         throttled = record.throttled
-        if throttled == self._thr_prev_list:
-            # The same requests throttled as in the step before, in the same
-            # order (a heavily throttled engine, most steps): an identity
-            # comparison in C, and nothing changed.
-            if throttled:
-                self._skips.steps += 1
-                counters[("engine_requests_skipped", ())] += len(throttled)
-        else:
-            # Skips per user follow what changed since the last step: the
-            # requests throttled now and not then, and the other way round
-            # (set differences in C); each user's count of throttled requests
-            # is folded into its counter when it changes and at each export.
-            cur = set(throttled)
-            prev, users = self._thr_prev, self._thr_users
-            added = cur - prev if prev else cur
-            skips = self._skips
-            if len(prev) + len(added) > len(cur):  # some left
-                for req_id in prev - cur:
-                    skips.add(users.pop(req_id), -1)
-            if added:
-                user_of = self.view.user_of
-                for req_id in added:
-                    user = users[req_id] = user_of(req_id) or OTHER
-                    skips.add(user, 1)
-            self._thr_prev = cur
-            self._thr_prev_list = throttled
-            skips.steps += 1
+        if throttled:
+            if throttled == self._thr_prev_list:
+                # The same requests throttled as in the step before, in the
+                # same order (a heavily throttled engine, most steps): a
+                # comparison in C, and nothing changed.
+                runs = self._skip_runs
+                if runs:
+                    runs[-1][1] += 1
+                else:  # (folded since)
+                    runs.append([throttled, 1])
+            else:
+                cur = set(throttled)
+                added = cur - self._thr_prev
+                users = self._thr_users
+                new = added - users.keys()
+                if new:
+                    user_of = self.view.user_of
+                    for req_id in new:
+                        users[req_id] = user_of(req_id) or OTHER
+                self._skip_runs.append([throttled, 1])
+                self._thr_prev = cur
+                self._thr_prev_list = throttled
+                # A request throttled now but not in the step before opens an
+                # episode unless one is open (it was not visited in between).
+                opened = added - episodes.keys()
+                if opened:
+                    episodes.update(dict.fromkeys(opened, now))
             counters[("engine_requests_skipped", ())] += len(throttled)
-            # A request throttled now but not in the step before opens an
-            # episode unless one is open (it was not visited in between).
-            opened = [r for r in added if r not in episodes]
-        if ended:
-            self._end_episodes(ended, record.now_ns)
-        if opened:
-            now, users = record.now_ns, self._thr_users
-            for req_id in opened:
-                episodes[req_id] = (now, labeler.label(users[req_id]))
+        elif self._thr_prev_list:
+            self._thr_prev, self._thr_prev_list = set(), []
         if self.spans is not None:
-            self.spans.on_step(record, opened, ended)
+            self.spans.on_step(record, opened, ended, starts)
         if record.limiter_share is not None:
             self.histograms[("schedule_limiter_ratio", ())].observe(record.limiter_share)
+        if (len(self._charge_runs) + len(self._skip_runs) + len(self._ended_runs)
+                + len(self._resume_runs)) > PENDING_STEPS_CAP:
+            self._fold()  # (exports are late: keep what is pending bounded)
         if self._export_due:
             # Gauges and label changes only when an export is coming: their
             # cost is per export interval, not per step.
@@ -313,6 +341,8 @@ class EngineTelemetry(OutputRateObserver):
             self._update_throttled_gauges(record.throttled)
             self._update_user_states(record.now_ns)
             self._rebalance()
+            if self.spans is not None:
+                self.spans.on_throttled_users(record.now_ns, self._thr_by_user)
 
     def _charge_fold(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._charged_keys, "tokens_charged", user)] += n
@@ -323,12 +353,63 @@ class EngineTelemetry(OutputRateObserver):
         self.counters[self._user_key(self._skipped_keys, "requests_skipped", user)] += n
 
     def _fold(self) -> None:
-        """Bring every user's charged and skipped counters (and activity)
-        up to date: at exports, aborts, when the engine goes idle, at close."""
-        self._charges.fold_all()
-        self._skips.fold_all()
+        """Bring every user's charged and skipped counters (and activity),
+        the throttle episodes' histograms and the spacing histograms up to
+        date: at exports, aborts, when the engine goes idle, at close."""
+        runs, self._charge_runs = self._charge_runs, []
+        if runs:
+            charged: Counter[str] = Counter()
+            for per_user, k in runs:
+                if k == 1:
+                    charged.update(per_user)
+                else:
+                    for user, n in per_user.items():
+                        charged[user] += n * k
+            for user, n in charged.items():
+                self._charge_fold(user, n)
+        runs, self._skip_runs = self._skip_runs, []
+        users = self._thr_users
+        if runs:
+            user_of = users.get
+            # (counts in C: the users of the throttled requests of every
+            # step that came once in a row, in one pass)
+            skipped = Counter(map(user_of, chain.from_iterable(t for t, k in runs if k == 1)))
+            for throttled, k in runs:
+                if k > 1:
+                    for user, n in Counter(map(user_of, throttled)).items():
+                        skipped[user] += n * k
+            for user, n in skipped.items():
+                self._skip_fold(user or OTHER, n)
+        if len(users) > len(self._thr_prev):
+            # only the requests throttled now stay known
+            self._thr_users = {r: users[r] for r in self._thr_prev}
+        ended, self._ended_runs = self._ended_runs, []
+        if ended:
+            self._observe_episodes(ended)
+        resumes, self._resume_runs = self._resume_runs, []
+        for now, prevs, labels in resumes:
+            for prev, label in zip(prevs, labels):
+                hist = self._spacing_hist(label or OTHER)
+                spacing = (now - prev) * 1e-9
+                hist.counts[bisect.bisect_left(SPACING_BUCKETS, spacing)] += 1
+                hist.sum += spacing
+                hist.count += 1
         for label, k in self._prev_by_label.items():
             self._fold_spacing(label, k)
+
+    def _observe_episodes(self, ended: list[tuple[int, list[str], list[int], Any]]) -> None:
+        """Closed throttle episodes into their users' histograms."""
+        label, hists = self.labeler.label, self._episode_hists
+        for end_ns, req_ids, starts, users in ended:
+            for req_id, start_ns in zip(req_ids, starts):
+                name = label(users.get(req_id) or OTHER)
+                hist = hists.get(name)
+                if hist is None:
+                    hist = hists[name] = self._histogram("throttle_episode_seconds", (name,))
+                seconds = (end_ns - start_ns) * 1e-9
+                hist.counts[bisect.bisect_left(hist.bounds, seconds)] += 1
+                hist.sum += seconds
+                hist.count += 1
 
     def _user_key(self, cache: dict[str, tuple], name: str, user: str) -> tuple:
         """The counter key of ``user`` for ``name``, cached until labels
@@ -341,13 +422,17 @@ class EngineTelemetry(OutputRateObserver):
                 cache[user] = key
         return key
 
-    def _end_episodes(self, req_ids: Any, now_ns: int) -> None:
-        """Close the open throttle episodes of ``req_ids`` (a few ids: the
-        intersection with the open episodes is taken by the caller or here)."""
+    def _end_episodes(self, users: dict[str, str], now_ns: int) -> dict[str, int]:
+        """Close the open throttle episodes of ``users``' request ids
+        (request id -> user; aborted requests) and observe them; returns
+        request id -> its episode's start."""
         episodes = self._episodes
-        for req_id in [r for r in req_ids if r in episodes]:
-            start_ns, label = episodes.pop(req_id)
-            self._histogram("throttle_episode_seconds", (label,)).observe((now_ns - start_ns) / 1e9)
+        ended = [r for r in users if r in episodes]
+        if not ended:
+            return {}
+        starts = list(map(episodes.pop, ended))
+        self._observe_episodes([(now_ns, ended, starts, users)])
+        return dict(zip(ended, starts))
 
     def on_aborted(self, aborted: list[tuple[str, str]], now: int) -> None:
         """Requests finished from outside the scheduler (client aborts)."""
@@ -355,12 +440,14 @@ class EngineTelemetry(OutputRateObserver):
         self._fold()
         if not self.view.has_running():
             self._update_user_states(now)
-        if self._episodes:
-            self._end_episodes({req_id for req_id, _ in aborted}, now)
+        ended = self._end_episodes(dict(aborted), now) if self._episodes else None
         for req_id, user in aborted:
             self._last_token_ns.pop(req_id, None)
             if req_id in self._prev_ids:
-                self._label_count(req_id, -1)
+                if req_id in self._joining:
+                    self._joining.discard(req_id)
+                else:
+                    self._label_count(req_id, -1)
                 self._prev_ids.discard(req_id)
             self._request_label.pop(req_id, None)
             if self._events is not None:
@@ -368,7 +455,9 @@ class EngineTelemetry(OutputRateObserver):
                 self._queue_event(("finished", now, req_id, user,
                                    "abort", seen[1] if seen else 0))
         if self.spans is not None:
-            self.spans.on_aborted(aborted, now)
+            self.spans.on_aborted(aborted, now, ended)
+            if not self.view.has_running():
+                self.spans.on_idle(now)
 
     def _queue_event(self, event: tuple) -> None:
         events = self._events
@@ -500,13 +589,15 @@ class EngineTelemetry(OutputRateObserver):
         self._set_limits()
         self._charged_keys.clear()
         self._skipped_keys.clear()
+        self._episode_hists.clear()
         # Requests keep the label of their first token until labels change.
         user_of, labels = self.view.user_of, self._request_label
         for req_id in list(labels):
             user = user_of(req_id)
             if user is not None:
                 labels[req_id] = self.labeler.label(user)
-        self._prev_by_label = dict(Counter(labels.get(r) or OTHER for r in self._prev_ids))
+        self._prev_by_label = dict(Counter(labels.get(r) or OTHER
+                                           for r in self._prev_ids - self._joining))
         self._spacing_mark = {label: self._steady_now() for label in self._prev_by_label}
 
     def on_limits(self, change: LimitsChange) -> None:
@@ -538,7 +629,10 @@ class EngineTelemetry(OutputRateObserver):
         steady updates, and each label's histogram takes its steady requests'
         share (their count times what the cumulative gained) when that count
         changes and at folds. Only requests that start, pause, resume after a
-        throttle, or finish take the per-request path.
+        throttle, or finish take the per-request path, and a request joins
+        the steady counts only at its second token in a row: one that is
+        throttled again after one token (a user pacing at its limit) costs
+        its resume spacing and two dict updates, nothing per label.
         """
         now = time.monotonic_ns()
         spans = self.spans
@@ -551,38 +645,46 @@ class EngineTelemetry(OutputRateObserver):
                    if o.finish_reason is not None or len(o.new_token_ids) > 1]
         prev_ids, prev_now = self._prev_ids, self._prev_now
         last = self._last_token_ns
-        if spans is not None:
-            spans.on_update(now)
-        # Label counts of the requests that had a token at the previous
-        # update, kept up to date from the ones that pause, start and finish:
-        # minus the paused ones, they are the steady requests' counts.
+        # Label counts of the requests that had a token at the last two
+        # updates, kept up to date from the ones that pause, start and finish:
+        # with those that join now, they are the steady requests' counts.
+        joining = self._joining
         paused = prev_ids - cur
         if paused:
-            for req_id in paused:  # had a token last time, none now
-                last[req_id] = prev_now
+            # had a token last time, none now
+            last.update(dict.fromkeys(paused, prev_now))
+            for req_id in paused - joining if joining else paused:
                 self._label_count(req_id, -1)
-            if spans is not None:
-                spans.on_paused(paused)
+        if joining:
+            for req_id in joining & cur:  # a second token in a row: steady
+                self._label_count(req_id, 1)
         if self._prev_by_label:  # some request is steady
             gap = now - prev_now
             self._steady_cum[bisect.bisect_left(SPACING_BUCKETS, gap * 1e-9)] += 1
             self._steady_ns += gap
             self._steady_n += 1
-        for req_id in cur - prev_ids:  # first tokens, or back after a throttle
-            prev = last.pop(req_id, None)
-            if spans is not None:
-                spans.on_tokens(req_id, 1, prev, now)
-            if prev is None:
-                user = self.view.user_of(req_id)
-                if user is not None:
-                    labels[req_id] = self.labeler.label(user)
-            self._label_count(req_id, 1)
-            if prev is not None:
-                spacing = (now - prev) * 1e-9
-                hist = self._spacing_hist(labels.get(req_id, OTHER))
-                hist.counts[bisect.bisect_left(SPACING_BUCKETS, spacing)] += 1
-                hist.sum += spacing
-                hist.count += 1
+        # Back after a pause (their last token's time is known): the resume
+        # spacings go to the histograms at the next fold, with the labels
+        # the requests have now (lists made in C). First tokens: a label.
+        resumed = cur - prev_ids
+        back: list[str] = []
+        prevs: list[int] = []
+        first: Any = ()
+        if resumed:
+            if last:
+                back = list(resumed & last.keys())
+                if back:
+                    prevs = list(map(last.pop, back))
+                    self._resume_runs.append((now, prevs, list(map(labels.get, back))))
+            if len(back) < len(resumed):
+                first = resumed.difference(back) if back else resumed
+                user_of, label = self.view.user_of, self.labeler.label
+                for req_id in first:
+                    user = user_of(req_id)
+                    if user is not None:
+                        labels[req_id] = label(user)
+        zeros: list[tuple[str, int]] = []
+        ends: list[tuple[str, str]] = []
         finished = None
         for out in special:
             req_id = out.request_id
@@ -591,25 +693,30 @@ class EngineTelemetry(OutputRateObserver):
                 hist = self._spacing_hist(labels.get(req_id, OTHER))
                 hist.counts[0] += extra
                 hist.count += extra
-                if spans is not None:
-                    spans.on_zeros(req_id, extra)
+                zeros.append((req_id, extra))
             if out.finish_reason is not None:
                 if finished is None:
                     finished = set()
                 finished.add(req_id)
-                if req_id in cur:
+                if req_id in cur and req_id not in resumed:
                     self._label_count(req_id, -1)
                 last.pop(req_id, None)
                 labels.pop(req_id, None)
                 if self._episodes:
                     self._episodes.pop(req_id, None)
-                if spans is not None:
-                    spans.on_finished(req_id, out, now)
+                ends.append((req_id, str(out.finish_reason)))
+        if spans is not None:
+            facts = self.view.request_facts
+            spans.on_outputs(now, paused, back, prevs, list(first), [facts(r) for r in first],
+                             zeros, ends)
         self._prev_ids = cur - finished if finished else cur
+        self._joining = resumed - finished if finished else resumed
         self._prev_now = now
         if finished and not self.view.has_running():
             self._fold()  # going idle: no step may come to fold at
             self._update_user_states(now)
+            if spans is not None:
+                spans.on_idle(now)
 
     def _label_count(self, req_id: str, delta: int) -> None:
         """``req_id`` joins (1) or leaves (-1) the requests that had a token
@@ -684,7 +791,6 @@ class EngineTelemetry(OutputRateObserver):
         numbers; for the reliability runner's churn and soak checks): the
         per-request ones are empty when nothing is live, the per-user ones
         stay within the label cap and ``USER_STATES_CAP``."""
-        charges, skips = self._charges, self._skips
         return {
             "requests.last_token": len(self._last_token_ns),
             "requests.throttled": len(self._thr_users),
@@ -694,8 +800,8 @@ class EngineTelemetry(OutputRateObserver):
             "requests.events": len(self._event_tokens),
             "users.activity": len(self._activity) + len(self._window_activity),
             "users.counter_keys": len(self._charged_keys) + len(self._skipped_keys),
-            "users.step_counts": sum(len(d) for d in (charges.count, charges.since, charges.acc,
-                                                      skips.count, skips.since, skips.acc)),
+            "steps.pending": (len(self._charge_runs) + len(self._skip_runs) + len(self._ended_runs)
+                              + len(self._resume_runs)),
             "users.states": len(self._user_states) + len(self._thr_by_user),
             "users.window": sum(len(d) for _, d in self._charged_window),
             "labels": len(self.labeler.labelled_users()),
@@ -861,52 +967,6 @@ class EngineTelemetry(OutputRateObserver):
         if self.spans is not None:
             self.spans.shutdown()
         self.export()
-
-
-class _StepCounts:
-    """Per-user counts that hold from one step to the next (tokens charged
-    per step, throttled requests per step), accumulated as count times
-    steps: work only when a user's count changes, not per user per step.
-    What accumulated goes to the counters (``fold``) at ``fold_all``: at
-    exports, aborts, when the engine goes idle and at close."""
-
-    __slots__ = ("acc", "count", "fold", "since", "steps")
-
-    def __init__(self, fold: Callable[[str, int], None]) -> None:
-        #: user -> its count in the current step (users with a count only)
-        self.count: dict[str, int] = {}
-        #: user -> the step number its count is accumulated up to
-        self.since: dict[str, int] = {}
-        #: user -> accumulated since the last fold_all (cleared there)
-        self.acc: dict[str, int] = {}
-        #: steps seen (the caller counts them)
-        self.steps = 0
-        self.fold = fold
-
-    def set(self, user: str, k: int) -> None:
-        """``user``'s count is ``k`` from the current step on."""
-        old = self.count.get(user, 0)
-        if old and self.steps > self.since[user]:
-            self.acc[user] = self.acc.get(user, 0) + old * (self.steps - self.since[user])
-        if k:
-            self.count[user] = k
-            self.since[user] = self.steps
-        else:
-            self.count.pop(user, None)
-            self.since.pop(user, None)
-
-    def add(self, user: str, delta: int) -> None:
-        self.set(user, self.count.get(user, 0) + delta)
-
-    def fold_all(self) -> None:
-        steps, since, acc = self.steps, self.since, self.acc
-        for user, k in self.count.items():
-            if steps > since[user]:
-                acc[user] = acc.get(user, 0) + k * (steps - since[user])
-                since[user] = steps
-        self.acc = {}
-        for user, n in acc.items():
-            self.fold(user, n)
 
 
 def attach(view: EngineView) -> EngineTelemetry | None:

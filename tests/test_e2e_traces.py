@@ -62,7 +62,10 @@ def test_spans_of_a_real_engine_reach_an_otlp_receiver_in_the_requests_traces():
     env = {"OUTPUT_RATE_TELEMETRY": "1",
            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url,
            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
-           "OTEL_BSP_SCHEDULE_DELAY": "200"}
+           "OTEL_BSP_SCHEDULE_DELAY": "200",
+           # a span for every throttle episode (by default only those of 1 s
+           # and more: here they last about 150 ms)
+           "OUTPUT_RATE_TRACE_THROTTLE_MIN_S": "0"}
     # vLLM passes a request's trace headers to the engine only with
     # --otlp-traces-endpoint (its own request spans go there too)
     args = [*ARGS, "--otlp-traces-endpoint", receiver.url, "--output-rate-user-header", "X-User"]
@@ -78,7 +81,8 @@ def test_spans_of_a_real_engine_reach_an_otlp_receiver_in_the_requests_traces():
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline:
                 if (len(receiver.named("output_rate.generation")) >= 4
-                        and len(receiver.named("llm_request")) >= 4):
+                        and len(receiver.named("llm_request")) >= 4
+                        and receiver.named("output_rate.over_limit")):
                     break
                 time.sleep(0.5)
     finally:
@@ -98,6 +102,15 @@ def test_spans_of_a_real_engine_reach_an_otlp_receiver_in_the_requests_traces():
     for t in throttles:  # the same request as the generation span of its trace
         assert t["attributes"]["gen_ai.request.id"] == by_trace[t["trace_id"]]["attributes"][
             "gen_ai.request.id"]
+    # user-a's over-limit period: one span of its own, with its episodes
+    (period,) = receiver.named("output_rate.over_limit")
+    pa = period["attributes"]
+    assert pa["output_rate.user"] == "user-a" and pa["output_rate.limit_tokens_per_second"] == 20
+    a_gens = [g["attributes"] for g in gens if g["attributes"]["output_rate.user"] == "user-a"]
+    assert pa["output_rate.throttle_episodes"] == sum(
+        g["output_rate.throttle_episodes"] for g in a_gens) == len(throttles)
+    assert 60 <= pa["output_rate.tokens_charged"] <= 90
+    assert 100_000 <= pa["output_rate.throttle_p50_us"] <= 200_000
     (b,) = [g for g in gens if g["attributes"]["output_rate.user"] == "user-b"]
     assert b["parent_span_id"] == "" and b["trace_id"] not in parents  # a trace of its own
     for g in gens:

@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from harness import Driver, FakeClock, OtlpHttpReceiver, attach_telemetry, make_request, make_scheduler
 
 from vllm_output_rate.internals import SchedulerView
-from vllm_output_rate.tracing.spans import SpanRecorder, tracer_provider_from_env
+from vllm_output_rate.tracing.spans import THROTTLE_MIN_ENV, SpanRecorder, tracer_provider_from_env
 from vllm_output_rate import engine_loop
 
 
@@ -38,15 +38,19 @@ def exporter():
     return InMemorySpanExporter()
 
 
-def setup(tmp_path, exporter, lim, background=True, **kw):
+def setup(tmp_path, exporter, lim, background=True, throttle_min_s=0.0, **kw):
     """A scheduler with telemetry and a span recorder on a TracerProvider
-    made here (so from the OTEL_* variables set now: sampler, span limits)."""
+    made here (so from the OTEL_* variables set now: sampler, span limits);
+    every throttle episode gets a span unless ``throttle_min_s`` (None: the
+    setting's)."""
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     clock = FakeClock()
     sched = make_scheduler(lim, clock=clock, **kw)
     recorder = SpanRecorder(provider.get_tracer("test"), SchedulerView(sched), clock_offset_ns=0,
                             background=background)
+    if throttle_min_s is not None:
+        recorder.throttle_min_ns = int(throttle_min_s * 1e9)
     _RECORDERS[:] = [recorder]
     tel = attach_telemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
     return sched, Driver(sched, clock, step_ms=10.0), tel, recorder
@@ -81,7 +85,74 @@ def test_throttle_episodes_are_spans(tmp_path, exporter, monkeypatch):
     assert first.end_time > first.start_time
     # two streams sharing 10 tok/s: an episode lasts about 0.1-0.2 s
     assert all(0 < (s.end_time - s.start_time) <= 0.25e9 for s in throttles)
-    assert attrs["output_rate.expected_ready_unix_ns"] <= first.end_time
+    # each request's generation span sums up its episodes
+    gens = {g.attributes["output_rate.request_id"]: g.attributes
+            for g in spans(exporter, "output_rate.generation")}
+    for req in reqs:
+        mine = [s for s in throttles if s.attributes["output_rate.request_id"] == req.request_id]
+        gen = gens[req.request_id]
+        assert gen["output_rate.throttle_episodes"] == len(mine) > 0
+        assert gen["output_rate.throttled_us"] == pytest.approx(
+            sum(s.end_time - s.start_time for s in mine) / 1000, abs=len(mine))
+        assert gen["output_rate.throttle_max_us"] == max(s.end_time - s.start_time
+                                                         for s in mine) // 1000
+
+
+def test_a_user_pacing_at_its_limit_gets_one_over_limit_period(tmp_path, exporter, monkeypatch):
+    """Four streams of one user taking turns at its limit: with the default
+    minimum no span per throttle episode, one over-limit period for the user
+    (first refusal to when its demand fell under the limit) with its counts
+    and the episodes' quantiles; each generation span has its own episodes."""
+    import vllm_output_rate.telemetry.engine as engine_mod
+
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=20), throttle_min_s=None)
+    assert rec.throttle_min_ns == 1_000_000_000  # the default: 1 s
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    reqs = [make_request("a", max_tokens=30) for _ in range(4)]
+    drv.add(*reqs, make_request("b", max_tokens=30))
+    drv.run_until_done()
+    assert not spans(exporter, "output_rate.throttle")  # every episode shorter than 1 s
+    (period,) = spans(exporter, "output_rate.over_limit")
+    attrs = period.attributes
+    assert attrs["output_rate.user"] == "a"
+    assert attrs["output_rate.limit_tokens_per_second"] == 20.0
+    gens = [g.attributes for g in spans(exporter, "output_rate.generation")
+            if g.attributes["output_rate.request_id"] in {r.request_id for r in reqs}]
+    episodes = sum(g["output_rate.throttle_episodes"] for g in gens)
+    assert attrs["output_rate.throttle_episodes"] == episodes > 4 * 20
+    # 120 tokens at 20 tok/s with a 0.1 s burst: about 6 s; the period
+    # holds the tokens after the first refusal, at the limit
+    seconds = (period.end_time - period.start_time) / 1e9
+    assert 5.0 <= seconds <= 6.2
+    assert 100 <= attrs["output_rate.tokens_charged"] <= 120
+    assert attrs["output_rate.tokens_per_second"] == pytest.approx(20, rel=0.05)
+    assert attrs["output_rate.refused_steps"] >= seconds / 0.01 * 0.8  # (10 ms steps)
+    # three of four streams wait while one takes its turn: about 150 ms
+    assert 100_000 <= attrs["output_rate.throttle_p50_us"] <= 200_000
+    assert attrs["output_rate.throttle_p50_us"] <= attrs["output_rate.throttle_p99_us"] \
+        <= attrs["output_rate.throttle_max_us"]
+    # the user that never ran short has no period
+    assert all(s.attributes["output_rate.user"] != "b"
+               for s in spans(exporter, "output_rate.over_limit"))
+
+
+def test_an_over_limit_period_ends_when_demand_falls_under_the_limit(tmp_path, exporter,
+                                                                  monkeypatch):
+    """Two periods for a user whose second burst of demand comes after a
+    quiet spell longer than PERIOD_QUIET_S, while another user keeps the
+    engine busy (no idle in between)."""
+    import vllm_output_rate.telemetry.engine as engine_mod
+
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=20), throttle_min_s=None)
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    drv.add(make_request("b", max_tokens=600))
+    drv.add(*[make_request("a", max_tokens=10) for _ in range(3)])
+    drv.run(320)  # a's 30 tokens take about 1.5 s; then over 1.5 s quiet
+    drv.add(*[make_request("a", max_tokens=10) for _ in range(3)])
+    drv.run_until_done()
+    periods = sorted(spans(exporter, "output_rate.over_limit"), key=lambda s: s.start_time)
+    assert [p.attributes["output_rate.user"] for p in periods] == ["a", "a"]
+    assert periods[0].end_time < periods[1].start_time
 
 
 def test_generation_span_carries_the_spacing_series(tmp_path, exporter, monkeypatch):
@@ -359,7 +430,8 @@ def test_client_abort_mid_throttle_ends_the_episode_and_the_generation(tmp_path,
     aborted = [s for s in spans(exporter, "output_rate.throttle")
                if s.attributes["output_rate.outcome"] == "aborted"]
     assert len(aborted) == 2
-    assert not rec._episodes and not rec._series and not rec._overflow
+    assert all(g.attributes["output_rate.throttle_episodes"] >= 1 for g in gens)
+    assert not rec._throttle and not rec._series and not rec._overflow
 
 
 class _FailingExporter:
@@ -474,6 +546,7 @@ def test_spans_reach_a_real_otlp_http_receiver(tmp_path, monkeypatch):
     receiver on loopback that decodes the protobuf requests."""
     receiver = OtlpHttpReceiver()
     try:
+        monkeypatch.setenv(THROTTLE_MIN_ENV, "0")  # a span per throttle episode
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", receiver.url)
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
         drops, _drv, _reqs = _three_requests_with_env_traces(tmp_path)
@@ -609,6 +682,7 @@ def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter
     longest = timeline = 0
     for _ in range(119):
         drv.step()
+        rec.flush()  # (the builder keeps the series)
         longest = max(longest, len(rec._series.get(req.request_id, ())))
         timeline = max(timeline, len(rec._gaps))
         if req.request_id in rec._series:  # every token so far, kept or not
@@ -713,24 +787,25 @@ def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(
     queued, dropped = len(rec._pending), rec.drops.counts["trace_queue_full"]
     assert queued == 6 and dropped > 0
     broken = rec._pending[0]
+    assert broken[0].__name__.startswith(("_build_", "_replay_"))
     rec._pending[0] = (lambda: 1 / 0, ())
-    rec.flush()
-    assert len(exporter.get_finished_spans()) == queued - 1
+    rec.flush()  # a broken entry is counted, the rest go on
     assert rec.drops.counts["trace_export_failed"] == 1
-    # 4 generation spans + at least one throttle episode per stream: all
-    # accounted for, built or dropped
-    assert dropped + queued >= 4 + 4
-    assert broken[0].__name__.startswith("_build_")
+    assert not rec._pending
+    # every update and step with something for the builder: all accounted
+    # for, queued or dropped
+    assert dropped + queued >= drv.steps
 
 
-@pytest.mark.parametrize("raw, spans_expected", [("0.15", "long only"), ("bad", "all"), ("-1", "all")])
+@pytest.mark.parametrize("raw, spans_expected", [("0.15", "long only"), ("0", "all"),
+                                                   ("bad", "default"), ("-1", "default")])
 def test_throttle_spans_only_for_episodes_past_the_minimum(tmp_path, exporter, monkeypatch, raw,
                                                           spans_expected):
     import vllm_output_rate.telemetry.engine as engine_mod
     from vllm_output_rate.tracing import spans as spans_mod
 
     monkeypatch.setenv(spans_mod.THROTTLE_MIN_ENV, raw)
-    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10))
+    sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10), throttle_min_s=None)
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
     drv.add(*[make_request("a", max_tokens=8) for _ in range(3)])
     drv.run_until_done()
@@ -739,6 +814,8 @@ def test_throttle_spans_only_for_episodes_past_the_minimum(tmp_path, exporter, m
     assert episodes.count > 5  # every episode is in the histogram either way
     if spans_expected == "all":
         assert rec.throttle_min_ns == 0 and len(throttles) == episodes.count
+    elif spans_expected == "default":  # (a bad value: the default, 1 s)
+        assert rec.throttle_min_ns == 1_000_000_000 and not throttles
     else:
         assert rec.throttle_min_ns == 150_000_000
         assert 0 < len(throttles) < episodes.count
@@ -796,6 +873,7 @@ def test_offline_traces_are_an_otlp_json_file(tmp_path, monkeypatch, writable):
     path = tmp_path / ("traces.jsonl" if writable else "missing-dir/traces.jsonl")
     _clear_otel_env(monkeypatch)
     monkeypatch.setenv(TRACES_FILE_ENV, str(path))
+    monkeypatch.setenv(THROTTLE_MIN_ENV, "0")  # a span per throttle episode
     made = InMemorySpanExporter()
     drops, drv, reqs = _three_requests_with_env_traces(tmp_path, also_to=made)
     assert all(drv.count(r.request_id) == 8 for r in reqs)

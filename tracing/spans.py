@@ -85,6 +85,11 @@ TRACES_FILE_ENV = settings.name("TRACES_FILE")
 #: user at its limit with several streams has one short episode per token.
 THROTTLE_MIN_ENV = settings.name("TRACE_THROTTLE_MIN_S")
 _TRACER_NAME = "vllm_output_rate"
+#: A user's over-limit period ends when no step refused it for this long
+#: after its budget returned (or when the engine goes idle).
+PERIOD_QUIET_S = 1.0
+#: How often (scheduler clock) the span builder looks for periods to end.
+PERIOD_SWEEP_NS = 200_000_000
 
 # Attribute names of the OpenTelemetry GenAI conventions, as vLLM's own
 # request span spells them (``vllm.tracing.SpanAttributes``; not imported:
@@ -171,19 +176,28 @@ def _quantile(sorted_values: list[int], q: float) -> int:
     return sorted_values[index]
 
 
-class _Episode:
-    __slots__ = ("start_ns", "facts", "ready_ns", "blocks", "preempted", "request_id")
+class _Period:
+    """One user's over-limit period (the span builder's thread only)."""
 
-    def __init__(self, request_id: str, facts: RequestFacts, start_ns: int, ready_ns: int,
-                 blocks: int) -> None:
-        self.request_id = request_id
-        #: the request's facts (user, priority, trace headers, identity
-        #: source), read once per request
-        self.facts = facts
+    __slots__ = ("user", "start_ns", "last_refused_ns", "ready_ns", "refused_steps", "tokens",
+                 "episodes", "episode_us", "max_requests", "max_blocks")
+
+    def __init__(self, user: str, start_ns: int) -> None:
+        self.user = user
         self.start_ns = start_ns
-        self.ready_ns = ready_ns
-        self.blocks = blocks
-        self.preempted = False
+        #: the last step that refused the user, and when its budget returned
+        self.last_refused_ns = start_ns
+        self.ready_ns = start_ns
+        self.refused_steps = 0
+        #: tokens charged to the user from the step after the first refusal
+        self.tokens = 0
+        #: throttle episodes of its requests that ended in the period, and
+        #: their durations (whole microseconds, at most ``MAX_SERIES`` kept)
+        self.episodes = 0
+        self.episode_us = array("I")
+        #: most throttled requests and KV blocks they held (at exports)
+        self.max_requests = 0
+        self.max_blocks = 0
 
 
 class SpanRecorder:
@@ -201,7 +215,19 @@ class SpanRecorder:
         self.drops = TraceDrops(max_queue_from_env())
         #: the TracerProvider (flushed and shut down with the engine)
         self.provider: Any = None
-        self._episodes: dict[str, _Episode] = {}
+        #: (the span builder's thread only, from here to ``_who``:)
+        #: user -> its open over-limit period
+        self._periods: dict[str, _Period] = {}
+        #: request id -> [throttle episodes ended, their total ns, the
+        #: longest], for its generation span
+        self._throttle: dict[str, list[int]] = {}
+        #: throttled requests preempted since their episode began
+        self._preempted: set[str] = set()
+        #: the last step's time (scheduler clock), the last period sweep's
+        self._now = 0
+        self._swept = 0
+        #: (the scheduler's thread) the last step that queued something
+        self._ticked = 0
         #: request id -> spacings past MAX_SERIES (counted, not kept)
         self._overflow: dict[str, int] = {}
         #: refusal-only steps get one step span in this many (refund steps: always)
@@ -244,15 +270,6 @@ class SpanRecorder:
         span = self.tracer.start_span(name, context=context, start_time=start_ns + self.offset,
                                       attributes=attributes, links=links)
         span.end(end_time=max(end_ns, start_ns) + self.offset)
-
-    def _remember_request(self, req_id: str) -> None:
-        """At its first token: keep the request's facts (user, priority,
-        trace headers, identity source) for its throttle episodes and its
-        generation span: read once per request, not per episode. The trace
-        headers are parsed by the span builder."""
-        facts = self.view.request_facts(req_id)
-        if facts is not None:
-            self._who[req_id] = facts
 
     def _parent_context(self, facts: RequestFacts | None) -> Any:
         """The OpenTelemetry context of the request's ``traceparent`` (the
@@ -318,40 +335,146 @@ class SpanRecorder:
 
     # -- per step ---------------------------------------------------------
 
-    def on_step(self, record: StepReport, opened: Any = None, ended: Any = None) -> None:
-        """Per step. ``opened``: the ids of requests throttled now and not in
-        the step before; ``ended``: the ids of throttled requests dispatched
-        again; both computed once by ``telemetry.engine`` with set
-        operations (computed here when not given)."""
+    def on_step(self, record: StepReport, opened: Any = (), ended: Any = (),
+                starts: Any = ()) -> None:
+        """Per step (the scheduler's thread: at most two appends).
+        ``ended``: the ids of throttled requests dispatched again, and
+        ``starts`` when their episodes began (``telemetry.engine`` keeps the
+        episodes, with set operations); ``opened`` is not needed here."""
         now = record.now_ns
-        episodes = self._episodes
-        if ended is None:
-            ended = episodes.keys() & record.charged.keys() if episodes and record.charged else ()
-        for req_id in ended:
-            episode = episodes.pop(req_id, None)
-            if episode is not None:
-                self._end_episode(episode, now, "dispatched")
-        if opened is None:
-            opened = [r for r in record.throttled if r not in episodes]
-        if opened:
-            view, who = self.view, self._who
-            for req_id in opened:
-                if req_id not in episodes:
-                    facts = who.get(req_id)
-                    if facts is None:  # throttled before its first token
-                        facts = view.request_facts(req_id)
-                        if facts is None:
-                            continue
-                        who[req_id] = facts
-                    episodes[req_id] = _Episode(
-                        req_id, facts, now,
-                        record.refused.get(facts.user, 0), view.kv_blocks_held(req_id))
-        for req_id in record.preempted_throttled:
-            if req_id in episodes:
-                episodes[req_id].preempted = True
+        if record.refused or ended or record.preempted_throttled:
+            held = None
+            if ended:
+                # the KV blocks and facts of the requests whose episode gets
+                # a span, read now (the builder runs later): long ones only
+                since = now - self.throttle_min_ns
+                long = [r for r, start in zip(ended, starts) if start <= since]
+                if long:
+                    view = self.view
+                    held = {r: (view.kv_blocks_held(r), view.request_facts(r)) for r in long}
+            self._queue_replay(self._replay_step, now, record.refused, record.charged_by_user,
+                               ended, starts, record.charged, record.preempted_throttled, held)
+            self._ticked = now
+        elif now - self._ticked >= PERIOD_SWEEP_NS:
+            # nothing to book, but time passes: open periods may end
+            self._ticked = now
+            self._queue_replay(self._sweep, now)
         if record.refunded or (record.refused and self._sample_refusal()):
             self._queue(self._build_step, now, record.step, len(record.charged), record.refunded,
                         len(record.throttled), list(record.refused))
+
+    def _queue_replay(self, replay: Callable[..., None], *args: Any) -> None:
+        """Queue what the span builder's thread keeps books of (series,
+        episodes, periods): dropped and counted only when the queue is
+        full, like a span."""
+        pending = self._pending
+        if len(pending) >= self.drops.max_queue:
+            self.drops.drop("trace_queue_full", 1)
+        else:
+            pending.append((replay, args))
+
+    # -- the span builder's thread: throttle episodes and over-limit periods --
+
+    def _replay_step(self, now: int, refused: dict[str, int], charged_by_user: dict[str, int],
+                     ended: list[str], starts: list[int], charged: dict[str, str],
+                     preempted: list[str],
+                     held: dict[str, tuple[int, RequestFacts | None]] | None) -> None:
+        self._now = now
+        periods = self._periods
+        if refused:
+            for user in refused.keys() - periods.keys():
+                periods[user] = _Period(user, now)
+            for user, ready in refused.items():
+                period = periods[user]
+                period.last_refused_ns = now
+                period.ready_ns = ready
+                period.refused_steps += 1
+        if charged_by_user and periods:
+            for user in charged_by_user.keys() & periods.keys():
+                period = periods[user]
+                if period.start_ns < now:
+                    period.tokens += charged_by_user[user]
+        if preempted:
+            self._preempted.update(preempted)
+        if ended:
+            throttle, min_ns = self._throttle, self.throttle_min_ns
+            for req_id, start_ns in zip(ended, starts):
+                took = now - start_ns
+                acc = throttle.get(req_id)
+                if acc is None:
+                    throttle[req_id] = [1, took, took]
+                else:
+                    acc[0] += 1
+                    acc[1] += took
+                    if took > acc[2]:
+                        acc[2] = took
+                period = periods.get(charged.get(req_id, ""))
+                if period is not None:
+                    period.episodes += 1
+                    if len(period.episode_us) < MAX_SERIES:
+                        period.episode_us.append(_spacing_us(took))
+                if took >= min_ns:
+                    self._build_throttle(req_id, start_ns, now, "dispatched",
+                                         *(held.get(req_id, (0, None)) if held else (0, None)))
+                self._preempted.discard(req_id)
+        if now - self._swept >= PERIOD_SWEEP_NS:
+            self._sweep(now)
+
+    def _sweep(self, now: int, idle: bool = False) -> None:
+        """End the periods of users no step refused for ``PERIOD_QUIET_S``
+        after their budget returned (all of them when the engine is idle or
+        shuts down): the period ends when the budget its last refusal waited
+        for was there."""
+        self._swept = self._now = max(self._now, now)
+        quiet = int(PERIOD_QUIET_S * 1e9)
+        for user, period in list(self._periods.items()):
+            end = max(period.last_refused_ns, period.ready_ns)
+            if idle:
+                end = max(period.last_refused_ns, min(period.ready_ns, now))
+            elif now - end < quiet:
+                continue
+            del self._periods[user]
+            self._build_period(period, end)
+
+    def on_throttled_users(self, now: int, by_user: dict[str, tuple[int, int]]) -> None:
+        """At an export step: user -> (throttled requests, their KV blocks)."""
+        if by_user:
+            self._queue_replay(self._replay_throttled_users, now, by_user)
+
+    def _replay_throttled_users(self, now: int, by_user: dict[str, tuple[int, int]]) -> None:
+        periods = self._periods
+        for user, (requests, blocks) in by_user.items():
+            period = periods.get(user)
+            if period is not None:
+                period.max_requests = max(period.max_requests, requests)
+                period.max_blocks = max(period.max_blocks, blocks)
+
+    def on_idle(self, now: int) -> None:
+        """The engine has nothing running: every open period ends."""
+        self._queue_replay(self._sweep, now, True)
+
+    def _build_period(self, period: _Period, end_ns: int) -> None:
+        ordered = sorted(period.episode_us)
+        seconds = max(end_ns - period.start_ns, 1) / 1e9
+        try:
+            limit = float(self.view.rate_of(period.user))
+        except Exception:  # (a view read from this thread must not stop the builder)
+            limit = 0.0
+        attributes = {
+            "output_rate.user": period.user,
+            "output_rate.limit_tokens_per_second": limit,
+            "output_rate.refused_steps": period.refused_steps,
+            "output_rate.tokens_charged": period.tokens,
+            "output_rate.tokens_per_second": round(period.tokens / seconds, 3),
+            "output_rate.throttle_episodes": period.episodes,
+            "output_rate.throttle_p50_us": _quantile(ordered, 0.5),
+            "output_rate.throttle_p90_us": _quantile(ordered, 0.9),
+            "output_rate.throttle_p99_us": _quantile(ordered, 0.99),
+            "output_rate.throttle_max_us": ordered[-1] if ordered else 0,
+            "output_rate.throttled_requests_max": period.max_requests,
+            "output_rate.throttled_kv_blocks_max": period.max_blocks,
+        }
+        self._span("output_rate.over_limit", period.start_ns, end_ns, attributes)
 
     def _build_step(self, now: int, step: int, charged: int, refunded: list[tuple[str, str, str]],
                     throttled: int, refused: list[str]) -> None:
@@ -373,27 +496,25 @@ class SpanRecorder:
         self._refusal_steps += 1
         return self._refusal_steps % self.step_sample_every == 1 or self.step_sample_every == 1
 
-    def _end_episode(self, episode: _Episode, end_ns: int, outcome: str) -> None:
-        if end_ns - episode.start_ns < self.throttle_min_ns:
-            return
-        self._queue(self._build_throttle, episode, end_ns, outcome,
-                    self._tokens_charged(episode.request_id, outcome))
-
-    def _build_throttle(self, episode: _Episode, end_ns: int, outcome: str, tokens: int) -> None:
-        facts = episode.facts
+    def _build_throttle(self, req_id: str, start_ns: int, end_ns: int, outcome: str,
+                        blocks: int = 0, facts: RequestFacts | None = None) -> None:
+        """A span for one long throttle episode of a request (at least
+        ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S``), in the request's trace;
+        ``blocks``: the KV blocks it held when the episode ended."""
+        facts = self._who.get(req_id) or facts
         attributes = {
-            GEN_AI_REQUEST_ID: external_request_id(episode.request_id, self._randomized_ids),
-            "output_rate.request_id": episode.request_id,
-            "output_rate.priority": facts.priority,
-            "output_rate.tokens_charged": tokens,
-            "output_rate.expected_ready_unix_ns": episode.ready_ns + self.offset,
-            "output_rate.held_kv": episode.blocks > 0,
-            "output_rate.kv_blocks": episode.blocks,
-            "output_rate.preempted": episode.preempted,
+            GEN_AI_REQUEST_ID: external_request_id(req_id, self._randomized_ids),
+            "output_rate.request_id": req_id,
+            "output_rate.tokens_charged": self._tokens_charged(req_id, outcome),
+            "output_rate.held_kv": blocks > 0,
+            "output_rate.kv_blocks": blocks,
+            "output_rate.preempted": req_id in self._preempted,
             "output_rate.outcome": outcome,
         }
+        if facts is not None:
+            attributes["output_rate.priority"] = facts.priority
         _identity_attributes(facts, attributes)
-        self._span("output_rate.throttle", episode.start_ns, end_ns, attributes,
+        self._span("output_rate.throttle", start_ns, end_ns, attributes,
                    context=self._parent_context(facts))
 
     def _tokens_charged(self, req_id: str, outcome: str) -> int:
@@ -463,7 +584,6 @@ class SpanRecorder:
         s = self._series.get(req_id)
         if s is None:
             s = self._series[req_id] = array("I")
-            self._remember_request(req_id)
         if prev_ns is not None:
             s.append(_spacing_us(now_ns - prev_ns))
         if n > 1:
@@ -497,34 +617,75 @@ class SpanRecorder:
         return (len(self._series[req_id]) + self._overflow.get(req_id, 0)
                 + (self._index - start if start is not None else 0))
 
-    def on_finished(self, req_id: str, out: Any, now: int) -> None:
-        """The request finished (``out`` is its last engine output)."""
-        self._finish(req_id, str(out.finish_reason), now)
+    def on_outputs(self, now: int, paused: Any, back: list[str], prevs: list[int],
+                   first: list[str], first_facts: list[RequestFacts | None],
+                   zeros: list[tuple[str, int]], finished: list[tuple[str, str]]) -> None:
+        """One ``update_from_output`` (the scheduler's thread: one append):
+        the requests that had a token at the previous update and none now
+        (``paused``), those back after a pause with when their last token
+        came (``back``, ``prevs``), those with their first tokens and their
+        facts (read now, while the request is there), extra tokens in this
+        update (``zeros``), and those finished with their reason."""
+        self._queue_replay(self._replay_outputs, now, paused, back, prevs, first, first_facts,
+                           zeros, finished)
 
-    def on_aborted(self, aborted: list[tuple[str, str]], now: int) -> None:
+    def _replay_outputs(self, now: int, paused: Any, back: list[str], prevs: list[int],
+                        first: list[str], first_facts: list[RequestFacts | None],
+                        zeros: list[tuple[str, int]], finished: list[tuple[str, str]]) -> None:
+        self.on_update(now)
+        if paused:
+            self.on_paused(paused)
+        for req_id, prev in zip(back, prevs):
+            self.on_tokens(req_id, 1, prev, now)
+        for req_id, facts in zip(first, first_facts):
+            if facts is not None:
+                self._who[req_id] = facts
+            self.on_tokens(req_id, 1, None, now)
+        for req_id, k in zeros:
+            self.on_zeros(req_id, k)
+        for req_id, reason in finished:
+            self._finish(req_id, reason, now)
+
+    def on_aborted(self, aborted: list[tuple[str, str]], now: int,
+                   ended: dict[str, int] | None = None) -> None:
         """Requests finished from outside (client aborts), as (request id,
-        user): their open episodes end and their generation spans are
-        emitted."""
-        for req_id, _user in aborted:
-            self._finish(req_id, "abort", now)
+        user), and the start of the open throttle episodes among them: their
+        generation spans are emitted (the scheduler's thread: the facts of
+        each are read now, one append)."""
+        view = self.view
+        facts = [view.request_facts(req_id) for req_id, _ in aborted]
+        self._queue_replay(self._replay_aborted, aborted, facts, ended or {}, now)
 
-    def _finish(self, req_id: str, reason: str, now: int) -> None:
-        facts = self._who.pop(req_id, None)
-        if facts is None:  # no token and no throttle episode: read it now, if it is still there
-            facts = self.view.request_facts(req_id)
-        episode = self._episodes.pop(req_id, None)
-        if episode is not None:
-            self._end_episode(episode, now, "aborted" if reason == "abort" else "finished")
+    def _replay_aborted(self, aborted: list[tuple[str, str]], facts: list[RequestFacts | None],
+                        ended: dict[str, int], now: int) -> None:
+        for (req_id, _user), known in zip(aborted, facts):
+            start = ended.get(req_id)
+            if start is not None:
+                acc = self._throttle.setdefault(req_id, [0, 0, 0])
+                acc[0] += 1
+                acc[1] += now - start
+                acc[2] = max(acc[2], now - start)
+                if now - start >= self.throttle_min_ns:
+                    self._build_throttle(req_id, start, now, "aborted", 0, known)
+            self._finish(req_id, "abort", now, known)
+
+    def _finish(self, req_id: str, reason: str, now: int,
+                facts: RequestFacts | None = None) -> None:
+        known = self._who.pop(req_id, None)
+        if known is not None:
+            facts = known
         had_tokens = req_id in self._series
         if had_tokens:
             self._close_run(req_id, self._index)
         self._trim(req_id)
         s = self._series.pop(req_id, array("I"))
         tokens = len(s) + 1 + self._overflow.pop(req_id, 0) if had_tokens else 0
-        self._queue(self._build_generation, req_id, reason, now, s, tokens, facts)
+        throttle = self._throttle.pop(req_id, None)
+        self._preempted.discard(req_id)
+        self._build_generation(req_id, reason, now, s, tokens, facts, throttle)
 
     def _build_generation(self, req_id: str, reason: str, now: int, s: array, tokens: int,
-                          facts: RequestFacts | None) -> None:
+                          facts: RequestFacts | None, throttle: list[int] | None = None) -> None:
         ordered = sorted(s)
         attributes = {
             GEN_AI_REQUEST_ID: external_request_id(req_id, self._randomized_ids),
@@ -542,6 +703,11 @@ class SpanRecorder:
             "output_rate.spacing_max_us": ordered[-1] if ordered else 0,
             "output_rate.spacing_series_us": series_attribute(s),
             "output_rate.spacing_series_truncated": len(s) >= MAX_SERIES,
+            # where it waited for its user's budget: throttle episodes that
+            # ended with a dispatch (or its abort), their total and longest
+            "output_rate.throttle_episodes": throttle[0] if throttle else 0,
+            "output_rate.throttled_us": throttle[1] // 1000 if throttle else 0,
+            "output_rate.throttle_max_us": throttle[2] // 1000 if throttle else 0,
         }
         _identity_attributes(facts, attributes)
         start = now - sum(s) * 1000
@@ -560,6 +726,8 @@ class SpanRecorder:
         def run() -> None:
             try:
                 self.flush()
+                with self._build_lock:  # every open period ends here
+                    self._sweep(self._now, idle=True)
                 if provider is not None:
                     provider.shutdown()
             except Exception:  # never let telemetry hurt the engine's shutdown
