@@ -31,7 +31,9 @@ import os
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from itertools import chain
+from functools import partial
+from itertools import chain, repeat
+from operator import sub
 from collections.abc import Callable
 from typing import Any
 
@@ -387,29 +389,34 @@ class EngineTelemetry(OutputRateObserver):
         if ended:
             self._observe_episodes(ended)
         resumes, self._resume_runs = self._resume_runs, []
-        for now, prevs, labels in resumes:
-            for prev, label in zip(prevs, labels):
-                hist = self._spacing_hist(label or OTHER)
-                spacing = (now - prev) * 1e-9
-                hist.counts[bisect.bisect_left(SPACING_BUCKETS, spacing)] += 1
-                hist.sum += spacing
-                hist.count += 1
+        if resumes:
+            labels: list[str | None] = []
+            spacings: list[int] = []
+            for now, prevs, labs in resumes:  # (per update; lists made in C)
+                labels.extend(labs)
+                spacings.extend(map(sub, repeat(now, len(prevs)), prevs))
+            _observe_by_label(labels, spacings, lambda name: self._spacing_hist(name or OTHER))
         for label, k in self._prev_by_label.items():
             self._fold_spacing(label, k)
 
     def _observe_episodes(self, ended: list[tuple[int, list[str], list[int], Any]]) -> None:
         """Closed throttle episodes into their users' histograms."""
-        label, hists = self.labeler.label, self._episode_hists
-        for end_ns, req_ids, starts, users in ended:
-            for req_id, start_ns in zip(req_ids, starts):
-                name = label(users.get(req_id) or OTHER)
-                hist = hists.get(name)
-                if hist is None:
-                    hist = hists[name] = self._histogram("throttle_episode_seconds", (name,))
-                seconds = (end_ns - start_ns) * 1e-9
-                hist.counts[bisect.bisect_left(hist.bounds, seconds)] += 1
-                hist.sum += seconds
-                hist.count += 1
+        users: list[str | None] = []
+        took: list[int] = []
+        for end_ns, req_ids, starts, by_id in ended:  # (per step; lists made in C)
+            users.extend(map(by_id.get, req_ids))
+            took.extend(map(sub, repeat(end_ns, len(starts)), starts))
+        label = self.labeler.label
+        labels = {user: label(user or OTHER) for user in set(users)}
+        hists = self._episode_hists
+
+        def hist_of(name: str) -> Histogram:
+            hist = hists.get(name)
+            if hist is None:
+                hist = hists[name] = self._histogram("throttle_episode_seconds", (name,))
+            return hist
+
+        _observe_by_label(list(map(labels.__getitem__, users)), took, hist_of)
 
     def _user_key(self, cache: dict[str, tuple], name: str, user: str) -> tuple:
         """The counter key of ``user`` for ``name``, cached until labels
@@ -967,6 +974,44 @@ class EngineTelemetry(OutputRateObserver):
         if self.spans is not None:
             self.spans.shutdown()
         self.export()
+
+
+def _ns_edges(bounds: tuple[float, ...]) -> tuple[int, ...]:
+    """Integer edges ``t`` with ``bisect_right(t, v) == bisect_left(bounds,
+    v * 1e-9)`` for every integer ``v`` (ns): the smallest ``v`` each bound
+    is below."""
+    edges = []
+    for bound in bounds:
+        v = int(bound * 1e9) - 2
+        while not bound < v * 1e-9:
+            v += 1
+        edges.append(v)
+    return tuple(edges)
+
+
+_EDGES: dict[tuple[float, ...], tuple[int, ...]] = {}
+
+
+def _observe_by_label(labels: list[str | None], values_ns: list[int],
+                      hist_of: Callable[[Any], Histogram]) -> None:
+    """Observe ``values_ns[i]`` (ns) in the histogram of ``labels[i]``: the
+    buckets counted in C per (label, bucket), the sums per label."""
+    if not values_ns:
+        return
+    bounds = hist_of(labels[0]).bounds
+    edges = _EDGES.get(bounds)
+    if edges is None:
+        edges = _EDGES[bounds] = _ns_edges(bounds)
+    pairs = Counter(zip(labels, map(partial(bisect.bisect_right, edges), values_ns)))
+    sums: dict[Any, int] = defaultdict(int)
+    for label, value in zip(labels, values_ns):
+        sums[label] += value
+    for (label, bucket), n in pairs.items():
+        hist = hist_of(label)
+        hist.counts[bucket] += n
+        hist.count += n
+    for label, total in sums.items():
+        hist_of(label).sum += total * 1e-9
 
 
 def attach(view: EngineView) -> EngineTelemetry | None:

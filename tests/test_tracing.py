@@ -431,7 +431,7 @@ def test_client_abort_mid_throttle_ends_the_episode_and_the_generation(tmp_path,
                if s.attributes["output_rate.outcome"] == "aborted"]
     assert len(aborted) == 2
     assert all(g.attributes["output_rate.throttle_episodes"] >= 1 for g in gens)
-    assert not rec._throttle and not rec._series and not rec._overflow
+    assert not rec._throttle_count and not rec._series and not rec._overflow
 
 
 class _FailingExporter:

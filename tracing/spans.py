@@ -3,34 +3,46 @@
 Built from the same plain data the metrics use (``StepReport`` per step,
 ``IdleWait`` per idle wait, the engine outputs per ``update_from_output``;
 see ``vllm_output_rate.observers``), driven by ``telemetry.engine``.
-On the scheduler's thread a span is one append of its plain data to a
-bounded queue; a builder thread of ours makes the SDK spans from it (every
-``BUILD_INTERVAL_S``, and at shutdown) and hands them to a
-``BatchSpanProcessor``, whose queue and exporter thread export them. A full
-queue drops spans and a failing exporter loses them, both counted
-(``TraceDrops``, exported as ``vllm_output_rate_telemetry_dropped_total``) and
-logged once, never blocking. Building and exporting a span costs the
-process some tens of microseconds of CPU (BENCHMARKS.md); the standard
-``OTEL_TRACES_SAMPLER`` thins all spans, and ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S`` skips the
-short throttle episodes of users pacing at their limit.
+On the scheduler's thread tracing is at most one append per step and one
+per update of plain data (references to the step's own containers, lists
+made in C) to a bounded queue; a builder thread of ours replays them in
+order (the spacing series, throttle episodes per request, over-limit
+periods per user) and makes the SDK spans (every ``BUILD_INTERVAL_S``, and
+at shutdown), handing them to a ``BatchSpanProcessor``, whose queue and
+exporter thread export them. A full queue drops entries and a failing
+exporter loses spans, both counted (``TraceDrops``, exported as
+``vllm_output_rate_telemetry_dropped_total``) and logged once, never
+blocking. Building and exporting a span costs the process some tens of
+microseconds of CPU (BENCHMARKS.md): a user pacing at its limit has a
+throttle episode per token, so episodes get a span of their own only from
+``OUTPUT_RATE_TRACE_THROTTLE_MIN_S`` (default 1 s) on, and the user one span
+per over-limit period; the standard ``OTEL_TRACES_SAMPLER`` thins all spans.
 
 Spans:
-- ``output_rate.throttle``: one per throttle episode of a request, from the
-  first step it was skipped for lack of budget to the step it was dispatched
-  again (or finished): user, request id, priority, tokens charged so far,
-  expected ready time, KV blocks held, preempted meanwhile (episodes shorter
-  than ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S``, default 0, get none).
+- ``output_rate.over_limit``: one per over-limit period of a user, from the
+  first step that refused it to when the budget its last refusal waited for
+  was there, once no step refused it for ``PERIOD_QUIET_S`` after that (or
+  the engine went idle): user, limit, refused steps, tokens charged and
+  their rate, its requests' throttle episodes (count, p50 / p90 / p99 / max
+  in whole microseconds), most throttled requests and KV blocks (sampled
+  at exports).
+- ``output_rate.throttle``: one per throttle episode of a request of at
+  least ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S`` (default 1 s; 0: every one),
+  from the first step it was skipped for lack of budget to the step it was
+  dispatched again (or aborted): user, request id, priority, tokens charged
+  so far, KV blocks held, preempted meanwhile, outcome.
 - ``output_rate.step``: only for steps in which a token was refunded or a
   user refused (not for every step): charged / refunded counts and one event
   per refund with its reason.
 - ``output_rate.idle_wait``: every idle wait of the engine loop: planned
   timeout, ready time waited for, lateness, what woke it.
 - ``output_rate.generation``: one per finished request: token count,
-  engine-side spacing p50 / p90 / p99 / max, and the spacing series itself,
+  engine-side spacing p50 / p90 / p99 / max, the spacing series itself,
   ``output_rate.spacing_series_us``: an integer array of whole microseconds,
   at most ``MAX_SERIES`` values (an attribute, not one event per token: span
   events are capped at 128; integers are not cut by
-  ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``, which cuts strings only).
+  ``OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT``, which cuts strings only), and its
+  throttle episodes (every one: count, total and longest).
 
 A request's throttle and generation spans belong to its own trace: when it
 came with a valid W3C ``traceparent`` (vLLM passes the trace headers to the
@@ -59,7 +71,9 @@ import re
 import threading
 import time
 from array import array
-from collections import deque
+from collections import Counter, deque
+from itertools import repeat
+from operator import sub
 from collections.abc import Callable
 from typing import Any
 
@@ -179,16 +193,14 @@ def _quantile(sorted_values: list[int], q: float) -> int:
 class _Period:
     """One user's over-limit period (the span builder's thread only)."""
 
-    __slots__ = ("user", "start_ns", "last_refused_ns", "ready_ns", "refused_steps", "tokens",
-                 "episodes", "episode_us", "max_requests", "max_blocks")
+    __slots__ = ("user", "start_ns", "refused_steps", "tokens", "episodes", "episode_us",
+                 "max_requests", "max_blocks")
 
-    def __init__(self, user: str, start_ns: int) -> None:
+    def __init__(self, user: str, start_ns: int, refused_before: int) -> None:
         self.user = user
         self.start_ns = start_ns
-        #: the last step that refused the user, and when its budget returned
-        self.last_refused_ns = start_ns
-        self.ready_ns = start_ns
-        self.refused_steps = 0
+        #: the user's refused steps before the period (its own at the end)
+        self.refused_steps = refused_before
         #: tokens charged to the user from the step after the first refusal
         self.tokens = 0
         #: throttle episodes of its requests that ended in the period, and
@@ -218,12 +230,22 @@ class SpanRecorder:
         #: (the span builder's thread only, from here to ``_who``:)
         #: user -> its open over-limit period
         self._periods: dict[str, _Period] = {}
-        #: request id -> [throttle episodes ended, their total ns, the
-        #: longest], for its generation span
-        self._throttle: dict[str, list[int]] = {}
+        #: request id -> throttle episodes ended, their total ns, the
+        #: longest, for its generation span
+        self._throttle_count: Counter[str] = Counter()
+        self._throttle_total: dict[str, int] = {}
+        self._throttle_max: dict[str, int] = {}
         #: throttled requests preempted since their episode began
         self._preempted: set[str] = set()
         #: the last step's time (scheduler clock), the last period sweep's
+        #: user -> the last step that refused it, when its budget returned
+        #: then, how many steps refused it (users with an open period)
+        self._refused_at: dict[str, int] = {}
+        self._ready: dict[str, int] = {}
+        self._refused_steps: Counter[str] = Counter()
+        #: users and durations of episodes ended since the last sweep
+        self._ended_users: list[str | None] = []
+        self._ended_took: list[int] = []
         self._now = 0
         self._swept = 0
         #: (the scheduler's thread) the last step that queued something
@@ -238,6 +260,9 @@ class SpanRecorder:
         self._series: dict[str, array] = {}
         #: request id -> the update its open run of steady tokens began at
         self._runs: dict[str, int] = {}
+        #: request id -> the update it came back at after a pause: its run
+        #: begins there if it has a token at the next update too
+        self._joining_runs: dict[str, int] = {}
         #: the timeline: spacing (us) of each update from the one before,
         #: for the updates from the oldest open run on; ``_index`` numbers
         #: the last update
@@ -382,13 +407,15 @@ class SpanRecorder:
         self._now = now
         periods = self._periods
         if refused:
-            for user in refused.keys() - periods.keys():
-                periods[user] = _Period(user, now)
-            for user, ready in refused.items():
-                period = periods[user]
-                period.last_refused_ns = now
-                period.ready_ns = ready
-                period.refused_steps += 1
+            # per refused user, in C: when, until when, how many steps
+            new = refused.keys() - periods.keys()
+            if new:
+                counts = self._refused_steps
+                for user in new:
+                    periods[user] = _Period(user, now, counts.get(user, 0))
+            self._ready.update(refused)
+            self._refused_at.update(dict.fromkeys(refused, now))
+            self._refused_steps.update(refused.keys())
         if charged_by_user and periods:
             for user in charged_by_user.keys() & periods.keys():
                 period = periods[user]
@@ -397,26 +424,23 @@ class SpanRecorder:
         if preempted:
             self._preempted.update(preempted)
         if ended:
-            throttle, min_ns = self._throttle, self.throttle_min_ns
-            for req_id, start_ns in zip(ended, starts):
-                took = now - start_ns
-                acc = throttle.get(req_id)
-                if acc is None:
-                    throttle[req_id] = [1, took, took]
-                else:
-                    acc[0] += 1
-                    acc[1] += took
-                    if took > acc[2]:
-                        acc[2] = took
-                period = periods.get(charged.get(req_id, ""))
-                if period is not None:
-                    period.episodes += 1
-                    if len(period.episode_us) < MAX_SERIES:
-                        period.episode_us.append(_spacing_us(took))
-                if took >= min_ns:
-                    self._build_throttle(req_id, start_ns, now, "dispatched",
-                                         *(held.get(req_id, (0, None)) if held else (0, None)))
-                self._preempted.discard(req_id)
+            took = list(map(sub, repeat(now, len(starts)), starts))
+            self._throttle_count.update(ended)  # (in C)
+            total, longest = self._throttle_total, self._throttle_max
+            for req_id, ns in zip(ended, took):
+                total[req_id] = total.get(req_id, 0) + ns
+                if ns > longest.get(req_id, 0):
+                    longest[req_id] = ns
+            if periods:  # (into the periods at the next sweep)
+                self._ended_users.extend(map(charged.get, ended))
+                self._ended_took.extend(took)
+            if held:  # the episodes long enough for a span of their own
+                start_of = dict(zip(ended, starts))
+                for req_id, (blocks, facts) in held.items():
+                    self._build_throttle(req_id, start_of[req_id], now, "dispatched", blocks,
+                                         facts)
+            if self._preempted:
+                self._preempted.difference_update(ended)
         if now - self._swept >= PERIOD_SWEEP_NS:
             self._sweep(now)
 
@@ -426,14 +450,26 @@ class SpanRecorder:
         shuts down): the period ends when the budget its last refusal waited
         for was there."""
         self._swept = self._now = max(self._now, now)
+        periods = self._periods
+        if self._ended_users:
+            for user, took in zip(self._ended_users, self._ended_took):
+                period = periods.get(user)
+                if period is not None:
+                    period.episodes += 1
+                    if len(period.episode_us) < MAX_SERIES:
+                        period.episode_us.append(_spacing_us(took))
+            self._ended_users, self._ended_took = [], []
         quiet = int(PERIOD_QUIET_S * 1e9)
-        for user, period in list(self._periods.items()):
-            end = max(period.last_refused_ns, period.ready_ns)
+        refused_at, ready_at = self._refused_at, self._ready
+        for user, period in list(periods.items()):
+            last, ready = refused_at[user], ready_at[user]
+            end = max(last, ready)
             if idle:
-                end = max(period.last_refused_ns, min(period.ready_ns, now))
+                end = max(last, min(ready, now))
             elif now - end < quiet:
                 continue
-            del self._periods[user]
+            del periods[user], refused_at[user], ready_at[user]
+            period.refused_steps = self._refused_steps.pop(user) - period.refused_steps
             self._build_period(period, end)
 
     def on_throttled_users(self, now: int, by_user: dict[str, tuple[int, int]]) -> None:
@@ -633,10 +669,29 @@ class SpanRecorder:
                         first: list[str], first_facts: list[RequestFacts | None],
                         zeros: list[tuple[str, int]], finished: list[tuple[str, str]]) -> None:
         self.on_update(now)
+        # Requests back after a pause at the previous update begin a run
+        # only if they did not pause again (a user pacing at its limit: one
+        # token, then throttled): until then their run is empty, and kept
+        # apart so that pausing again costs nothing.
+        joining = self._joining_runs
         if paused:
-            self.on_paused(paused)
-        for req_id, prev in zip(back, prevs):
-            self.on_tokens(req_id, 1, prev, now)
+            self.on_paused(paused - joining.keys() if joining else paused)
+        if joining:
+            runs = self._runs
+            for req_id in joining.keys() - paused if paused else joining:
+                runs[req_id] = joining[req_id]
+        if back:  # (on_tokens, inline: a request back after a pause)
+            series, cap = self._series, MAX_SERIES + TRIM_EVERY
+            for req_id, gap in zip(back, map(sub, repeat(now, len(prevs)), prevs)):
+                s = series.get(req_id)
+                if s is None:
+                    s = series[req_id] = array("I")
+                s.append(min(gap // 1000, 0xFFFFFFFF))
+                if len(s) > cap:
+                    self._trim(req_id)
+            self._joining_runs = dict.fromkeys(back, self._index)
+        elif joining:
+            self._joining_runs = {}
         for req_id, facts in zip(first, first_facts):
             if facts is not None:
                 self._who[req_id] = facts
@@ -661,10 +716,9 @@ class SpanRecorder:
         for (req_id, _user), known in zip(aborted, facts):
             start = ended.get(req_id)
             if start is not None:
-                acc = self._throttle.setdefault(req_id, [0, 0, 0])
-                acc[0] += 1
-                acc[1] += now - start
-                acc[2] = max(acc[2], now - start)
+                self._throttle_count[req_id] += 1
+                self._throttle_total[req_id] = self._throttle_total.get(req_id, 0) + now - start
+                self._throttle_max[req_id] = max(self._throttle_max.get(req_id, 0), now - start)
                 if now - start >= self.throttle_min_ns:
                     self._build_throttle(req_id, start, now, "aborted", 0, known)
             self._finish(req_id, "abort", now, known)
@@ -680,7 +734,11 @@ class SpanRecorder:
         self._trim(req_id)
         s = self._series.pop(req_id, array("I"))
         tokens = len(s) + 1 + self._overflow.pop(req_id, 0) if had_tokens else 0
-        throttle = self._throttle.pop(req_id, None)
+        self._joining_runs.pop(req_id, None)
+        throttle = None
+        if req_id in self._throttle_count:
+            throttle = [self._throttle_count.pop(req_id), self._throttle_total.pop(req_id),
+                        self._throttle_max.pop(req_id)]
         self._preempted.discard(req_id)
         self._build_generation(req_id, reason, now, s, tokens, facts, throttle)
 
