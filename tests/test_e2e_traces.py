@@ -63,8 +63,8 @@ def test_spans_of_a_real_engine_reach_an_otlp_receiver_in_the_requests_traces():
            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url,
            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
            "OTEL_BSP_SCHEDULE_DELAY": "200",
-           # a span for every throttle episode (by default only those of 1 s
-           # and more: here they last about 150 ms)
+           # a throttle span for every throttled request's longest episode
+           # (by default only those of 1 s and more: here about 150 ms)
            "OUTPUT_RATE_TRACE_THROTTLE_MIN_S": "0"}
     # vLLM passes a request's trace headers to the engine only with
     # --otlp-traces-endpoint (its own request spans go there too)
@@ -108,7 +108,8 @@ def test_spans_of_a_real_engine_reach_an_otlp_receiver_in_the_requests_traces():
     assert pa["output_rate.user"] == "user-a" and pa["output_rate.limit_tokens_per_second"] == 20
     a_gens = [g["attributes"] for g in gens if g["attributes"]["output_rate.user"] == "user-a"]
     assert pa["output_rate.throttle_episodes"] == sum(
-        g["output_rate.throttle_episodes"] for g in a_gens) == len(throttles)
+        g["output_rate.throttle_episodes"] for g in a_gens) > 3 * 20
+    assert len(throttles) == 3  # one per request: its longest episode
     assert 60 <= pa["output_rate.tokens_charged"] <= 90
     assert 100_000 <= pa["output_rate.throttle_p50_us"] <= 200_000
     (b,) = [g for g in gens if g["attributes"]["output_rate.user"] == "user-b"]

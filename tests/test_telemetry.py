@@ -475,3 +475,58 @@ def test_the_readme_lists_every_renamed_metric():
         assert f"| `{old}` | `{new}` |" in readme, new
     shares = [m for m in METRICS if m.unit == "ratio"]
     assert shares and all(m.name.endswith("_ratio") for m in shares)
+
+
+from hypothesis import given, settings as hsettings, strategies as st  # noqa: E402
+
+from vllm_output_rate.telemetry.engine import Histogram, _ns_edges, _observe_by_label  # noqa: E402
+from vllm_output_rate.telemetry.metrics import EPISODE_BUCKETS  # noqa: E402
+
+
+@pytest.mark.parametrize("bounds", [SPACING_BUCKETS, EPISODE_BUCKETS])
+@hsettings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=400 * 10**9), max_size=60),
+       st.lists(st.sampled_from(["a", "b", None]), min_size=60, max_size=60))
+def test_observing_by_label_in_c_equals_observing_one_by_one(bounds, values_ns, labels):
+    """The folds' grouped observation (integer ns edges, counts per (label,
+    bucket) in C) puts every value where Histogram.observe(ns * 1e-9) does,
+    bucket boundaries included."""
+    edges = _ns_edges(bounds)
+    near = [e + d for e in edges for d in (-1, 0, 1)]  # every boundary, both sides
+    values = values_ns + near
+    names = (labels * (len(values) // len(labels) + 1))[:len(values)]
+    grouped: dict = {}
+    _observe_by_label(names, values, lambda n: grouped.setdefault(n, Histogram(bounds)))
+    single: dict = {}
+    for name, v in zip(names, values):
+        single.setdefault(name, Histogram(bounds)).observe(v * 1e-9)
+    assert grouped.keys() == single.keys()
+    for name in single:
+        assert grouped[name].counts == single[name].counts
+        assert grouped[name].count == single[name].count
+        assert grouped[name].sum == pytest.approx(single[name].sum, rel=1e-12, abs=1e-12)
+
+
+def test_pending_steps_stay_bounded_without_exports(tmp_path, monkeypatch):
+    """With exports late (none here), what the steps left for the next fold
+    is folded once PENDING_STEPS_CAP runs are pending: bounded, and the
+    counters still exact."""
+    from collections import Counter
+
+    import vllm_output_rate.telemetry.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "PENDING_STEPS_CAP", 8)
+    sched, drv, tel = setup(tmp_path, limits(1000, a=30))
+    tel._export_due = False
+    skipped: Counter = Counter()
+    observe_steps(sched, lambda record: skipped.update(
+        sched.requests[rid].output_rate_user for rid in record.throttled))
+    drv.add(*[make_request("a", max_tokens=40) for _ in range(3)], make_request("b", max_tokens=90))
+    peak = 0
+    while sched.has_requests():
+        drv.step()
+        peak = max(peak, tel.state_sizes()["steps.pending"])
+    assert 0 < peak <= 8 + 4  # (a step adds at most one run of each kind)
+    tel._fold()
+    assert counter(tel, "requests_skipped", "a") == skipped["a"] > 50
+    assert counter(tel, "tokens_charged", "a") == 120 and counter(tel, "tokens_charged", "b") == 90

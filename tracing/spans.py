@@ -14,9 +14,9 @@ exporter loses spans, both counted (``TraceDrops``, exported as
 ``vllm_output_rate_telemetry_dropped_total``) and logged once, never
 blocking. Building and exporting a span costs the process some tens of
 microseconds of CPU (BENCHMARKS.md): a user pacing at its limit has a
-throttle episode per token, so episodes get a span of their own only from
-``OUTPUT_RATE_TRACE_THROTTLE_MIN_S`` (default 1 s) on, and the user one span
-per over-limit period; the standard ``OTEL_TRACES_SAMPLER`` thins all spans.
+throttle episode per token, so a request gets a throttle span only for its
+longest episode of ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S`` (default 1 s) or
+more, and the user one span per over-limit period; the standard ``OTEL_TRACES_SAMPLER`` thins all spans.
 
 Spans:
 - ``output_rate.over_limit``: one per over-limit period of a user, from the
@@ -26,11 +26,12 @@ Spans:
   their rate, its requests' throttle episodes (count, p50 / p90 / p99 / max
   in whole microseconds), most throttled requests and KV blocks (sampled
   at exports).
-- ``output_rate.throttle``: one per throttle episode of a request of at
-  least ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S`` (default 1 s; 0: every one),
-  from the first step it was skipped for lack of budget to the step it was
-  dispatched again (or aborted): user, request id, priority, tokens charged
-  so far, KV blocks held, preempted meanwhile, outcome.
+- ``output_rate.throttle``: at most one per request, for its longest
+  throttle episode when that lasted ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S``
+  (default 1 s; 0: every throttled request) or longer, made when the request
+  ends: from the first step it was skipped for lack of budget to the step it
+  was dispatched again (or aborted): user, request id, priority, tokens
+  charged by then, KV blocks held, preempted meanwhile, outcome.
 - ``output_rate.step``: only for steps in which a token was refunded or a
   user refused (not for every step): charged / refunded counts and one event
   per refund with its reason.
@@ -235,6 +236,10 @@ class SpanRecorder:
         self._throttle_count: Counter[str] = Counter()
         self._throttle_total: dict[str, int] = {}
         self._throttle_max: dict[str, int] = {}
+        #: request id -> its longest throttle episode of at least the
+        #: minimum so far: (start, end, outcome, KV blocks, facts, preempted,
+        #: tokens charged), made into a span when the request ends
+        self._longest: dict[str, tuple] = {}
         #: throttled requests preempted since their episode began
         self._preempted: set[str] = set()
         #: the last step's time (scheduler clock), the last period sweep's
@@ -256,6 +261,7 @@ class SpanRecorder:
         self.step_sample_every = settings.get_or_default("TRACE_REFUSAL_STEP_EVERY")
         #: episodes shorter than this (ns) get no span
         self.throttle_min_ns = int(settings.get_or_default("TRACE_THROTTLE_MIN_S") * 1e9)
+
         self._refusal_steps = 0
         self._series: dict[str, array] = {}
         #: request id -> the update its open run of steady tokens began at
@@ -434,11 +440,15 @@ class SpanRecorder:
             if periods:  # (into the periods at the next sweep)
                 self._ended_users.extend(map(charged.get, ended))
                 self._ended_took.extend(took)
-            if held:  # the episodes long enough for a span of their own
-                start_of = dict(zip(ended, starts))
+            if held:  # the episodes long enough for a span: the longest of each
+                start_of, longest = dict(zip(ended, starts)), self._longest
                 for req_id, (blocks, facts) in held.items():
-                    self._build_throttle(req_id, start_of[req_id], now, "dispatched", blocks,
-                                         facts)
+                    start = start_of[req_id]
+                    kept = longest.get(req_id)
+                    if kept is None or now - start > kept[1] - kept[0]:
+                        longest[req_id] = (start, now, "dispatched", blocks, facts,
+                                           req_id in self._preempted,
+                                           self._tokens_charged(req_id, "dispatched"))
             if self._preempted:
                 self._preempted.difference_update(ended)
         if now - self._swept >= PERIOD_SWEEP_NS:
@@ -533,18 +543,19 @@ class SpanRecorder:
         return self._refusal_steps % self.step_sample_every == 1 or self.step_sample_every == 1
 
     def _build_throttle(self, req_id: str, start_ns: int, end_ns: int, outcome: str,
-                        blocks: int = 0, facts: RequestFacts | None = None) -> None:
-        """A span for one long throttle episode of a request (at least
+                        blocks: int, facts: RequestFacts | None, preempted: bool,
+                        tokens: int) -> None:
+        """The span of a request's longest throttle episode (at least
         ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S``), in the request's trace;
         ``blocks``: the KV blocks it held when the episode ended."""
         facts = self._who.get(req_id) or facts
         attributes = {
             GEN_AI_REQUEST_ID: external_request_id(req_id, self._randomized_ids),
             "output_rate.request_id": req_id,
-            "output_rate.tokens_charged": self._tokens_charged(req_id, outcome),
+            "output_rate.tokens_charged": tokens,
             "output_rate.held_kv": blocks > 0,
             "output_rate.kv_blocks": blocks,
-            "output_rate.preempted": req_id in self._preempted,
+            "output_rate.preempted": preempted,
             "output_rate.outcome": outcome,
         }
         if facts is not None:
@@ -719,8 +730,12 @@ class SpanRecorder:
                 self._throttle_count[req_id] += 1
                 self._throttle_total[req_id] = self._throttle_total.get(req_id, 0) + now - start
                 self._throttle_max[req_id] = max(self._throttle_max.get(req_id, 0), now - start)
-                if now - start >= self.throttle_min_ns:
-                    self._build_throttle(req_id, start, now, "aborted", 0, known)
+                kept = self._longest.get(req_id)
+                if now - start >= self.throttle_min_ns and (
+                        kept is None or now - start > kept[1] - kept[0]):
+                    self._longest[req_id] = (start, now, "aborted", 0, known,
+                                             req_id in self._preempted,
+                                             self._tokens_charged(req_id, "aborted"))
             self._finish(req_id, "abort", now, known)
 
     def _finish(self, req_id: str, reason: str, now: int,
@@ -740,6 +755,9 @@ class SpanRecorder:
             throttle = [self._throttle_count.pop(req_id), self._throttle_total.pop(req_id),
                         self._throttle_max.pop(req_id)]
         self._preempted.discard(req_id)
+        longest = self._longest.pop(req_id, None)
+        if longest is not None:
+            self._build_throttle(req_id, *longest)
         self._build_generation(req_id, reason, now, s, tokens, facts, throttle)
 
     def _build_generation(self, req_id: str, reason: str, now: int, s: array, tokens: int,
