@@ -296,7 +296,6 @@ class EngineTelemetry(OutputRateObserver):
             if ended:
                 starts = list(map(episodes.pop, ended))
                 self._ended_runs.append((now, ended, starts, charged))
-        opened: Any = ()
         throttled = record.throttled
         if throttled:
             if throttled == self._thr_prev_list:
@@ -329,7 +328,7 @@ class EngineTelemetry(OutputRateObserver):
         elif self._thr_prev_list:
             self._thr_prev, self._thr_prev_list = set(), []
         if self.spans is not None:
-            self.spans.on_step(record, opened, ended, starts)
+            self.spans.on_step(record, ended, starts)
         if record.limiter_share is not None:
             self.histograms[("schedule_limiter_ratio", ())].observe(record.limiter_share)
         if (len(self._charge_runs) + len(self._skip_runs) + len(self._ended_runs)

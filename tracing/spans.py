@@ -366,12 +366,11 @@ class SpanRecorder:
 
     # -- per step ---------------------------------------------------------
 
-    def on_step(self, record: StepReport, opened: Any = (), ended: Any = (),
-                starts: Any = ()) -> None:
+    def on_step(self, record: StepReport, ended: Any = (), starts: Any = ()) -> None:
         """Per step (the scheduler's thread: at most two appends).
         ``ended``: the ids of throttled requests dispatched again, and
         ``starts`` when their episodes began (``telemetry.engine`` keeps the
-        episodes, with set operations); ``opened`` is not needed here."""
+        episodes, with set operations)."""
         now = record.now_ns
         if record.refused or ended or record.preempted_throttled:
             held = None
@@ -441,14 +440,9 @@ class SpanRecorder:
                 self._ended_users.extend(map(charged.get, ended))
                 self._ended_took.extend(took)
             if held:  # the episodes long enough for a span: the longest of each
-                start_of, longest = dict(zip(ended, starts)), self._longest
+                start_of = dict(zip(ended, starts))
                 for req_id, (blocks, facts) in held.items():
-                    start = start_of[req_id]
-                    kept = longest.get(req_id)
-                    if kept is None or now - start > kept[1] - kept[0]:
-                        longest[req_id] = (start, now, "dispatched", blocks, facts,
-                                           req_id in self._preempted,
-                                           self._tokens_charged(req_id, "dispatched"))
+                    self._keep_longest(req_id, start_of[req_id], now, "dispatched", blocks, facts)
             if self._preempted:
                 self._preempted.difference_update(ended)
         if now - self._swept >= PERIOD_SWEEP_NS:
@@ -541,6 +535,16 @@ class SpanRecorder:
     def _sample_refusal(self) -> bool:
         self._refusal_steps += 1
         return self._refusal_steps % self.step_sample_every == 1 or self.step_sample_every == 1
+
+    def _keep_longest(self, req_id: str, start_ns: int, end_ns: int, outcome: str, blocks: int,
+                      facts: RequestFacts | None) -> None:
+        """Keep this episode (at least the minimum long) for the request's
+        throttle span if it is its longest so far."""
+        kept = self._longest.get(req_id)
+        if kept is None or end_ns - start_ns > kept[1] - kept[0]:
+            self._longest[req_id] = (start_ns, end_ns, outcome, blocks, facts,
+                                     req_id in self._preempted,
+                                     self._tokens_charged(req_id, outcome))
 
     def _build_throttle(self, req_id: str, start_ns: int, end_ns: int, outcome: str,
                         blocks: int, facts: RequestFacts | None, preempted: bool,
@@ -730,12 +734,8 @@ class SpanRecorder:
                 self._throttle_count[req_id] += 1
                 self._throttle_total[req_id] = self._throttle_total.get(req_id, 0) + now - start
                 self._throttle_max[req_id] = max(self._throttle_max.get(req_id, 0), now - start)
-                kept = self._longest.get(req_id)
-                if now - start >= self.throttle_min_ns and (
-                        kept is None or now - start > kept[1] - kept[0]):
-                    self._longest[req_id] = (start, now, "aborted", 0, known,
-                                             req_id in self._preempted,
-                                             self._tokens_charged(req_id, "aborted"))
+                if now - start >= self.throttle_min_ns:
+                    self._keep_longest(req_id, start, now, "aborted", 0, known)
             self._finish(req_id, "abort", now, known)
 
     def _finish(self, req_id: str, reason: str, now: int,

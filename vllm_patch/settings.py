@@ -107,8 +107,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRACE_REFUSAL_STEP_EVERY", 50, _positive_int, "tracing",
             "steps that only refused someone get a step span one time in this many"),
     Setting("TRACE_THROTTLE_MIN_S", 1.0, _non_negative_float, "tracing",
-            "a request's throttle episodes this long (seconds) or longer get a span of their "
-            "own (all are in its generation span and its user's over-limit period)"),
+            "a request whose longest throttle episode lasted this long (seconds) or longer gets "
+            "a span for it (every episode is counted in its generation span and its user's "
+            "over-limit period)"),
     Setting("PY_SPY", None, _text, "tools",
             "the py-spy executable `vllm-output-rate profile` runs (default: on PATH)"),
     Setting("EXTRA", "cpu", _text, "bootstrap",
