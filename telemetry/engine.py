@@ -32,7 +32,7 @@ import threading
 import time
 from collections import Counter, defaultdict, deque
 from functools import partial
-from itertools import chain, repeat
+from itertools import chain, filterfalse, repeat
 from operator import sub
 from collections.abc import Callable
 from typing import Any
@@ -122,6 +122,8 @@ class EngineTelemetry(OutputRateObserver):
         self.view = view
         #: tracing.spans.SpanRecorder when traces are on
         self.spans = spans
+        if spans is not None:  # (its over-limit periods end when none is open)
+            spans.open_episode_users = self._open_episode_users
         self.engine = view.engine_index
         self.model_name = view.model_name
         if top_k is None:
@@ -154,9 +156,8 @@ class EngineTelemetry(OutputRateObserver):
         #: spacings of requests back after a pause, not yet in their
         #: histograms: (update ns, previous token ns of each, label of each)
         self._resume_runs: list[tuple[int, list[int], list[str | None]]] = []
-        #: the requests throttled in the last step (a set, the list), and
-        #: the users of the requests throttled since the last fold
-        self._thr_prev: set[str] = set()
+        #: the requests throttled in the last step, and the users of the
+        #: requests throttled since the last fold
         self._thr_prev_list: list[str] = []
         self._thr_users: dict[str, str] = {}
         #: request ids that had tokens at the previous update, and when
@@ -285,7 +286,7 @@ class EngineTelemetry(OutputRateObserver):
                 counters[("tokens_refunded", (labeler.label(user), reason))] += 1
                 counters[("engine_tokens_refunded", ())] += 1
         # Throttle episodes: which close (dispatched again) and which open
-        # (throttled now, not before), by set operations in C; the closed
+        # (throttled now, none open), by set operations in C; the closed
         # ones' durations are observed at the next fold. Spans get the same.
         episodes = self._episodes
         now = record.now_ns
@@ -297,6 +298,7 @@ class EngineTelemetry(OutputRateObserver):
                 starts = list(map(episodes.pop, ended))
                 self._ended_runs.append((now, ended, starts, charged))
         throttled = record.throttled
+        opened: list[str] = []
         if throttled:
             if throttled == self._thr_prev_list:
                 # The same requests throttled as in the step before, in the
@@ -308,27 +310,25 @@ class EngineTelemetry(OutputRateObserver):
                 else:  # (folded since)
                     runs.append([throttled, 1])
             else:
-                cur = set(throttled)
-                added = cur - self._thr_prev
-                users = self._thr_users
-                new = added - users.keys()
-                if new:
-                    user_of = self.view.user_of
-                    for req_id in new:
-                        users[req_id] = user_of(req_id) or OTHER
-                self._skip_runs.append([throttled, 1])
-                self._thr_prev = cur
-                self._thr_prev_list = throttled
-                # A request throttled now but not in the step before opens an
-                # episode unless one is open (it was not visited in between).
-                opened = added - episodes.keys()
+                # A request throttled now with no open episode opens one
+                # (found in C: the others' episodes are open).
+                opened = list(filterfalse(episodes.__contains__, throttled))
                 if opened:
+                    users = self._thr_users
+                    new = [r for r in opened if r not in users]
+                    if new:
+                        user_of = self.view.user_of
+                        for req_id in new:
+                            users[req_id] = user_of(req_id) or OTHER
                     episodes.update(dict.fromkeys(opened, now))
+                self._skip_runs.append([throttled, 1])
+                self._thr_prev_list = throttled
             counters[("engine_requests_skipped", ())] += len(throttled)
         elif self._thr_prev_list:
-            self._thr_prev, self._thr_prev_list = set(), []
+            self._thr_prev_list = []
         if self.spans is not None:
-            self.spans.on_step(record, ended, starts)
+            self.spans.on_step(record, ended, starts,
+                               list(map(self._thr_users.__getitem__, opened)) if opened else ())
         if record.limiter_share is not None:
             self.histograms[("schedule_limiter_ratio", ())].observe(record.limiter_share)
         if (len(self._charge_runs) + len(self._skip_runs) + len(self._ended_runs)
@@ -345,6 +345,10 @@ class EngineTelemetry(OutputRateObserver):
             if self.spans is not None:
                 self.spans.on_throttled_users(record.now_ns, self._thr_by_user)
 
+    def _open_episode_users(self) -> set[str | None]:
+        """The users with a throttle episode open now (in C)."""
+        return set(map(self._thr_users.get, self._episodes))
+
     def _charge_fold(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._charged_keys, "tokens_charged", user)] += n
         self._activity[user] += n
@@ -360,30 +364,36 @@ class EngineTelemetry(OutputRateObserver):
         runs, self._charge_runs = self._charge_runs, []
         if runs:
             charged: Counter[str] = Counter()
-            for per_user, k in runs:
-                if k == 1:
-                    charged.update(per_user)
-                else:
-                    for user, n in per_user.items():
-                        charged[user] += n * k
+            # (steps that charged each user one token: counted in C)
+            ones = [per_user for per_user, k in runs
+                    if k == 1 and len(per_user) == sum(per_user.values())]
+            charged.update(chain.from_iterable(ones))
+            if len(ones) < len(runs):
+                for per_user, k in runs:
+                    if k > 1 or len(per_user) != sum(per_user.values()):
+                        for user, n in per_user.items():
+                            charged[user] += n * k
             for user, n in charged.items():
                 self._charge_fold(user, n)
         runs, self._skip_runs = self._skip_runs, []
         users = self._thr_users
         if runs:
             user_of = users.get
-            # (counts in C: the users of the throttled requests of every
-            # step that came once in a row, in one pass)
-            skipped = Counter(map(user_of, chain.from_iterable(t for t, k in runs if k == 1)))
+            # (counted in C per request over every step that came once in a
+            # row, in one pass; then per user, a loop per distinct request)
+            by_request = Counter(chain.from_iterable(t for t, k in runs if k == 1))
+            skipped: Counter[str | None] = Counter()
+            for req_id, n in by_request.items():
+                skipped[user_of(req_id)] += n
             for throttled, k in runs:
                 if k > 1:
                     for user, n in Counter(map(user_of, throttled)).items():
                         skipped[user] += n * k
             for user, n in skipped.items():
                 self._skip_fold(user or OTHER, n)
-        if len(users) > len(self._thr_prev):
-            # only the requests throttled now stay known
-            self._thr_users = {r: users[r] for r in self._thr_prev}
+        if len(users) > len(self._episodes):
+            # only the requests in an open episode stay known
+            self._thr_users = {r: users[r] for r in self._episodes if r in users}
         ended, self._ended_runs = self._ended_runs, []
         if ended:
             self._observe_episodes(ended)

@@ -104,8 +104,9 @@ def test_throttle_episodes_are_spans(tmp_path, exporter, monkeypatch):
 def test_a_user_pacing_at_its_limit_gets_one_over_limit_period(tmp_path, exporter, monkeypatch):
     """Four streams of one user taking turns at its limit: with the default
     minimum no span per throttle episode, one over-limit period for the user
-    (first refusal to when its demand fell under the limit) with its counts
-    and the episodes' quantiles; each generation span has its own episodes."""
+    (the start of its first throttle episode to the end of its last) with
+    its counts and the episodes' quantiles; each generation span has its own
+    episodes."""
     import vllm_output_rate.telemetry.engine as engine_mod
 
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=20), throttle_min_s=None)
@@ -124,12 +125,18 @@ def test_a_user_pacing_at_its_limit_gets_one_over_limit_period(tmp_path, exporte
     episodes = sum(g["output_rate.throttle_episodes"] for g in gens)
     assert attrs["output_rate.throttle_episodes"] == episodes > 4 * 20
     # 120 tokens at 20 tok/s with a 0.1 s burst: about 6 s; the period
-    # holds the tokens after the first refusal, at the limit
+    # holds the tokens after its first episode began, at the limit
     seconds = (period.end_time - period.start_time) / 1e9
     assert 5.0 <= seconds <= 6.2
     assert 100 <= attrs["output_rate.tokens_charged"] <= 120
     assert attrs["output_rate.tokens_per_second"] == pytest.approx(20, rel=0.05)
-    assert attrs["output_rate.refused_steps"] >= seconds / 0.01 * 0.8  # (10 ms steps)
+    # the user's requests waited this long in all: their generation spans'
+    # totals (whole us each), within the period times its streams
+    throttled = sum(g["output_rate.throttled_us"] for g in gens)
+    assert abs(attrs["output_rate.throttled_us"] - throttled) <= len(gens)
+    assert seconds * 1e6 < attrs["output_rate.throttled_us"] <= 4 * seconds * 1e6
+    assert attrs["output_rate.throttle_max_us"] == max(g["output_rate.throttle_max_us"]
+                                                       for g in gens)
     # three of four streams wait while one takes its turn: about 150 ms
     assert 100_000 <= attrs["output_rate.throttle_p50_us"] <= 200_000
     assert attrs["output_rate.throttle_p50_us"] <= attrs["output_rate.throttle_p99_us"] \
@@ -437,7 +444,7 @@ def test_client_abort_mid_throttle_ends_the_episode_and_the_generation(tmp_path,
         r.request_id for r in reqs)
     assert {s.attributes["output_rate.outcome"] for s in throttles} <= {"aborted", "dispatched"}
     assert all(g.attributes["output_rate.throttle_episodes"] >= 1 for g in gens)
-    assert not rec._throttle_count and not rec._series and not rec._overflow
+    assert not rec._throttle_ns and not rec._throttle_books and not rec._series and not rec._overflow
 
 
 class _FailingExporter:

@@ -20,12 +20,14 @@ more, and the user one span per over-limit period; the standard ``OTEL_TRACES_SA
 
 Spans:
 - ``output_rate.over_limit``: one per over-limit period of a user, from the
-  first step that refused it to when the budget its last refusal waited for
-  was there, once no step refused it for ``PERIOD_QUIET_S`` after that (or
-  the engine went idle): user, limit, refused steps, tokens charged and
-  their rate, its requests' throttle episodes (count, p50 / p90 / p99 / max
-  in whole microseconds), most throttled requests and KV blocks (sampled
-  at exports).
+  start of the first throttle episode of one of its requests (skipped for
+  lack of budget) to the end of the last (dispatched again), once none was
+  open for ``PERIOD_QUIET_S`` after that (or the engine went idle): user,
+  limit, tokens charged and their rate, its requests' throttle episodes
+  (count, total, p50 / p90 / p99 / max in whole microseconds), most
+  throttled requests and KV blocks (sampled at exports). Kept from
+  episode events (a few per paced token, appends in C), never from every
+  refused user in every step.
 - ``output_rate.throttle``: at most one per request, for its longest
   throttle episode when that lasted ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S``
   (default 1 s; 0: every throttled request) or longer, made when the request
@@ -72,9 +74,10 @@ import re
 import threading
 import time
 from array import array
-from collections import Counter, deque
-from itertools import repeat
-from operator import sub
+from collections import Counter, defaultdict, deque
+from functools import partial
+from itertools import chain, compress, repeat
+from operator import floordiv, le, lt, sub
 from collections.abc import Callable
 from typing import Any
 
@@ -105,6 +108,12 @@ _TRACER_NAME = "vllm_output_rate"
 PERIOD_QUIET_S = 1.0
 #: How often (scheduler clock) the span builder looks for periods to end.
 PERIOD_SWEEP_NS = 200_000_000
+#: A request's throttle episode durations kept before a sweep folds them
+#: into its count, total and longest (bounds them per live request).
+THROTTLE_FOLD_AT = 64
+#: Sweeps between two trims of the span builder's per-user and per-request
+#: books.
+BOOKS_EVERY = 10
 
 # Attribute names of the OpenTelemetry GenAI conventions, as vLLM's own
 # request span spells them (``vllm.tracing.SpanAttributes``; not imported:
@@ -192,22 +201,25 @@ def _quantile(sorted_values: list[int], q: float) -> int:
 
 
 class _Period:
-    """One user's over-limit period (the span builder's thread only)."""
+    """One user's over-limit period (the span builder's thread only).
 
-    __slots__ = ("user", "start_ns", "refused_steps", "tokens", "episodes", "episode_us",
+    What is counted per step (tokens charged, episode durations, when the
+    last episode ended) is kept per user in the recorder's own books,
+    counted in C; the period holds where they stood when it began."""
+
+    __slots__ = ("user", "start_ns", "tokens_before", "episodes_cut", "cut_ns", "cut_max_ns",
                  "max_requests", "max_blocks")
 
-    def __init__(self, user: str, start_ns: int, refused_before: int) -> None:
+    def __init__(self, user: str, start_ns: int, tokens_before: int) -> None:
         self.user = user
         self.start_ns = start_ns
-        #: the user's refused steps before the period (its own at the end)
-        self.refused_steps = refused_before
-        #: tokens charged to the user from the step after the first refusal
-        self.tokens = 0
-        #: throttle episodes of its requests that ended in the period, and
-        #: their durations (whole microseconds, at most ``MAX_SERIES`` kept)
-        self.episodes = 0
-        self.episode_us = array("I")
+        #: the user's tokens charged up to the step its first episode began
+        self.tokens_before = tokens_before
+        #: throttle episodes ended in the period past the ``MAX_SERIES``
+        #: whose durations are kept: counted, their total and longest
+        self.episodes_cut = 0
+        self.cut_ns = 0
+        self.cut_max_ns = 0
         #: most throttled requests and KV blocks they held (at exports)
         self.max_requests = 0
         self.max_blocks = 0
@@ -231,28 +243,33 @@ class SpanRecorder:
         #: (the span builder's thread only, from here to ``_who``:)
         #: user -> its open over-limit period
         self._periods: dict[str, _Period] = {}
-        #: request id -> throttle episodes ended, their total ns, the
-        #: longest, for its generation span
-        self._throttle_count: Counter[str] = Counter()
-        self._throttle_total: dict[str, int] = {}
-        self._throttle_max: dict[str, int] = {}
+        #: request id -> the durations (ns) of its throttle episodes ended
+        #: lately (appended in C), and [count, total ns, longest] of those
+        #: folded (at sweeps, once there are ``THROTTLE_FOLD_AT``; at its end):
+        #: for its generation span
+        self._throttle_ns: defaultdict[str, array] = defaultdict(partial(array, "q"))
+        self._throttle_books: dict[str, list[int]] = {}
         #: request id -> its longest throttle episode of at least the
         #: minimum so far: (start, end, outcome, KV blocks, facts, preempted,
         #: tokens charged), made into a span when the request ends
         self._longest: dict[str, tuple] = {}
         #: throttled requests preempted since their episode began
         self._preempted: set[str] = set()
+        #: users with an open period -> when the last throttle episode of
+        #: their requests ended (its start, until one did), the durations
+        #: (ns) of those ended in the period (at most ``MAX_SERIES``)
+        self._last_end: dict[str | None, int] = {}
+        self._episode_ns: defaultdict[str | None, list[int]] = defaultdict(list)
+        #: user -> tokens charged (users with an open period, and those
+        #: charged since the last sweep)
+        self._charged: Counter[str] = Counter()
         #: the last step's time (scheduler clock), the last period sweep's
-        #: user -> the last step that refused it, when its budget returned
-        #: then, how many steps refused it (users with an open period)
-        self._refused_at: dict[str, int] = {}
-        self._ready: dict[str, int] = {}
-        self._refused_steps: Counter[str] = Counter()
-        #: users and durations of episodes ended since the last sweep
-        self._ended_users: list[str | None] = []
-        self._ended_took: list[int] = []
         self._now = 0
         self._swept = 0
+        self._sweeps = 0
+        #: (set by ``telemetry.engine``) the users with a throttle episode
+        #: open now, read on the scheduler's thread at sweep ticks
+        self.open_episode_users: Callable[[], set[str | None]] = set
         #: (the scheduler's thread) the last step that queued something
         self._ticked = 0
         #: request id -> spacings past MAX_SERIES (counted, not kept)
@@ -366,29 +383,31 @@ class SpanRecorder:
 
     # -- per step ---------------------------------------------------------
 
-    def on_step(self, record: StepReport, ended: Any = (), starts: Any = ()) -> None:
+    def on_step(self, record: StepReport, ended: Any = (), starts: Any = (),
+                opened_users: Any = ()) -> None:
         """Per step (the scheduler's thread: at most two appends).
         ``ended``: the ids of throttled requests dispatched again, and
-        ``starts`` when their episodes began (``telemetry.engine`` keeps the
-        episodes, with set operations)."""
+        ``starts`` when their episodes began; ``opened_users``: the users of
+        the episodes that began in this step (``telemetry.engine`` keeps the
+        episodes, with set operations). Every ``PERIOD_SWEEP_NS`` the users
+        with an episode open go along, for periods to end."""
         now = record.now_ns
-        if record.refused or ended or record.preempted_throttled:
+        sweep = None
+        if now - self._ticked >= PERIOD_SWEEP_NS:
+            self._ticked = now
+            sweep = self.open_episode_users()
+        if ended or opened_users or record.refused or record.preempted_throttled or sweep is not None:
             held = None
             if ended:
                 # the KV blocks and facts of the requests whose episode gets
                 # a span, read now (the builder runs later): long ones only
-                since = now - self.throttle_min_ns
-                long = [r for r, start in zip(ended, starts) if start <= since]
+                long = list(compress(ended, map(le, starts, repeat(now - self.throttle_min_ns))))
                 if long:
                     view = self.view
                     held = {r: (view.kv_blocks_held(r), view.request_facts(r)) for r in long}
-            self._queue_replay(self._replay_step, now, record.refused, record.charged_by_user,
-                               ended, starts, record.charged, record.preempted_throttled, held)
-            self._ticked = now
-        elif now - self._ticked >= PERIOD_SWEEP_NS:
-            # nothing to book, but time passes: open periods may end
-            self._ticked = now
-            self._queue_replay(self._sweep, now)
+            self._queue_replay(self._replay_step, now, opened_users, record.charged_by_user,
+                               ended, starts, record.charged, record.preempted_throttled, held,
+                               sweep)
         if record.refunded or (record.refused and self._sample_refusal()):
             self._queue(self._build_step, now, record.step, len(record.charged), record.refunded,
                         len(record.throttled), list(record.refused))
@@ -405,76 +424,115 @@ class SpanRecorder:
 
     # -- the span builder's thread: throttle episodes and over-limit periods --
 
-    def _replay_step(self, now: int, refused: dict[str, int], charged_by_user: dict[str, int],
+    def _replay_step(self, now: int, opened_users: list[str], charged_by_user: dict[str, int],
                      ended: list[str], starts: list[int], charged: dict[str, str],
                      preempted: list[str],
-                     held: dict[str, tuple[int, RequestFacts | None]] | None) -> None:
+                     held: dict[str, tuple[int, RequestFacts | None]] | None,
+                     sweep: set[str | None] | None) -> None:
         self._now = now
         periods = self._periods
-        if refused:
-            # per refused user, in C: when, until when, how many steps
-            new = refused.keys() - periods.keys()
+        if charged_by_user:  # tokens per user, counted in C
+            tokens = self._charged
+            if len(charged_by_user) == sum(charged_by_user.values()):  # one each
+                tokens.update(charged_by_user.keys())
+            else:  # (each user repeated n times)
+                tokens.update(chain.from_iterable(
+                    map(repeat, charged_by_user.keys(), charged_by_user.values())))
+        if opened_users:
+            # a user with no open period opens one (its tokens from the
+            # next step on); the others' are open (found in C)
+            new = set(opened_users).difference(periods)
             if new:
-                counts = self._refused_steps
+                tokens, last_end = self._charged, self._last_end
                 for user in new:
-                    periods[user] = _Period(user, now, counts.get(user, 0))
-            self._ready.update(refused)
-            self._refused_at.update(dict.fromkeys(refused, now))
-            self._refused_steps.update(refused.keys())
-        if charged_by_user and periods:
-            for user in charged_by_user.keys() & periods.keys():
-                period = periods[user]
-                if period.start_ns < now:
-                    period.tokens += charged_by_user[user]
+                    periods[user] = _Period(user, now, tokens[user])
+                    last_end[user] = now
         if preempted:
             self._preempted.update(preempted)
         if ended:
             took = list(map(sub, repeat(now, len(starts)), starts))
-            self._throttle_count.update(ended)  # (in C)
-            total, longest = self._throttle_total, self._throttle_max
-            for req_id, ns in zip(ended, took):
-                total[req_id] = total.get(req_id, 0) + ns
-                if ns > longest.get(req_id, 0):
-                    longest[req_id] = ns
-            if periods:  # (into the periods at the next sweep)
-                self._ended_users.extend(map(charged.get, ended))
-                self._ended_took.extend(took)
+            # each episode's duration onto its request's and its user's
+            # lists, and when its user's last one ended (in C)
+            by_request = self._throttle_ns
+            deque(map(array.append, map(by_request.__getitem__, ended), took), maxlen=0)
+            if periods:
+                users = list(map(charged.get, ended))
+                lists = self._episode_ns
+                deque(map(list.append, map(lists.__getitem__, users), took), maxlen=0)
+                self._last_end.update(dict.fromkeys(users, now))
             if held:  # the episodes long enough for a span: the longest of each
                 start_of = dict(zip(ended, starts))
                 for req_id, (blocks, facts) in held.items():
                     self._keep_longest(req_id, start_of[req_id], now, "dispatched", blocks, facts)
             if self._preempted:
                 self._preempted.difference_update(ended)
-        if now - self._swept >= PERIOD_SWEEP_NS:
-            self._sweep(now)
+        if sweep is not None:
+            self._sweep(now, sweep)
 
-    def _sweep(self, now: int, idle: bool = False) -> None:
-        """End the periods of users no step refused for ``PERIOD_QUIET_S``
-        after their budget returned (all of them when the engine is idle or
-        shuts down): the period ends when the budget its last refusal waited
-        for was there."""
+    def _sweep(self, now: int, open_users: Any = (), idle: bool = False) -> None:
+        """End the periods of users with no throttle episode open
+        (``open_users``: those with one) whose last one ended
+        ``PERIOD_QUIET_S`` ago or more (all of them when the engine is idle
+        or shuts down): a period ends when its user's last episode did
+        (found in C, not user by user)."""
         self._swept = self._now = max(self._now, now)
-        periods = self._periods
-        if self._ended_users:
-            for user, took in zip(self._ended_users, self._ended_took):
-                period = periods.get(user)
-                if period is not None:
-                    period.episodes += 1
-                    if len(period.episode_us) < MAX_SERIES:
-                        period.episode_us.append(_spacing_us(took))
-            self._ended_users, self._ended_took = [], []
-        quiet = int(PERIOD_QUIET_S * 1e9)
-        refused_at, ready_at = self._refused_at, self._ready
-        for user, period in list(periods.items()):
-            last, ready = refused_at[user], ready_at[user]
-            end = max(last, ready)
-            if idle:
-                end = max(last, min(ready, now))
-            elif now - end < quiet:
-                continue
-            del periods[user], refused_at[user], ready_at[user]
-            period.refused_steps = self._refused_steps.pop(user) - period.refused_steps
-            self._build_period(period, end)
+        periods, last_end = self._periods, self._last_end
+        if idle:
+            ending = list(periods)
+        else:
+            quiet = compress(last_end.keys(),
+                             map(le, last_end.values(), repeat(now - int(PERIOD_QUIET_S * 1e9))))
+            ending = [user for user in quiet if user not in open_users and user in periods]
+        lists = self._episode_ns
+        for user in ending:
+            period = periods.pop(user)
+            end = min(last_end.pop(user, now), now)
+            self._build_period(period, max(end, period.start_ns),
+                               self._charged[user] - period.tokens_before, lists.pop(user, []))
+        self._sweeps += 1
+        if self._sweeps % BOOKS_EVERY == 0 or idle:
+            self._trim_books()
+
+    def _trim_books(self) -> None:
+        """Keep the books to the open periods and the requests' episode
+        lists short (every ``BOOKS_EVERY`` sweeps: their cost is per user
+        and per request, not per step)."""
+        periods, lists = self._periods, self._episode_ns
+        for user in list(compress(lists.keys(), map(lt, repeat(MAX_SERIES), map(len, lists.values())))):
+            took = lists[user]
+            period = periods.get(user)
+            if period is not None:
+                cut = took[MAX_SERIES:]
+                period.episodes_cut += len(cut)
+                period.cut_ns += sum(cut)
+                period.cut_max_ns = max(period.cut_max_ns, max(cut))
+            del took[MAX_SERIES:]
+        if len(lists) > len(periods):
+            for user in lists.keys() - periods.keys():
+                del lists[user]
+        last_end = self._last_end
+        if len(last_end) > len(periods):
+            for user in last_end.keys() - periods.keys():
+                del last_end[user]
+        if len(self._charged) > 2 * len(periods) + 64:
+            tokens = self._charged
+            self._charged = Counter({user: tokens[user] for user in periods})
+        by_request = self._throttle_ns
+        for req_id in list(compress(by_request.keys(), map(le, repeat(THROTTLE_FOLD_AT),
+                                                           map(len, by_request.values())))):
+            self._fold_throttle(req_id, by_request[req_id])
+
+    def _fold_throttle(self, req_id: str, took: array) -> list[int]:
+        """Fold ``req_id``'s recent episode durations into its books."""
+        books = self._throttle_books.get(req_id)
+        if books is None:
+            books = self._throttle_books[req_id] = [0, 0, 0]
+        if took:
+            books[0] += len(took)
+            books[1] += sum(took)
+            books[2] = max(books[2], max(took))
+            del took[:]
+        return books
 
     def on_throttled_users(self, now: int, by_user: dict[str, tuple[int, int]]) -> None:
         """At an export step: user -> (throttled requests, their KV blocks)."""
@@ -491,10 +549,11 @@ class SpanRecorder:
 
     def on_idle(self, now: int) -> None:
         """The engine has nothing running: every open period ends."""
-        self._queue_replay(self._sweep, now, True)
+        self._queue_replay(self._sweep, now, (), True)
 
-    def _build_period(self, period: _Period, end_ns: int) -> None:
-        ordered = sorted(period.episode_us)
+    def _build_period(self, period: _Period, end_ns: int, tokens: int, took: list[int]) -> None:
+        ordered = sorted(took)
+        longest = max(ordered[-1] if ordered else 0, period.cut_max_ns)
         seconds = max(end_ns - period.start_ns, 1) / 1e9
         try:
             limit = float(self.view.rate_of(period.user))
@@ -503,14 +562,14 @@ class SpanRecorder:
         attributes = {
             "output_rate.user": period.user,
             "output_rate.limit_tokens_per_second": limit,
-            "output_rate.refused_steps": period.refused_steps,
-            "output_rate.tokens_charged": period.tokens,
-            "output_rate.tokens_per_second": round(period.tokens / seconds, 3),
-            "output_rate.throttle_episodes": period.episodes,
-            "output_rate.throttle_p50_us": _quantile(ordered, 0.5),
-            "output_rate.throttle_p90_us": _quantile(ordered, 0.9),
-            "output_rate.throttle_p99_us": _quantile(ordered, 0.99),
-            "output_rate.throttle_max_us": ordered[-1] if ordered else 0,
+            "output_rate.tokens_charged": tokens,
+            "output_rate.tokens_per_second": round(tokens / seconds, 3),
+            "output_rate.throttle_episodes": len(took) + period.episodes_cut,
+            "output_rate.throttle_p50_us": _spacing_us(_quantile(ordered, 0.5)),
+            "output_rate.throttle_p90_us": _spacing_us(_quantile(ordered, 0.9)),
+            "output_rate.throttle_p99_us": _spacing_us(_quantile(ordered, 0.99)),
+            "output_rate.throttle_max_us": _spacing_us(longest),
+            "output_rate.throttled_us": _spacing_us(sum(ordered) + period.cut_ns),
             "output_rate.throttled_requests_max": period.max_requests,
             "output_rate.throttled_kv_blocks_max": period.max_blocks,
         }
@@ -695,15 +754,16 @@ class SpanRecorder:
             runs = self._runs
             for req_id in joining.keys() - paused if paused else joining:
                 runs[req_id] = joining[req_id]
-        if back:  # (on_tokens, inline: a request back after a pause)
-            series, cap = self._series, MAX_SERIES + TRIM_EVERY
-            for req_id, gap in zip(back, map(sub, repeat(now, len(prevs)), prevs)):
-                s = series.get(req_id)
-                if s is None:
-                    s = series[req_id] = array("I")
-                s.append(min(gap // 1000, 0xFFFFFFFF))
-                if len(s) > cap:
-                    self._trim(req_id)
+        if back:  # (on_tokens in C: requests back after a pause)
+            series = self._series
+            missing = set(back).difference(series)
+            if missing:  # (they had a first token: never, unless cut short)
+                series.update({req_id: array("I") for req_id in missing})
+            # each one's spacing (whole us within uint32, as _spacing_us)
+            # onto its series; cut to the cap every TRIM_EVERY updates
+            gaps = map(min, map(floordiv, map(sub, repeat(now, len(prevs)), prevs), repeat(1000)),
+                       repeat(0xFFFFFFFF))
+            deque(map(array.append, map(series.__getitem__, back), gaps), maxlen=0)
             self._joining_runs = dict.fromkeys(back, self._index)
         elif joining:
             self._joining_runs = {}
@@ -731,9 +791,10 @@ class SpanRecorder:
         for (req_id, _user), known in zip(aborted, facts):
             start = ended.get(req_id)
             if start is not None:
-                self._throttle_count[req_id] += 1
-                self._throttle_total[req_id] = self._throttle_total.get(req_id, 0) + now - start
-                self._throttle_max[req_id] = max(self._throttle_max.get(req_id, 0), now - start)
+                self._throttle_ns[req_id].append(now - start)
+                if _user in self._periods:
+                    self._episode_ns[_user].append(now - start)
+                    self._last_end[_user] = now
                 if now - start >= self.throttle_min_ns:
                     self._keep_longest(req_id, start, now, "aborted", 0, known)
             self._finish(req_id, "abort", now, known)
@@ -751,9 +812,10 @@ class SpanRecorder:
         tokens = len(s) + 1 + self._overflow.pop(req_id, 0) if had_tokens else 0
         self._joining_runs.pop(req_id, None)
         throttle = None
-        if req_id in self._throttle_count:
-            throttle = [self._throttle_count.pop(req_id), self._throttle_total.pop(req_id),
-                        self._throttle_max.pop(req_id)]
+        took = self._throttle_ns.pop(req_id, None)
+        if took is not None or req_id in self._throttle_books:
+            throttle = self._fold_throttle(req_id, took if took is not None else array("q"))
+            del self._throttle_books[req_id]
         self._preempted.discard(req_id)
         longest = self._longest.pop(req_id, None)
         if longest is not None:
