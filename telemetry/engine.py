@@ -293,7 +293,7 @@ class EngineTelemetry(OutputRateObserver):
         ended: list[str] = []
         starts: list[int] = []
         if episodes and charged:
-            ended = list(episodes.keys() & charged.keys())
+            ended = list(filter(episodes.__contains__, charged))
             if ended:
                 starts = list(map(episodes.pop, ended))
                 self._ended_runs.append((now, ended, starts, charged))
