@@ -263,7 +263,7 @@ class EngineTelemetry(OutputRateObserver):
         """Fold one ``StepReport`` in.
 
         Per step this keeps references to the report's own containers and
-        runs set operations in C; a Python loop runs only over the requests
+        runs passes in C; a Python loop runs only over the requests
         newly throttled whose user is not yet known. What each user was
         charged and how many of its requests were skipped go to the counters
         at the next fold (``_fold``), from the runs kept here."""
@@ -286,7 +286,7 @@ class EngineTelemetry(OutputRateObserver):
                 counters[("tokens_refunded", (labeler.label(user), reason))] += 1
                 counters[("engine_tokens_refunded", ())] += 1
         # Throttle episodes: which close (dispatched again) and which open
-        # (throttled now, none open), by set operations in C; the closed
+        # (throttled now, none open), by one pass each in C; the closed
         # ones' durations are observed at the next fold. Spans get the same.
         episodes = self._episodes
         now = record.now_ns
@@ -365,14 +365,14 @@ class EngineTelemetry(OutputRateObserver):
         if runs:
             charged: Counter[str] = Counter()
             # (steps that charged each user one token: counted in C)
-            ones = [per_user for per_user, k in runs
-                    if k == 1 and len(per_user) == sum(per_user.values())]
+            ones: list[dict[str, int]] = []
+            for per_user, k in runs:
+                if k == 1 and len(per_user) == sum(per_user.values()):
+                    ones.append(per_user)
+                else:
+                    for user, n in per_user.items():
+                        charged[user] += n * k
             charged.update(chain.from_iterable(ones))
-            if len(ones) < len(runs):
-                for per_user, k in runs:
-                    if k > 1 or len(per_user) != sum(per_user.values()):
-                        for user, n in per_user.items():
-                            charged[user] += n * k
             for user, n in charged.items():
                 self._charge_fold(user, n)
         runs, self._skip_runs = self._skip_runs, []

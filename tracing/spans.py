@@ -263,14 +263,13 @@ class SpanRecorder:
         #: user -> tokens charged (users with an open period, and those
         #: charged since the last sweep)
         self._charged: Counter[str] = Counter()
-        #: the last step's time (scheduler clock), the last period sweep's
+        #: the last step's time (scheduler clock), the period sweeps so far
         self._now = 0
-        self._swept = 0
         self._sweeps = 0
         #: (set by ``telemetry.engine``) the users with a throttle episode
         #: open now, read on the scheduler's thread at sweep ticks
         self.open_episode_users: Callable[[], set[str | None]] = set
-        #: (the scheduler's thread) the last step that queued something
+        #: (the scheduler's thread) the last step that sent a period sweep
         self._ticked = 0
         #: request id -> spacings past MAX_SERIES (counted, not kept)
         self._overflow: dict[str, int] = {}
@@ -278,7 +277,6 @@ class SpanRecorder:
         self.step_sample_every = settings.get_or_default("TRACE_REFUSAL_STEP_EVERY")
         #: episodes shorter than this (ns) get no span
         self.throttle_min_ns = int(settings.get_or_default("TRACE_THROTTLE_MIN_S") * 1e9)
-
         self._refusal_steps = 0
         self._series: dict[str, array] = {}
         #: request id -> the update its open run of steady tokens began at
@@ -389,7 +387,7 @@ class SpanRecorder:
         ``ended``: the ids of throttled requests dispatched again, and
         ``starts`` when their episodes began; ``opened_users``: the users of
         the episodes that began in this step (``telemetry.engine`` keeps the
-        episodes, with set operations). Every ``PERIOD_SWEEP_NS`` the users
+        episodes, in C). Every ``PERIOD_SWEEP_NS`` the users
         with an episode open go along, for periods to end."""
         now = record.now_ns
         sweep = None
@@ -450,16 +448,8 @@ class SpanRecorder:
         if preempted:
             self._preempted.update(preempted)
         if ended:
-            took = list(map(sub, repeat(now, len(starts)), starts))
-            # each episode's duration onto its request's and its user's
-            # lists, and when its user's last one ended (in C)
-            by_request = self._throttle_ns
-            deque(map(array.append, map(by_request.__getitem__, ended), took), maxlen=0)
-            if periods:
-                users = list(map(charged.get, ended))
-                lists = self._episode_ns
-                deque(map(list.append, map(lists.__getitem__, users), took), maxlen=0)
-                self._last_end.update(dict.fromkeys(users, now))
+            self._book_episodes(now, ended, list(map(sub, repeat(now, len(starts)), starts)),
+                                charged.get)
             if held:  # the episodes long enough for a span: the longest of each
                 start_of = dict(zip(ended, starts))
                 for req_id, (blocks, facts) in held.items():
@@ -469,13 +459,26 @@ class SpanRecorder:
         if sweep is not None:
             self._sweep(now, sweep)
 
+    def _book_episodes(self, now: int, req_ids: list[str], took: list[int],
+                       user_of: Callable[[str], str | None]) -> None:
+        """Throttle episodes of ``req_ids`` that ended at ``now`` after
+        ``took`` ns each: onto their requests' and (periods being open) their
+        users' lists, and when their users' last one ended (in C)."""
+        by_request = self._throttle_ns
+        deque(map(array.append, map(by_request.__getitem__, req_ids), took), maxlen=0)
+        if self._periods:
+            users = list(map(user_of, req_ids))
+            lists = self._episode_ns
+            deque(map(list.append, map(lists.__getitem__, users), took), maxlen=0)
+            self._last_end.update(dict.fromkeys(users, now))
+
     def _sweep(self, now: int, open_users: Any = (), idle: bool = False) -> None:
         """End the periods of users with no throttle episode open
         (``open_users``: those with one) whose last one ended
         ``PERIOD_QUIET_S`` ago or more (all of them when the engine is idle
         or shuts down): a period ends when its user's last episode did
         (found in C, not user by user)."""
-        self._swept = self._now = max(self._now, now)
+        self._now = max(self._now, now)
         periods, last_end = self._periods, self._last_end
         if idle:
             ending = list(periods)
@@ -788,15 +791,13 @@ class SpanRecorder:
 
     def _replay_aborted(self, aborted: list[tuple[str, str]], facts: list[RequestFacts | None],
                         ended: dict[str, int], now: int) -> None:
+        if ended:
+            closed = [req_id for req_id, _ in aborted if req_id in ended]
+            self._book_episodes(now, closed, [now - ended[r] for r in closed], dict(aborted).get)
         for (req_id, _user), known in zip(aborted, facts):
             start = ended.get(req_id)
-            if start is not None:
-                self._throttle_ns[req_id].append(now - start)
-                if _user in self._periods:
-                    self._episode_ns[_user].append(now - start)
-                    self._last_end[_user] = now
-                if now - start >= self.throttle_min_ns:
-                    self._keep_longest(req_id, start, now, "aborted", 0, known)
+            if start is not None and now - start >= self.throttle_min_ns:
+                self._keep_longest(req_id, start, now, "aborted", 0, known)
             self._finish(req_id, "abort", now, known)
 
     def _finish(self, req_id: str, reason: str, now: int,
