@@ -264,7 +264,9 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         if shared is not None:
             time.sleep(0.002)
     on_times, off_times = [], []
-    if CPU and spans is not None:  # what the warm-up queued, before counting
+    if CPU and hasattr(telemetry, "drain"):  # what the warm-up handed over, before counting
+        telemetry.drain()
+    if CPU and spans is not None:
         spans.flush()
         spans.provider.force_flush()
     background = background_cpu()
@@ -290,6 +292,8 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         # shared-budget mode runs in both arms), the on steps' spans built
         # and exported at the end, spread over the on steps.
         c0 = time.thread_time()
+        if hasattr(telemetry, "drain"):
+            telemetry.drain()
         if spans is not None:
             spans.flush()
             spans.provider.force_flush()

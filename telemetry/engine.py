@@ -32,8 +32,8 @@ import threading
 import time
 from collections import Counter, defaultdict, deque
 from functools import partial
-from itertools import chain, filterfalse, repeat
-from operator import sub
+from itertools import chain, compress, filterfalse, repeat
+from operator import le, sub
 from collections.abc import Callable
 from typing import Any
 
@@ -59,6 +59,11 @@ logger = logging.getLogger("vllm_output_rate.telemetry")
 #: Event records queued between two exports before new ones are dropped.
 EVENTS_QUEUE_CAP = 500_000
 EXPORT_INTERVAL_S = 1.0
+#: How often the worker folds what the scheduler's thread handed over.
+DRAIN_INTERVAL_S = 0.05
+#: Events handed over and not yet folded before the scheduler's thread
+#: folds them itself (the worker is late: keeps the inbox bounded).
+INBOX_CAP = 4096
 #: Steps' charges and skips kept for the next fold before one is forced (an
 #: export is due every ``EXPORT_INTERVAL_S``; this bounds them if it is late).
 PENDING_STEPS_CAP = 4096
@@ -118,12 +123,24 @@ class EngineTelemetry(OutputRateObserver):
 
     def __init__(self, view: EngineView, out_dir: str, interval_s: float = EXPORT_INTERVAL_S,
                  top_k: int | None = None, start_thread: bool = True,
-                 spans: Any = None, events_path: str | None = None) -> None:
+                 spans: Any = None, events_path: str | None = None,
+                 defer: bool | None = None) -> None:
         self.view = view
         #: tracing.spans.SpanRecorder when traces are on
         self.spans = spans
-        if spans is not None:  # (its over-limit periods end when none is open)
-            spans.open_episode_users = self._open_episode_users
+        #: events handed over by the scheduler's thread, folded by the worker
+        #: (``drain``); ``defer`` off (the default without a thread) folds
+        #: each at once, on the caller's thread
+        self._inbox: deque[tuple[Callable[..., None], tuple]] = deque()
+        self._sync = not (start_thread if defer is None else defer)
+        self._drain_lock = threading.Lock()
+        self._fold_error_logged = False
+        #: request id -> its handle (``EngineView.request_handle``), from
+        #: when it was added until it ends (the worker)
+        self._handles: dict[str, Any] = {}
+        #: (the scheduler's thread) the last step that sent the requests with
+        #: an episode open, for over-limit periods to end
+        self._ticked = 0
         self.engine = view.engine_index
         self.model_name = view.model_name
         if top_k is None:
@@ -187,6 +204,7 @@ class EngineTelemetry(OutputRateObserver):
         #: label -> its throttle_episode_seconds histogram (cleared when labels change)
         self._episode_hists: dict[str, Histogram] = {}
         #: request id -> first skipped step's ns, of open throttle episodes
+        #: (the scheduler's thread)
         self._episodes: dict[str, int] = {}
         #: the opt-in event log: plain tuples queued here, written by the exporter
         self._events_path = events_path
@@ -221,13 +239,14 @@ class EngineTelemetry(OutputRateObserver):
         for name in ("engine_tokens_charged", "engine_tokens_refunded", "engine_requests_skipped"):
             self.counters[(name, ())] += 0
         self.counters[("telemetry_dropped", ("export_failed",))] += 0
+        self.counters[("telemetry_dropped", ("fold_failed",))] += 0
         if events_path:
             for reason in ("events_write_failed", "events_queue_full"):
                 self.counters[("telemetry_dropped", (reason,))] += 0
         self._init_user_series(self.labeler.labelled_users().values())
         for name in ("wake_lateness_seconds", "schedule_limiter_ratio"):
             self._histogram(name, ())
-        self._update_throttled_gauges([])
+        self._update_throttled_gauges([], [])
         self._thread = None
         if start_thread:
             self._thread = threading.Thread(target=self._run, name="output-rate-telemetry", daemon=True)
@@ -257,16 +276,145 @@ class EngineTelemetry(OutputRateObserver):
         for user, label in self.labeler.labelled_users().items():
             self.gauges[("user_limit_tokens_per_second", (label,))] = float(view.rate_of(user))
 
-    # -- the scheduler's thread -------------------------------------------------
+    # -- the scheduler's thread: references, and what only it may read -----
+
+    def _post(self, fold: Callable[..., None], *args: Any) -> None:
+        """Hand one event to the worker (one append): ``fold(*args)`` runs
+        there, in order. Done at once when nothing defers (``defer`` off);
+        drained here when the worker lags ``INBOX_CAP`` events behind."""
+        if self._sync:
+            fold(*args)
+            return
+        inbox = self._inbox
+        inbox.append((fold, args))
+        if len(inbox) >= INBOX_CAP:
+            self.drain()  # (backpressure: the worker is late)
+
+    def on_request(self, request_id: str) -> None:
+        """A request was added: a handle to read its user and facts by
+        later, on the worker, even once it is gone."""
+        handle = self.view.request_handle(request_id)
+        if handle is not None:
+            self._post(self._handles.__setitem__, request_id, handle)
 
     def on_step(self, record: StepReport) -> None:
-        """Fold one ``StepReport`` in.
+        """Hand one ``StepReport`` over (the scheduler's thread).
 
-        Per step this keeps references to the report's own containers and
-        runs passes in C; a Python loop runs only over the requests
-        newly throttled whose user is not yet known. What each user was
-        charged and how many of its requests were skipped go to the counters
-        at the next fold (``_fold``), from the runs kept here."""
+        Here only: the throttle episodes that end (a throttled request
+        dispatched again) and begin (throttled now, none open), by one pass
+        each in C over the step's lists; the KV blocks and facts of the
+        requests whose episode is long enough for a span; at a sweep tick,
+        the requests with an episode open; at an export step, the reads of
+        the engine that gauges and user states need. Everything else runs on
+        the worker (``_fold_step``), from references to the report's own
+        containers (not changed after the step)."""
+        episodes = self._episodes
+        now = record.now_ns
+        charged = record.charged
+        ended: Any = ()
+        starts: Any = ()
+        if episodes and charged:
+            ended = list(filter(episodes.__contains__, charged))
+            if ended:
+                starts = list(map(episodes.pop, ended))
+        throttled = record.throttled
+        opened: Any = ()
+        same = False
+        if throttled:
+            if throttled == self._thr_prev_list:
+                # the same requests throttled as in the step before, in the
+                # same order (a heavily throttled engine): nothing opens
+                same = True
+            else:
+                opened = list(filterfalse(episodes.__contains__, throttled))
+                if opened:
+                    episodes.update(dict.fromkeys(opened, now))
+                self._thr_prev_list = throttled
+        elif self._thr_prev_list:
+            self._thr_prev_list = []
+        held = sweep = None
+        spans = self.spans
+        if spans is not None:
+            if ended:
+                # the KV blocks and facts of the requests whose episode
+                # gets a span, read now: long ones only
+                long = list(compress(ended, map(le, starts, repeat(now - spans.throttle_min_ns))))
+                if long:
+                    view = self.view
+                    held = {r: (view.kv_blocks_held(r), view.request_facts(r)) for r in long}
+            if now - self._ticked >= spans.sweep_ns:
+                self._ticked = now
+                sweep = list(episodes)  # (a copy in C)
+        reads = None
+        if self._export_due:
+            self._export_due = False
+            reads = self._engine_reads(record.throttled)
+        self._post(self._fold_step, record, ended, starts, opened, same, held, sweep, reads)
+
+    def _engine_reads(self, throttled: list[str]) -> tuple:
+        """What gauges and user states need from the engine, read on the
+        scheduler's thread (at export steps and when it goes idle): the KV
+        blocks of each throttled request, live requests per user and their
+        users' ready times, the requests with an episode open."""
+        view = self.view
+        episodes = self._episodes
+        if episodes:  # (a request gone with an episode open: aborts close
+            # theirs; this is the guard)
+            gone = [r for r in episodes if view.user_of(r) is None]
+            for req_id in gone:
+                del episodes[req_id]
+        requests = view.requests_by_user()
+        return (list(map(view.kv_blocks_held, throttled)), requests,
+                {user: view.ready_at_ns(user) for user in requests}, list(episodes))
+
+    def on_outputs(self, outputs: dict[int, Any]) -> None:
+        """The engine outputs of one ``update_from_output``: when, and
+        whether anything is still running (the scheduler's thread)."""
+        running = self.view.has_running()
+        self._post(self._fold_outputs, outputs, time.monotonic_ns(), running,
+                   None if running else self._engine_reads([]))
+
+    # -- the worker: everything else, in the scheduler's order -----------------
+
+    def drain(self) -> None:
+        """Fold every event handed over so far (the worker does this every
+        ``DRAIN_INTERVAL_S``; exports, close and tests call it). A failing
+        fold is counted (``telemetry_dropped{reason="fold_failed"}``) and
+        logged once; the others go on."""
+        inbox = self._inbox
+        with self._drain_lock:
+            while inbox:
+                fold, args = inbox.popleft()
+                try:
+                    fold(*args)
+                except Exception:
+                    self.counters[("telemetry_dropped", ("fold_failed",))] += 1
+                    if not self._fold_error_logged:
+                        self._fold_error_logged = True
+                        logger.exception("output-rate telemetry: folding an event failed; "
+                                         "further failures are only counted")
+
+    def _user_of(self, req_id: str) -> str | None:
+        """A request's user, by the handle taken when it was added (it may
+        be gone from the engine by now)."""
+        handle = self._handles.get(req_id)
+        if handle is None:
+            return self.view.user_of(req_id)
+        return self.view.handle_user(handle)
+
+    def _facts_of(self, req_id: str) -> Any:
+        handle = self._handles.get(req_id)
+        if handle is None:
+            return self.view.request_facts(req_id)
+        return self.view.handle_facts(handle)
+
+    def _fold_step(self, record: StepReport, ended: Any, starts: Any, opened: Any, same: bool,
+                   held: Any, sweep: list[str] | None, reads: tuple | None) -> None:
+        """One step, on the worker: references to the report's containers
+        kept run-length encoded ([the step's dict or list, how many steps
+        in a row had it]); what each user was charged and how many of its
+        requests were skipped go to the counters at the next fold
+        (``_fold``)."""
         counters = self.counters
         charged = record.charged
         # Per user, as the scheduler settled them with the limiter: the
@@ -285,69 +433,44 @@ class EngineTelemetry(OutputRateObserver):
             for _req_id, user, reason in record.refunded:
                 counters[("tokens_refunded", (labeler.label(user), reason))] += 1
                 counters[("engine_tokens_refunded", ())] += 1
-        # Throttle episodes: which close (dispatched again) and which open
-        # (throttled now, none open), by one pass each in C; the closed
-        # ones' durations are observed at the next fold. Spans get the same.
-        episodes = self._episodes
         now = record.now_ns
-        ended: list[str] = []
-        starts: list[int] = []
-        if episodes and charged:
-            ended = list(filter(episodes.__contains__, charged))
-            if ended:
-                starts = list(map(episodes.pop, ended))
-                self._ended_runs.append((now, ended, starts, charged))
+        if ended:  # (their durations are observed at the next fold)
+            self._ended_runs.append((now, ended, starts, charged))
         throttled = record.throttled
-        opened: list[str] = []
         if throttled:
-            if throttled == self._thr_prev_list:
-                # The same requests throttled as in the step before, in the
-                # same order (a heavily throttled engine, most steps): a
-                # comparison in C, and nothing changed.
-                runs = self._skip_runs
-                if runs:
-                    runs[-1][1] += 1
-                else:  # (folded since)
-                    runs.append([throttled, 1])
+            runs = self._skip_runs
+            if same and runs:
+                runs[-1][1] += 1
             else:
-                # A request throttled now with no open episode opens one
-                # (found in C: the others' episodes are open).
-                opened = list(filterfalse(episodes.__contains__, throttled))
                 if opened:
                     users = self._thr_users
                     new = [r for r in opened if r not in users]
                     if new:
-                        user_of = self.view.user_of
+                        user_of = self._user_of
                         for req_id in new:
                             users[req_id] = user_of(req_id) or OTHER
-                    episodes.update(dict.fromkeys(opened, now))
-                self._skip_runs.append([throttled, 1])
-                self._thr_prev_list = throttled
+                runs.append([throttled, 1])
             counters[("engine_requests_skipped", ())] += len(throttled)
-        elif self._thr_prev_list:
-            self._thr_prev_list = []
         if self.spans is not None:
-            self.spans.on_step(record, ended, starts,
-                               list(map(self._thr_users.__getitem__, opened)) if opened else ())
+            self.spans.on_step(
+                record, ended, starts,
+                list(map(self._thr_users.__getitem__, opened)) if opened else (), held,
+                None if sweep is None else set(map(self._thr_users.get, sweep)))
         if record.limiter_share is not None:
             self.histograms[("schedule_limiter_ratio", ())].observe(record.limiter_share)
         if (len(self._charge_runs) + len(self._skip_runs) + len(self._ended_runs)
                 + len(self._resume_runs)) > PENDING_STEPS_CAP:
             self._fold()  # (exports are late: keep what is pending bounded)
-        if self._export_due:
+        if reads is not None:
             # Gauges and label changes only when an export is coming: their
             # cost is per export interval, not per step.
-            self._export_due = False
-            self._fold()
-            self._update_throttled_gauges(record.throttled)
-            self._update_user_states(record.now_ns)
+            blocks, requests, ready, open_episodes = reads
+            self._fold(open_episodes)
+            self._update_throttled_gauges(throttled, blocks)
+            self._update_user_states(now, requests, ready)
             self._rebalance()
             if self.spans is not None:
-                self.spans.on_throttled_users(record.now_ns, self._thr_by_user)
-
-    def _open_episode_users(self) -> set[str | None]:
-        """The users with a throttle episode open now (in C)."""
-        return set(map(self._thr_users.get, self._episodes))
+                self.spans.on_throttled_users(now, self._thr_by_user)
 
     def _charge_fold(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._charged_keys, "tokens_charged", user)] += n
@@ -357,10 +480,12 @@ class EngineTelemetry(OutputRateObserver):
     def _skip_fold(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._skipped_keys, "requests_skipped", user)] += n
 
-    def _fold(self) -> None:
+    def _fold(self, open_episodes: list[str] | None = None) -> None:
         """Bring every user's charged and skipped counters (and activity),
         the throttle episodes' histograms and the spacing histograms up to
-        date: at exports, aborts, when the engine goes idle, at close."""
+        date: at exports, aborts, when the engine goes idle, at close (the
+        worker). ``open_episodes``: the requests with an episode open at
+        this point (export steps): only their users stay known."""
         runs, self._charge_runs = self._charge_runs, []
         if runs:
             charged: Counter[str] = Counter()
@@ -391,9 +516,9 @@ class EngineTelemetry(OutputRateObserver):
                         skipped[user] += n * k
             for user, n in skipped.items():
                 self._skip_fold(user or OTHER, n)
-        if len(users) > len(self._episodes):
+        if open_episodes is not None and len(users) > len(open_episodes):
             # only the requests in an open episode stay known
-            self._thr_users = {r: users[r] for r in self._episodes if r in users}
+            self._thr_users = {r: users[r] for r in open_episodes if r in users}
         ended, self._ended_runs = self._ended_runs, []
         if ended:
             self._observe_episodes(ended)
@@ -438,26 +563,30 @@ class EngineTelemetry(OutputRateObserver):
                 cache[user] = key
         return key
 
-    def _end_episodes(self, users: dict[str, str], now_ns: int) -> dict[str, int]:
-        """Close the open throttle episodes of ``users``' request ids
-        (request id -> user; aborted requests) and observe them; returns
-        request id -> its episode's start."""
-        episodes = self._episodes
-        ended = [r for r in users if r in episodes]
-        if not ended:
-            return {}
-        starts = list(map(episodes.pop, ended))
-        self._observe_episodes([(now_ns, ended, starts, users)])
-        return dict(zip(ended, starts))
-
     def on_aborted(self, aborted: list[tuple[str, str]], now: int) -> None:
-        """Requests finished from outside the scheduler (client aborts)."""
+        """Requests finished from outside the scheduler (client aborts): the
+        throttle episodes open among them close (the scheduler's thread)."""
+        episodes = self._episodes
+        ended = {}
+        if episodes:
+            ended = {r: episodes.pop(r) for r, _ in aborted if r in episodes}
+        running = self.view.has_running()
+        self._post(self._fold_aborted, aborted, now, ended, running,
+                   None if running else self._engine_reads([]))
+
+    def _fold_aborted(self, aborted: list[tuple[str, str]], now: int, ended: dict[str, int],
+                      running: bool, reads: tuple | None) -> None:
         # The engine may go idle now, with no step to fold counts at.
-        self._fold()
-        if not self.view.has_running():
-            self._update_user_states(now)
-        ended = self._end_episodes(dict(aborted), now) if self._episodes else None
+        self._fold(None if reads is None else reads[3])
+        if reads is not None:
+            self._update_user_states(now, reads[1], reads[2])
+        if ended:
+            self._observe_episodes([(now, list(ended), list(ended.values()), dict(aborted))])
+        facts = None
+        if self.spans is not None:
+            facts = [self._facts_of(req_id) for req_id, _ in aborted]
         for req_id, user in aborted:
+            self._handles.pop(req_id, None)
             self._last_token_ns.pop(req_id, None)
             if req_id in self._prev_ids:
                 if req_id in self._joining:
@@ -471,8 +600,8 @@ class EngineTelemetry(OutputRateObserver):
                 self._queue_event(("finished", now, req_id, user,
                                    "abort", seen[1] if seen else 0))
         if self.spans is not None:
-            self.spans.on_aborted(aborted, now, ended)
-            if not self.view.has_running():
+            self.spans.on_aborted(aborted, now, ended, facts)
+            if not running:
                 self.spans.on_idle(now)
 
     def _queue_event(self, event: tuple) -> None:
@@ -482,16 +611,17 @@ class EngineTelemetry(OutputRateObserver):
         else:
             events.append(event)
 
-    def _update_throttled_gauges(self, throttled: list[str]) -> None:
-        kv_blocks_held, users = self.view.kv_blocks_held, self._thr_users
+    def _update_throttled_gauges(self, throttled: list[str], held: list[int]) -> None:
+        """``held``: the KV blocks of each throttled request (read on the
+        scheduler's thread)."""
+        users = self._thr_users
         requests: dict[str, int] = defaultdict(int)
         blocks: dict[str, int] = defaultdict(int)
         total_blocks = 0
         by_user: dict[str, list[int]] = {}
-        for req_id in throttled:
+        for req_id, n in zip(throttled, held):
             user = users.get(req_id, OTHER)
             label = self.labeler.label(user)
-            n = kv_blocks_held(req_id)
             requests[label] += 1
             blocks[label] += n
             total_blocks += n
@@ -518,9 +648,10 @@ class EngineTelemetry(OutputRateObserver):
                                {u: c[1] for u, c in by_user.items()},
                                total_blocks / self._num_blocks))
 
-    def _update_user_states(self, now_ns: int) -> None:
-        """What ``GET /output-rate/users/NAME`` shows, per user (scheduler's
-        thread: at each export step and when the engine goes idle): tokens
+    def _update_user_states(self, now_ns: int, requests: Any, ready_at: dict[str, int]) -> None:
+        """What ``GET /output-rate/users/NAME`` shows, per user (the worker:
+        at each export step and when the engine goes idle; ``requests`` and
+        the live users' ``ready_at`` read on the scheduler's thread): tokens
         charged over the last 10 s and 60 s (in export intervals of about a
         second), requests running, waiting and throttled, KV blocks held
         while throttled, when the budget is next ready. At most
@@ -535,7 +666,6 @@ class EngineTelemetry(OutputRateObserver):
             window.popleft()
         charged_10, charged_60 = _window_sums(window, now_ns)
         view = self.view
-        requests = view.requests_by_user()
         throttled = self._thr_by_user if requests else {}
         users = list(requests)
         if len(users) < USER_STATES_CAP:
@@ -545,7 +675,9 @@ class EngineTelemetry(OutputRateObserver):
         for user in users[:USER_STATES_CAP]:
             running, waiting = requests.get(user, (0, 0))
             n_thr, blocks = throttled.get(user, (0, 0))
-            ready = view.ready_at_ns(user)
+            ready = ready_at.get(user)
+            if ready is None:  # (not live: its limiter state, read now)
+                ready = view.ready_at_ns(user)
             states[user] = {
                 "limit": float(view.rate_of(user)),
                 "charged_10s": charged_10.get(user, 0),
@@ -607,7 +739,7 @@ class EngineTelemetry(OutputRateObserver):
         self._skipped_keys.clear()
         self._episode_hists.clear()
         # Requests keep the label of their first token until labels change.
-        user_of, labels = self.view.user_of, self._request_label
+        user_of, labels = self._user_of, self._request_label
         for req_id in list(labels):
             user = user_of(req_id)
             if user is not None:
@@ -617,6 +749,9 @@ class EngineTelemetry(OutputRateObserver):
         self._spacing_mark = {label: self._steady_now() for label in self._prev_by_label}
 
     def on_limits(self, change: LimitsChange) -> None:
+        self._post(self._fold_limits, change)
+
+    def _fold_limits(self, change: LimitsChange) -> None:
         """Reloaded limits: pin the listed users' labels, give the new ones
         their series at zero, set the limit gauges, log the change."""
         self._fold()  # the counts so far, under the labels they had
@@ -634,8 +769,11 @@ class EngineTelemetry(OutputRateObserver):
         if self.spans is not None:
             self.spans.on_limits(change)
 
-    def on_outputs(self, outputs: dict[int, Any]) -> None:
-        """Token timing from the outputs of one ``update_from_output``.
+    def _fold_outputs(self, outputs: dict[int, Any], now: int, running: bool,
+                      reads: tuple | None) -> None:
+        """Token timing from the outputs of one ``update_from_output`` (the
+        worker; ``now``: when it returned, ``running``: whether anything
+        was still running then, and if not, ``reads`` of the engine).
 
         One spacing per request per step into the per-user histogram (the
         all-users histogram is folded from those at export). Most requests
@@ -650,7 +788,6 @@ class EngineTelemetry(OutputRateObserver):
         throttled again after one token (a user pacing at its limit) costs
         its resume spacing and two dict updates, nothing per label.
         """
-        now = time.monotonic_ns()
         spans = self.spans
         labels = self._request_label
         events = self._events
@@ -694,7 +831,7 @@ class EngineTelemetry(OutputRateObserver):
                     self._resume_runs.append((now, prevs, list(map(labels.get, back))))
             if len(back) < len(resumed):
                 first = resumed.difference(back) if back else resumed
-                user_of, label = self.view.user_of, self.labeler.label
+                user_of, label = self._user_of, self.labeler.label
                 for req_id in first:
                     user = user_of(req_id)
                     if user is not None:
@@ -718,19 +855,21 @@ class EngineTelemetry(OutputRateObserver):
                     self._label_count(req_id, -1)
                 last.pop(req_id, None)
                 labels.pop(req_id, None)
-                if self._episodes:
-                    self._episodes.pop(req_id, None)
                 ends.append((req_id, str(out.finish_reason)))
         if spans is not None:
-            facts = self.view.request_facts
+            facts = self._facts_of
             spans.on_outputs(now, paused, back, prevs, list(first), [facts(r) for r in first],
                              zeros, ends)
+        if finished:
+            handles = self._handles
+            for req_id in finished:
+                handles.pop(req_id, None)
         self._prev_ids = cur - finished if finished else cur
         self._joining = resumed - finished if finished else resumed
         self._prev_now = now
-        if finished and not self.view.has_running():
-            self._fold()  # going idle: no step may come to fold at
-            self._update_user_states(now)
+        if finished and not running:
+            self._fold(reads[3])  # going idle: no step may come to fold at
+            self._update_user_states(now, reads[1], reads[2])
             if spans is not None:
                 spans.on_idle(now)
 
@@ -793,7 +932,7 @@ class EngineTelemetry(OutputRateObserver):
         req_id = out.request_id
         seen = self._event_tokens.get(req_id)
         if seen is None:
-            user = self.view.user_of(req_id) or "__unknown__"
+            user = self._user_of(req_id) or "__unknown__"
             seen = self._event_tokens[req_id] = [user, 0]
         if n:
             step_tokens.append((req_id, seen[0], n))
@@ -814,10 +953,12 @@ class EngineTelemetry(OutputRateObserver):
             "requests.label": len(self._request_label),
             "requests.episodes": len(self._episodes),
             "requests.events": len(self._event_tokens),
+            "requests.handles": len(self._handles),
             "users.activity": len(self._activity) + len(self._window_activity),
             "users.counter_keys": len(self._charged_keys) + len(self._skipped_keys),
             "steps.pending": (len(self._charge_runs) + len(self._skip_runs) + len(self._ended_runs)
                               + len(self._resume_runs)),
+            "events.inbox": len(self._inbox),
             "users.states": len(self._user_states) + len(self._thr_by_user),
             "users.window": sum(len(d) for _, d in self._charged_window),
             "labels": len(self.labeler.labelled_users()),
@@ -826,6 +967,9 @@ class EngineTelemetry(OutputRateObserver):
         }
 
     def on_idle_wait(self, wait: IdleWait) -> None:
+        self._post(self._fold_idle_wait, wait)
+
+    def _fold_idle_wait(self, wait: IdleWait) -> None:
         if self.spans is not None:
             self.spans.on_idle_wait(wait)
         self._histogram("idle_wait_seconds", (wait.reason,)).observe(
@@ -838,7 +982,9 @@ class EngineTelemetry(OutputRateObserver):
     # -- the exporter thread ----------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """A JSON-able copy of everything (safe from another thread)."""
+        """A JSON-able copy of everything (safe from another thread): what
+        was handed over so far is folded first."""
+        self.drain()
         counters = self.counters.copy()
         drops = getattr(self.spans, "drops", None)
         if drops is not None:
@@ -974,11 +1120,18 @@ class EngineTelemetry(OutputRateObserver):
             self._export_due = True
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.export()
+        next_export = time.monotonic() + self.interval_s
+        while not self._stop.wait(DRAIN_INTERVAL_S):
+            self.drain()
+            if time.monotonic() >= next_export:
+                next_export += self.interval_s
+                self.export()
 
     def close(self) -> None:
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+        self.drain()
         self._fold()
         if self.spans is not None:
             self.spans.shutdown()

@@ -530,3 +530,109 @@ def test_pending_steps_stay_bounded_without_exports(tmp_path, monkeypatch):
     tel._fold()
     assert counter(tel, "requests_skipped", "a") == skipped["a"] > 50
     assert counter(tel, "tokens_charged", "a") == 120 and counter(tel, "tokens_charged", "b") == 90
+
+
+def _run_churn(tmp_path, monkeypatch, defer: bool, inbox_cap: int | None = None):
+    """Users pacing at their limits, one far below it, a burst of short
+    requests that finish between two drains, a client abort mid-throttle
+    and a second wave after the engine went idle; exports every 25 steps.
+    Returns the final snapshot and the telemetry."""
+    import vllm_output_rate.telemetry.engine as engine_mod
+    from vllm.v1.request import RequestStatus
+
+    if inbox_cap is not None:
+        monkeypatch.setattr(engine_mod, "INBOX_CAP", inbox_cap)
+    clock = FakeClock()
+    sched = make_scheduler(limits(1000, a=15, b=40, c=200), clock=clock)
+    tel = attach_telemetry(sched, str(tmp_path), top_k=100, start_thread=False, defer=defer)
+    drv = Driver(sched, clock, step_ms=10.0)
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", clock)
+    pacing = [make_request("a", max_tokens=30) for _ in range(3)]
+    pacing += [make_request("b", max_tokens=40) for _ in range(4)]
+    drv.add(*pacing, make_request("c", max_tokens=60))
+    for i in range(160):
+        if i == 20:  # short requests: added, served and finished between drains
+            drv.add(*[make_request(u, max_tokens=2) for u in ("a", "b", "d", "e")])
+        if i == 60:
+            sched.finish_requests([pacing[0].request_id], RequestStatus.FINISHED_ABORTED)
+        if i % 25 == 0:
+            tel._export_due = True  # (as after an export)
+        drv.step()
+    drv.run_until_done()
+    drv.add(*[make_request(u, max_tokens=12) for u in ("a", "a", "c")])
+    drv.run_until_done()
+    tel._fold()  # (deferred: nothing is folded before this snapshot drains)
+    return tel.snapshot(), tel
+
+
+def _comparable(snapshot):
+    """A snapshot's series without wall-clock times and container sizes."""
+    skip = {"telemetry_snapshot_timestamp_seconds", "state_entries",
+            "limits_loaded_timestamp_seconds", "schedule_limiter_ratio"}
+    # (sums of float seconds: the order of additions may differ)
+    return {kind: sorted(json.dumps([round(v, 9) if isinstance(v, float) else v for v in row])
+                         for row in snapshot[kind] if row[0] not in skip)
+            for kind in ("counters", "gauges", "histograms")}
+
+
+def test_deferred_folds_equal_folds_at_once(tmp_path, monkeypatch):
+    """The worker folds what the scheduler's thread handed over later, when
+    requests may be gone from the engine (users and facts by the handle
+    taken when each was added; KV blocks, live requests and episodes read
+    on the scheduler's thread): every counter, gauge and histogram equals
+    what folding each event at once gives, and nothing per request is left."""
+    at_once, _ = _run_churn(tmp_path / "once", monkeypatch, defer=False)
+    deferred, tel = _run_churn(tmp_path / "deferred", monkeypatch, defer=True)
+    a, b = _comparable(deferred), _comparable(at_once)
+    for kind in a:
+        assert set(a[kind]) ^ set(b[kind]) == set(), kind
+    counters = {(n, tuple(l)): v for n, l, v in deferred["counters"]}
+    assert counters[("requests_skipped", ("a",))] > 50
+    assert counters[("tokens_refunded", ("a", "not_scheduled"))] >= 0
+    assert counters[("telemetry_dropped", ("fold_failed",))] == 0
+    # (the ready time of a user with no live request is read by the worker)
+    states = [{u: {k: v for k, v in state.items() if k != "ready_in_s" or state["running"]}
+               for u, state in snap["users"]["states"].items()} for snap in (deferred, at_once)]
+    assert states[0] == states[1] and len(states[0]) == 5
+    sizes = tel.state_sizes()
+    assert not any(v for k, v in sizes.items() if k.startswith("requests.")), sizes
+    assert sizes["events.inbox"] == 0
+
+
+def test_inbox_is_bounded_when_the_worker_is_late(tmp_path, monkeypatch):
+    """With no drain at all, the scheduler's thread folds the inbox itself
+    once INBOX_CAP events wait: bounded, and the result is the same."""
+    import vllm_output_rate.telemetry.engine as engine_mod
+
+    peaks = []
+    real_post = engine_mod.EngineTelemetry._post
+
+    def post(self, fold, *args):
+        real_post(self, fold, *args)
+        peaks.append(len(self._inbox))
+
+    monkeypatch.setattr(engine_mod.EngineTelemetry, "_post", post)
+    capped, _ = _run_churn(tmp_path / "capped", monkeypatch, defer=True, inbox_cap=16)
+    assert 0 < max(peaks) < 16 and len(peaks) > 500
+    monkeypatch.undo()
+    at_once, _ = _run_churn(tmp_path / "once", monkeypatch, defer=False)
+    a, b = _comparable(capped), _comparable(at_once)
+    for kind in a:
+        assert set(a[kind]) ^ set(b[kind]) == set(), kind
+
+
+def test_a_failing_fold_is_counted_and_the_others_go_on(tmp_path, monkeypatch, caplog):
+    """A fold that raises on the worker drops that event (counted, logged
+    once): the engine and the other events go on."""
+    sched, drv, tel = setup(tmp_path, limits(1000, a=30))
+    tel._sync = False
+    drv.add(make_request("a", max_tokens=10))
+    drv.run(3)
+    tel._inbox.appendleft((lambda: 1 / 0, ()))
+    tel._inbox.appendleft((lambda: 1 / 0, ()))
+    drv.run_until_done()
+    tel.drain()
+    assert counter(tel, "telemetry_dropped", "fold_failed") == 2
+    assert sum("folding an event failed" in r.getMessage() for r in caplog.records) == 1
+    tel._fold()
+    assert counter(tel, "tokens_charged", "a") == 10

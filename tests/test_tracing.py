@@ -52,20 +52,40 @@ def setup(tmp_path, exporter, lim, background=True, throttle_min_s=0.0, **kw):
     if throttle_min_s is not None:
         recorder.throttle_min_ns = int(throttle_min_s * 1e9)
     _RECORDERS[:] = [recorder]
-    tel = attach_telemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
+    tel = attach_telemetry(sched, str(tmp_path), start_thread=False, spans=recorder,
+                           defer=_DEFER[0])
+    _TELEMETRY[:] = [tel]
     return sched, Driver(sched, clock, step_ms=10.0), tel, recorder
 
 
-#: recorders made by setup(): spans() builds what they queued first
+#: recorders and telemetry made by setup(): spans() folds what the
+#: telemetry was handed and builds what the recorders queued first
 _RECORDERS: list[SpanRecorder] = []
+_TELEMETRY: list = []
+#: whether setup()'s telemetry defers its folds to a drain (as with its
+#: worker thread) or folds each event at once
+_DEFER = [False]
+
+
+@pytest.fixture(params=[False, True], ids=["folded-at-once", "deferred"])
+def telemetry_mode(request):
+    """The tests that use setup() run twice: events folded as they come,
+    and deferred (folded only when spans are read: the requests are gone
+    from the engine by then, as they may be when the worker drains)."""
+    _DEFER[0] = request.param
+    yield request.param
+    _DEFER[0] = False
 
 
 def spans(exporter, name):
+    for tel in _TELEMETRY:
+        tel.drain()
     for recorder in _RECORDERS:
         recorder.flush()
     return [s for s in exporter.get_finished_spans() if s.name == name]
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_throttle_episodes_are_spans(tmp_path, exporter, monkeypatch):
     import vllm_output_rate.telemetry.engine as engine_mod
 
@@ -102,6 +122,7 @@ def test_throttle_episodes_are_spans(tmp_path, exporter, monkeypatch):
 
 
 @pytest.mark.parametrize("small_books", [False, True])
+@pytest.mark.usefixtures("telemetry_mode")
 def test_a_user_pacing_at_its_limit_gets_one_over_limit_period(tmp_path, exporter, monkeypatch,
                                                                small_books):
     """Four streams of one user taking turns at its limit: with the default
@@ -156,6 +177,7 @@ def test_a_user_pacing_at_its_limit_gets_one_over_limit_period(tmp_path, exporte
                for s in spans(exporter, "output_rate.over_limit"))
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_an_over_limit_period_ends_when_demand_falls_under_the_limit(tmp_path, exporter,
                                                                   monkeypatch):
     """Two periods for a user whose second burst of demand comes after a
@@ -175,6 +197,7 @@ def test_an_over_limit_period_ends_when_demand_falls_under_the_limit(tmp_path, e
     assert periods[0].end_time < periods[1].start_time
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_generation_span_carries_the_spacing_series(tmp_path, exporter, monkeypatch):
     import vllm_output_rate.telemetry.engine as engine_mod
 
@@ -190,6 +213,7 @@ def test_generation_span_carries_the_spacing_series(tmp_path, exporter, monkeypa
     assert gen.attributes["output_rate.spacing_p50_us"] == pytest.approx(50_000, abs=10_000)
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_refund_is_recorded_on_a_step_span(tmp_path, exporter):
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(10, b=1000), num_blocks=5,
                                  block_size=16, max_num_batched_tokens=256)
@@ -216,6 +240,7 @@ class _FakeEngine:
         self.handled.append((request_type, payload))
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_idle_wait_is_a_span(tmp_path, exporter):
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1))
     drv.add(make_request("a", max_tokens=5))
@@ -229,6 +254,7 @@ def test_idle_wait_is_a_span(tmp_path, exporter):
     assert "output_rate.lateness_ns" in span.attributes
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_new_request_wakes_the_idle_wait_at_once(tmp_path, exporter):
     import enum
 
@@ -268,6 +294,7 @@ def by_request(span_list):
     return out
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_spans_of_a_request_with_a_traceparent_are_children_of_its_trace(tmp_path, exporter,
                                                                          monkeypatch):
     """A request with a valid traceparent: its throttle episodes and its
@@ -304,6 +331,7 @@ def test_spans_of_a_request_with_a_traceparent_are_children_of_its_trace(tmp_pat
 
 
 @pytest.mark.parametrize("sampler", [None, "always_on"])
+@pytest.mark.usefixtures("telemetry_mode")
 def test_a_parent_that_is_not_sampled_is_followed_unless_the_sampler_says_otherwise(
         tmp_path, exporter, monkeypatch, sampler):
     """traceparent flags 00 (the caller did not sample): with the SDK's
@@ -331,6 +359,7 @@ def test_a_parent_that_is_not_sampled_is_followed_unless_the_sampler_says_otherw
 
 
 @pytest.mark.parametrize("source", [None, "header", "api_key"])
+@pytest.mark.usefixtures("telemetry_mode")
 def test_spans_carry_the_genai_attributes_and_user_id_only_when_trusted(
         tmp_path, exporter, monkeypatch, source):
     """GenAI conventions with vLLM's names: gen_ai.request.id is the id the
@@ -379,6 +408,7 @@ GENAI_NAMES = {"gen_ai.request.id", "gen_ai.response.model", "gen_ai.usage.outpu
                "gen_ai.response.finish_reasons", "user.id"}
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_a_shared_budget_keeps_the_callers_user_id(tmp_path, exporter):
     """In "shared" mode an unlisted user spends the one __unlisted__ budget
     (output_rate.user); user.id, when trusted, is still the caller."""
@@ -408,6 +438,7 @@ def test_external_request_id_is_vllms_client_facing_id(monkeypatch):
     assert rec._randomized_ids is False
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_the_spacing_series_survives_the_attribute_value_length_limit(tmp_path, exporter,
                                                                       monkeypatch):
     """OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT (read by the TracerProvider's
@@ -430,6 +461,7 @@ def test_the_spacing_series_survives_the_attribute_value_length_limit(tmp_path, 
     assert len(series(gen)) == 39 and gen.attributes["output_rate.spacing_series_truncated"] is False
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_client_abort_mid_throttle_ends_the_episode_and_the_generation(tmp_path, exporter,
                                                                       monkeypatch):
     import vllm_output_rate.telemetry.engine as engine_mod
@@ -657,6 +689,7 @@ def test_a_comma_separated_exporter_list_exports_to_each(monkeypatch):
     assert tracer_provider_from_env(None) is None  # none wins
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_refusal_only_steps_are_sampled_refund_steps_are_not(tmp_path, exporter, monkeypatch):
     from vllm_output_rate.tracing import spans as spans_mod
 
@@ -672,6 +705,7 @@ def test_refusal_only_steps_are_sampled_refund_steps_are_not(tmp_path, exporter,
     assert all(s.attributes["output_rate.refusal_steps_per_span"] == 10 for s in steps)
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_generation_series_is_capped_and_the_token_count_is_not(tmp_path, exporter, monkeypatch):
     import vllm_output_rate.telemetry.engine as engine_mod
     from vllm_output_rate.tracing import spans as spans_mod
@@ -688,6 +722,7 @@ def test_generation_series_is_capped_and_the_token_count_is_not(tmp_path, export
     assert not rec._overflow
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter, monkeypatch):
     """Steady tokens are not appended per request: the timeline of update
     spacings and the open runs hold them, and every TRIM_EVERY updates the
@@ -705,6 +740,7 @@ def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter
     longest = timeline = 0
     for _ in range(119):
         drv.step()
+        tel.drain()  # (deferred: the telemetry's worker folds the step)
         rec.flush()  # (the builder keeps the series)
         longest = max(longest, len(rec._series.get(req.request_id, ())))
         timeline = max(timeline, len(rec._gaps))
@@ -729,6 +765,7 @@ def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter
 
 
 @pytest.mark.parametrize("cap", [10_000, 5])
+@pytest.mark.usefixtures("telemetry_mode")
 def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monkeypatch, cap):
     """Steady runs, pauses at the limit, resumptions, two tokens in one
     update, aborts, and the timeline cut every 3 updates while runs are
@@ -822,6 +859,7 @@ def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(
 
 @pytest.mark.parametrize("raw, spans_expected", [("0.15", "long only"), ("0", "all"),
                                                    ("bad", "default"), ("-1", "default")])
+@pytest.mark.usefixtures("telemetry_mode")
 def test_throttle_spans_only_for_episodes_past_the_minimum(tmp_path, exporter, monkeypatch, raw,
                                                           spans_expected):
     import vllm_output_rate.telemetry.engine as engine_mod
@@ -943,6 +981,7 @@ def test_offline_traces_are_an_otlp_json_file(tmp_path, monkeypatch, writable):
     assert len(values) == 7 and all(v.WhichOneof("value") == "int_value" for v in values)
 
 
+@pytest.mark.usefixtures("telemetry_mode")
 def test_a_limits_reload_is_a_span(tmp_path, exporter, monkeypatch):
     from vllm_output_rate.config import load_limits_file
     from vllm_output_rate.scheduler import OutputRateSchedulerMixin

@@ -266,11 +266,9 @@ class SpanRecorder:
         #: the last step's time (scheduler clock), the period sweeps so far
         self._now = 0
         self._sweeps = 0
-        #: (set by ``telemetry.engine``) the users with a throttle episode
-        #: open now, read on the scheduler's thread at sweep ticks
-        self.open_episode_users: Callable[[], set[str | None]] = set
-        #: (the scheduler's thread) the last step that sent a period sweep
-        self._ticked = 0
+        #: how often ``telemetry.engine`` sends the users with a throttle
+        #: episode open (for over-limit periods to end)
+        self.sweep_ns = PERIOD_SWEEP_NS
         #: request id -> spacings past MAX_SERIES (counted, not kept)
         self._overflow: dict[str, int] = {}
         #: refusal-only steps get one step span in this many (refund steps: always)
@@ -382,27 +380,18 @@ class SpanRecorder:
     # -- per step ---------------------------------------------------------
 
     def on_step(self, record: StepReport, ended: Any = (), starts: Any = (),
-                opened_users: Any = ()) -> None:
-        """Per step (the scheduler's thread: at most two appends).
+                opened_users: Any = (),
+                held: dict[str, tuple[int, RequestFacts | None]] | None = None,
+                sweep: set[str | None] | None = None) -> None:
+        """Per step (``telemetry.engine``'s worker: at most two appends).
         ``ended``: the ids of throttled requests dispatched again, and
         ``starts`` when their episodes began; ``opened_users``: the users of
-        the episodes that began in this step (``telemetry.engine`` keeps the
-        episodes, in C). Every ``PERIOD_SWEEP_NS`` the users
-        with an episode open go along, for periods to end."""
+        the episodes that began in this step; ``held``: the KV blocks and
+        facts, read in the step, of the ended requests whose episode is at
+        least ``throttle_min_ns`` long; ``sweep`` (every ``sweep_ns``): the
+        users with an episode open, for periods to end."""
         now = record.now_ns
-        sweep = None
-        if now - self._ticked >= PERIOD_SWEEP_NS:
-            self._ticked = now
-            sweep = self.open_episode_users()
         if ended or opened_users or record.refused or record.preempted_throttled or sweep is not None:
-            held = None
-            if ended:
-                # the KV blocks and facts of the requests whose episode gets
-                # a span, read now (the builder runs later): long ones only
-                long = list(compress(ended, map(le, starts, repeat(now - self.throttle_min_ns))))
-                if long:
-                    view = self.view
-                    held = {r: (view.kv_blocks_held(r), view.request_facts(r)) for r in long}
             self._queue_replay(self._replay_step, now, opened_users, record.charged_by_user,
                                ended, starts, record.charged, record.preempted_throttled, held,
                                sweep)
@@ -780,13 +769,15 @@ class SpanRecorder:
             self._finish(req_id, reason, now)
 
     def on_aborted(self, aborted: list[tuple[str, str]], now: int,
-                   ended: dict[str, int] | None = None) -> None:
+                   ended: dict[str, int] | None = None,
+                   facts: list[RequestFacts | None] | None = None) -> None:
         """Requests finished from outside (client aborts), as (request id,
         user), and the start of the open throttle episodes among them: their
-        generation spans are emitted (the scheduler's thread: the facts of
-        each are read now, one append)."""
-        view = self.view
-        facts = [view.request_facts(req_id) for req_id, _ in aborted]
+        generation spans are emitted (one append; ``facts`` of each, read
+        from the engine now when not given)."""
+        if facts is None:
+            view = self.view
+            facts = [view.request_facts(req_id) for req_id, _ in aborted]
         self._queue_replay(self._replay_aborted, aborted, facts, ended or {}, now)
 
     def _replay_aborted(self, aborted: list[tuple[str, str]], facts: list[RequestFacts | None],

@@ -256,12 +256,21 @@ class SchedulerView(EngineView):
 
     def request_facts(self, request_id: str) -> RequestFacts | None:
         request = self._get(request_id)
-        if request is None:
-            return None
-        return RequestFacts(request_id, request.output_rate_user, request.priority,
-                            request.num_output_tokens, request.trace_headers or None,
-                            getattr(request, "output_rate_trusted", None),
-                            getattr(request, "output_rate_identity", None))
+        return None if request is None else self.handle_facts(request)
+
+    def request_handle(self, request_id: str) -> Any:
+        # vLLM's Request itself: our attributes on it stay readable after it
+        # is freed (the handle keeps it alive until the observer drops it)
+        return self._get(request_id)
+
+    def handle_user(self, handle: Any) -> str | None:
+        return handle.output_rate_user
+
+    def handle_facts(self, handle: Any) -> RequestFacts | None:
+        return RequestFacts(handle.request_id, handle.output_rate_user, handle.priority,
+                            handle.num_output_tokens, handle.trace_headers or None,
+                            getattr(handle, "output_rate_trusted", None),
+                            getattr(handle, "output_rate_identity", None))
 
     def num_output_tokens(self, request_id: str) -> int | None:
         request = self._get(request_id)

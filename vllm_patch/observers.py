@@ -163,6 +163,21 @@ class EngineView(ABC):
     def request_facts(self, request_id: str) -> RequestFacts | None:
         """Facts of a live request; None once it is gone."""
 
+    def request_handle(self, request_id: str) -> Any:
+        """An opaque handle of a live request (None once it is gone) that
+        ``handle_user`` and ``handle_facts`` read later, from any thread,
+        even after the request left the engine (an observer that defers its
+        work takes one when the request is added). The default is the id."""
+        return request_id
+
+    def handle_user(self, handle: Any) -> str | None:
+        """The user of a request by its handle (see ``request_handle``)."""
+        return self.user_of(handle)
+
+    def handle_facts(self, handle: Any) -> RequestFacts | None:
+        """Facts of a request by its handle (see ``request_handle``)."""
+        return self.request_facts(handle)
+
     @abstractmethod
     def num_output_tokens(self, request_id: str) -> int | None:
         """Output tokens of a live request so far; None once it is gone."""
@@ -214,6 +229,10 @@ class OutputRateObserver(ABC):
     """Receives what the limiter and the engine loop report. The ``on_*``
     methods run on the scheduler's thread, in the engine's hot path."""
 
+    def on_request(self, request_id: str) -> None:
+        """A request was added to the scheduler (once per request). The
+        default does nothing."""
+
     @abstractmethod
     def on_step(self, step: StepReport) -> None:
         """After every ``schedule()``, with what the limiter did in it."""
@@ -248,6 +267,10 @@ class _FanOut(OutputRateObserver):
 
     def __init__(self, observers: list[OutputRateObserver]) -> None:
         self.observers = observers
+
+    def on_request(self, request_id: str) -> None:
+        for observer in self.observers:
+            observer.on_request(request_id)
 
     def on_step(self, step: StepReport) -> None:
         for observer in self.observers:

@@ -168,6 +168,9 @@ class OutputRateSchedulerMixin:
         # When a token was last dispatched for it (rotation, cross-user order).
         request.output_rate_served_ns = 0
         super().add_request(request)
+        observer = self.output_rate_observer
+        if observer is not None:
+            observer.on_request(request.request_id)
 
     # -- the step --------------------------------------------------------
 
