@@ -133,13 +133,17 @@ class EngineTelemetry(OutputRateObserver):
         #: each at once, on the caller's thread
         self._inbox: deque[tuple[Callable[..., None], tuple]] = deque()
         self._sync = not (start_thread if defer is None else defer)
+        #: a span recorder without a builder thread of its own builds what
+        #: the worker queued at the end of each drain (while it is in cache)
+        self._flush_spans = (spans is not None and not self._sync
+                             and getattr(spans, "_builder", None) is None)
         self._drain_lock = threading.Lock()
         self._fold_error_logged = False
         #: request id -> its handle (``EngineView.request_handle``), from
         #: when it was added until it ends (the worker)
         self._handles: dict[str, Any] = {}
-        #: (the scheduler's thread) the last step that sent the requests with
-        #: an episode open, for over-limit periods to end
+        #: the last step that sent the users with an episode open to the
+        #: span recorder, for over-limit periods to end
         self._ticked = 0
         self.engine = view.engine_index
         self.model_name = view.model_name
@@ -166,10 +170,19 @@ class EngineTelemetry(OutputRateObserver):
         #: exports, aborts, when the engine goes idle and at close
         #: (``_fold``), or when ``PENDING_STEPS_CAP`` runs are pending.
         self._charge_runs: list[list[Any]] = []
-        self._skip_runs: list[list[Any]] = []
         #: closed throttle episodes not yet in their histograms: (end ns,
-        #: request ids, start ns of each, request id -> user)
-        self._ended_runs: list[tuple[int, list[str], list[int], Any]] = []
+        #: request ids, start ns of each, request id -> user, steps each
+        #: was counted skipped in since the last fold)
+        self._ended_runs: list[tuple[int, list[str], list[int], Any, list[int]]] = []
+        #: the steps whose throttled requests were exactly those with an
+        #: episode open, so far; request id -> that count when its episode
+        #: began or was last folded (the requests with an episode open, as
+        #: the scheduler's thread keeps them); the count at the last fold
+        self._full_steps = 0
+        self._bases: dict[str, int] = {}
+        self._bases_at = 0
+        #: the throttled lists of the other steps, since the last fold
+        self._skip_lists: list[list[str]] = []
         #: spacings of requests back after a pause, not yet in their
         #: histograms: (update ns, previous token ns of each, label of each)
         self._resume_runs: list[tuple[int, list[int], list[str | None]]] = []
@@ -319,20 +332,21 @@ class EngineTelemetry(OutputRateObserver):
                 starts = list(map(episodes.pop, ended))
         throttled = record.throttled
         opened: Any = ()
-        same = False
         if throttled:
-            if throttled == self._thr_prev_list:
-                # the same requests throttled as in the step before, in the
-                # same order (a heavily throttled engine): nothing opens
-                same = True
-            else:
+            # (the same requests throttled as in the step before, in the
+            # same order: a heavily throttled engine; nothing opens)
+            if throttled != self._thr_prev_list:
                 opened = list(filterfalse(episodes.__contains__, throttled))
                 if opened:
                     episodes.update(dict.fromkeys(opened, now))
                 self._thr_prev_list = throttled
         elif self._thr_prev_list:
             self._thr_prev_list = []
-        held = sweep = None
+        # Every throttled request has an episode open: when as many are
+        # open as were throttled, the requests with one open are exactly the
+        # step's throttled ones (the worker counts skips by episode then).
+        every = len(throttled) == len(episodes)
+        held = None
         spans = self.spans
         if spans is not None:
             if ended:
@@ -342,30 +356,28 @@ class EngineTelemetry(OutputRateObserver):
                 if long:
                     view = self.view
                     held = {r: (view.kv_blocks_held(r), view.request_facts(r)) for r in long}
-            if now - self._ticked >= spans.sweep_ns:
-                self._ticked = now
-                sweep = list(episodes)  # (a copy in C)
         reads = None
         if self._export_due:
             self._export_due = False
             reads = self._engine_reads(record.throttled)
-        self._post(self._fold_step, record, ended, starts, opened, same, held, sweep, reads)
+        self._post(self._fold_step, record, ended, starts, opened, every, held, reads)
 
     def _engine_reads(self, throttled: list[str]) -> tuple:
         """What gauges and user states need from the engine, read on the
         scheduler's thread (at export steps and when it goes idle): the KV
         blocks of each throttled request, live requests per user and their
-        users' ready times, the requests with an episode open."""
+        users' ready times, the requests gone with an episode open (aborts
+        close theirs; this is the guard)."""
         view = self.view
         episodes = self._episodes
-        if episodes:  # (a request gone with an episode open: aborts close
-            # theirs; this is the guard)
+        gone = []
+        if episodes:
             gone = [r for r in episodes if view.user_of(r) is None]
             for req_id in gone:
                 del episodes[req_id]
         requests = view.requests_by_user()
         return (list(map(view.kv_blocks_held, throttled)), requests,
-                {user: view.ready_at_ns(user) for user in requests}, list(episodes))
+                {user: view.ready_at_ns(user) for user in requests}, gone)
 
     def on_outputs(self, outputs: dict[int, Any]) -> None:
         """The engine outputs of one ``update_from_output``: when, and
@@ -393,6 +405,8 @@ class EngineTelemetry(OutputRateObserver):
                         self._fold_error_logged = True
                         logger.exception("output-rate telemetry: folding an event failed; "
                                          "further failures are only counted")
+            if self._flush_spans:
+                self.spans.flush()
 
     def _user_of(self, req_id: str) -> str | None:
         """A request's user, by the handle taken when it was added (it may
@@ -408,13 +422,16 @@ class EngineTelemetry(OutputRateObserver):
             return self.view.request_facts(req_id)
         return self.view.handle_facts(handle)
 
-    def _fold_step(self, record: StepReport, ended: Any, starts: Any, opened: Any, same: bool,
-                   held: Any, sweep: list[str] | None, reads: tuple | None) -> None:
+    def _fold_step(self, record: StepReport, ended: Any, starts: Any, opened: Any, every: bool,
+                   held: Any, reads: tuple | None) -> None:
         """One step, on the worker: references to the report's containers
-        kept run-length encoded ([the step's dict or list, how many steps
-        in a row had it]); what each user was charged and how many of its
-        requests were skipped go to the counters at the next fold
-        (``_fold``)."""
+        kept for the next fold (``_fold``); what each user was charged,
+        run-length encoded ([the step's dict, how many steps in a row had
+        it]). Skips are counted by throttle episode: a step whose throttled
+        requests are exactly those with an episode open (``every``: most
+        steps) only moves a step count on, and an episode that ends (or a
+        fold) credits its request with the steps counted since it began;
+        the other steps' throttled lists are counted request by request."""
         counters = self.counters
         charged = record.charged
         # Per user, as the scheduler settled them with the limiter: the
@@ -434,43 +451,49 @@ class EngineTelemetry(OutputRateObserver):
                 counters[("tokens_refunded", (labeler.label(user), reason))] += 1
                 counters[("engine_tokens_refunded", ())] += 1
         now = record.now_ns
-        if ended:  # (their durations are observed at the next fold)
-            self._ended_runs.append((now, ended, starts, charged))
+        bases, full = self._bases, self._full_steps
+        if ended:  # (their durations and skips go in at the next fold)
+            credits = list(map(sub, repeat(full, len(ended)), map(bases.pop, ended, repeat(full))))
+            self._ended_runs.append((now, ended, starts, charged, credits))
+        if opened:
+            users = self._thr_users
+            new = [r for r in opened if r not in users]
+            if new:
+                user_of = self._user_of
+                for req_id in new:
+                    users[req_id] = user_of(req_id) or OTHER
+            bases.update(dict.fromkeys(opened, full))
         throttled = record.throttled
+        if every:
+            self._full_steps = full + 1
+        elif throttled:
+            self._skip_lists.append(throttled)
         if throttled:
-            runs = self._skip_runs
-            if same and runs:
-                runs[-1][1] += 1
-            else:
-                if opened:
-                    users = self._thr_users
-                    new = [r for r in opened if r not in users]
-                    if new:
-                        user_of = self._user_of
-                        for req_id in new:
-                            users[req_id] = user_of(req_id) or OTHER
-                runs.append([throttled, 1])
             counters[("engine_requests_skipped", ())] += len(throttled)
-        if self.spans is not None:
-            self.spans.on_step(
-                record, ended, starts,
-                list(map(self._thr_users.__getitem__, opened)) if opened else (), held,
-                None if sweep is None else set(map(self._thr_users.get, sweep)))
+        spans = self.spans
+        if spans is not None:
+            sweep = None
+            if now - self._ticked >= spans.sweep_ns:  # users with an episode open
+                self._ticked = now
+                sweep = set(map(self._thr_users.get, bases))
+            spans.on_step(record, ended, starts,
+                          list(map(self._thr_users.__getitem__, opened)) if opened else (),
+                          held, sweep)
         if record.limiter_share is not None:
             self.histograms[("schedule_limiter_ratio", ())].observe(record.limiter_share)
-        if (len(self._charge_runs) + len(self._skip_runs) + len(self._ended_runs)
+        if (len(self._charge_runs) + len(self._skip_lists) + len(self._ended_runs)
                 + len(self._resume_runs)) > PENDING_STEPS_CAP:
             self._fold()  # (exports are late: keep what is pending bounded)
         if reads is not None:
             # Gauges and label changes only when an export is coming: their
             # cost is per export interval, not per step.
-            blocks, requests, ready, open_episodes = reads
-            self._fold(open_episodes)
+            blocks, requests, ready, gone = reads
+            self._fold(gone)
             self._update_throttled_gauges(throttled, blocks)
             self._update_user_states(now, requests, ready)
             self._rebalance()
-            if self.spans is not None:
-                self.spans.on_throttled_users(now, self._thr_by_user)
+            if spans is not None:
+                spans.on_throttled_users(now, self._thr_by_user)
 
     def _charge_fold(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._charged_keys, "tokens_charged", user)] += n
@@ -480,12 +503,13 @@ class EngineTelemetry(OutputRateObserver):
     def _skip_fold(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._skipped_keys, "requests_skipped", user)] += n
 
-    def _fold(self, open_episodes: list[str] | None = None) -> None:
+    def _fold(self, gone: list[str] | None = None) -> None:
         """Bring every user's charged and skipped counters (and activity),
         the throttle episodes' histograms and the spacing histograms up to
         date: at exports, aborts, when the engine goes idle, at close (the
-        worker). ``open_episodes``: the requests with an episode open at
-        this point (export steps): only their users stay known."""
+        worker). ``gone``: requests that left the engine with an episode
+        open (their episodes end here); given at export steps, after which
+        only the users of requests with an episode open stay known."""
         runs, self._charge_runs = self._charge_runs, []
         if runs:
             charged: Counter[str] = Counter()
@@ -500,25 +524,35 @@ class EngineTelemetry(OutputRateObserver):
             charged.update(chain.from_iterable(ones))
             for user, n in charged.items():
                 self._charge_fold(user, n)
-        runs, self._skip_runs = self._skip_runs, []
-        users = self._thr_users
-        if runs:
-            user_of = users.get
-            # (counted in C per request over every step that came once in a
-            # row, in one pass; then per user, a loop per distinct request)
-            by_request = Counter(chain.from_iterable(t for t, k in runs if k == 1))
-            skipped: Counter[str | None] = Counter()
-            for req_id, n in by_request.items():
+        users, bases, full = self._thr_users, self._bases, self._full_steps
+        user_of = users.get
+        skipped: Counter[str | None] = Counter()
+        if gone:
+            for req_id in gone:
+                base = bases.pop(req_id, None)
+                if base is not None and full > base:
+                    skipped[user_of(req_id)] += full - base
+        # the steps counted since the last fold, for every episode open
+        if bases and self._bases_at != full:
+            for req_id, base in bases.items():
+                if full > base:
+                    skipped[user_of(req_id)] += full - base
+            self._bases = dict.fromkeys(bases, full)
+        self._bases_at = full
+        for _now, ended, _starts, _by_id, credits in self._ended_runs:  # (per episode)
+            for user, n in zip(map(user_of, ended), credits):
+                skipped[user] += n
+        lists, self._skip_lists = self._skip_lists, []
+        if lists:
+            # (the other steps: counted in C per request, then per user)
+            for req_id, n in Counter(chain.from_iterable(lists)).items():
                 skipped[user_of(req_id)] += n
-            for throttled, k in runs:
-                if k > 1:
-                    for user, n in Counter(map(user_of, throttled)).items():
-                        skipped[user] += n * k
-            for user, n in skipped.items():
+        for user, n in skipped.items():
+            if n:
                 self._skip_fold(user or OTHER, n)
-        if open_episodes is not None and len(users) > len(open_episodes):
+        if gone is not None and len(users) > len(self._bases):
             # only the requests in an open episode stay known
-            self._thr_users = {r: users[r] for r in open_episodes if r in users}
+            self._thr_users = {r: users[r] for r in self._bases if r in users}
         ended, self._ended_runs = self._ended_runs, []
         if ended:
             self._observe_episodes(ended)
@@ -533,11 +567,11 @@ class EngineTelemetry(OutputRateObserver):
         for label, k in self._prev_by_label.items():
             self._fold_spacing(label, k)
 
-    def _observe_episodes(self, ended: list[tuple[int, list[str], list[int], Any]]) -> None:
+    def _observe_episodes(self, ended: list[tuple[int, list[str], list[int], Any, Any]]) -> None:
         """Closed throttle episodes into their users' histograms."""
         users: list[str | None] = []
         took: list[int] = []
-        for end_ns, req_ids, starts, by_id in ended:  # (per step; lists made in C)
+        for end_ns, req_ids, starts, by_id, _credits in ended:  # (per step; lists made in C)
             users.extend(map(by_id.get, req_ids))
             took.extend(map(sub, repeat(end_ns, len(starts)), starts))
         label = self.labeler.label
@@ -576,12 +610,15 @@ class EngineTelemetry(OutputRateObserver):
 
     def _fold_aborted(self, aborted: list[tuple[str, str]], now: int, ended: dict[str, int],
                       running: bool, reads: tuple | None) -> None:
+        if ended:  # (their skips and durations: folded next)
+            bases, full = self._bases, self._full_steps
+            closed = list(ended)
+            self._ended_runs.append((now, closed, list(ended.values()), dict(aborted),
+                                     [full - bases.pop(r, full) for r in closed]))
         # The engine may go idle now, with no step to fold counts at.
         self._fold(None if reads is None else reads[3])
         if reads is not None:
             self._update_user_states(now, reads[1], reads[2])
-        if ended:
-            self._observe_episodes([(now, list(ended), list(ended.values()), dict(aborted))])
         facts = None
         if self.spans is not None:
             facts = [self._facts_of(req_id) for req_id, _ in aborted]
@@ -956,8 +993,9 @@ class EngineTelemetry(OutputRateObserver):
             "requests.handles": len(self._handles),
             "users.activity": len(self._activity) + len(self._window_activity),
             "users.counter_keys": len(self._charged_keys) + len(self._skipped_keys),
-            "steps.pending": (len(self._charge_runs) + len(self._skip_runs) + len(self._ended_runs)
+            "steps.pending": (len(self._charge_runs) + len(self._skip_lists) + len(self._ended_runs)
                               + len(self._resume_runs)),
+            "requests.episodes_folded": len(self._bases),
             "events.inbox": len(self._inbox),
             "users.states": len(self._user_states) + len(self._thr_by_user),
             "users.window": sum(len(d) for _, d in self._charged_window),
@@ -1208,7 +1246,8 @@ def _span_recorder(view: EngineView) -> Any:
         provider = tracer_provider_from_env(view.otlp_traces_endpoint, drops)
         if provider is None:
             return None
-        recorder = SpanRecorder(tracer_from(provider), view)
+        # (no builder thread: the telemetry's worker builds the spans)
+        recorder = SpanRecorder(tracer_from(provider), view, background=False)
         recorder.drops = drops
         recorder.provider = provider
         return recorder

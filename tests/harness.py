@@ -77,6 +77,10 @@ class StepTap(OutputRateObserver):
         self.fn, self.inner = fn, inner
         self.limit_changes = []
 
+    def on_request(self, request_id):
+        if self.inner is not None:
+            self.inner.on_request(request_id)
+
     def on_step(self, step):
         self.fn(step)
         if self.inner is not None:

@@ -636,3 +636,78 @@ def test_a_failing_fold_is_counted_and_the_others_go_on(tmp_path, monkeypatch, c
     assert sum("folding an event failed" in r.getMessage() for r in caplog.records) == 1
     tel._fold()
     assert counter(tel, "tokens_charged", "a") == 10
+
+
+#: whether steps with throttled requests were counted by episode (True) or
+#: request by request (False), over the examples above
+_SKIP_PATHS: set[bool] = set()
+
+
+@hsettings(max_examples=12, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), active=st.sampled_from([None, 3, 5]),
+       batched=st.sampled_from([2048, 40, 24]), defer=st.booleans())
+def test_skips_counted_by_episode_equal_skips_counted_per_request(tmp_path_factory, seed, active,
+                                                                   batched, defer):
+    """Skips are counted by throttle episode when a step's throttled
+    requests are exactly those with an episode open, request by request
+    otherwise (the active cap or the token budget left some out, a prefill
+    held, a preemption): per user, always the count of (step, request)
+    pairs the scheduler reported throttled, whether folded at once or
+    deferred, with folds at random steps."""
+    import random
+    from collections import Counter
+
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(seed)
+    clock = FakeClock()
+    sched = make_scheduler(limits(1000, a=rng.choice([10, 30]), b=rng.choice([15, 60]), c=200),
+                           clock=clock, max_num_seqs=8, max_num_active_seqs=active,
+                           max_num_batched_tokens=batched)
+    tel = attach_telemetry(sched, str(tmp_path_factory.mktemp("skips")), start_thread=False,
+                           defer=defer)
+    drv = Driver(sched, clock, step_ms=10.0)
+    exact: Counter = Counter()
+    observe_steps(sched, lambda record: exact.update(
+        sched.requests[rid].output_rate_user for rid in record.throttled))
+    every = []
+    real = type(tel)._fold_step
+
+    def fold_step(self, record, ended, starts, opened, full, held, reads):
+        if record.throttled:
+            every.append(full)
+        real(self, record, ended, starts, opened, full, held, reads)
+
+    tel._fold_step = fold_step.__get__(tel)
+    live = []
+    for i in range(220):
+        if i % 40 == 0:
+            reqs = [make_request(rng.choice("abc"), prompt_len=rng.choice([8, 30]),
+                                 max_tokens=rng.randint(3, 25)) for _ in range(rng.randint(3, 7))]
+            drv.add(*reqs)
+            live += reqs
+        if rng.random() < 0.02:
+            victims = [r.request_id for r in live if r.request_id in sched.requests][:1]
+            if victims:
+                sched.finish_requests(victims, RequestStatus.FINISHED_ABORTED)
+        if rng.random() < 0.05:
+            tel._export_due = True
+        drv.step()
+        if rng.random() < 0.05:
+            tel.drain()
+            tel._fold()
+    drv.run_until_done()
+    tel.drain()
+    tel._fold()
+    got = {user: counter(tel, "requests_skipped", user) for user in exact}
+    assert got == dict(exact)
+    _SKIP_PATHS.update(every)  # (both ways are taken: see the test below)
+    assert not tel._bases and not tel._episodes
+
+
+def test_the_skip_examples_took_both_ways():
+    """The examples above counted steps by episode and request by request
+    (derandomized: the same examples every run)."""
+    if not _SKIP_PATHS:
+        pytest.skip("run with the test above")
+    assert _SKIP_PATHS == {True, False}
