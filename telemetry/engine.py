@@ -31,11 +31,12 @@ import os
 import threading
 import time
 from collections import Counter, defaultdict, deque
-from functools import partial
 from itertools import chain, compress, filterfalse, repeat
 from operator import le, sub
 from collections.abc import Callable
 from typing import Any
+
+import numpy as np
 
 from vllm_output_rate.telemetry.events import encode_event
 from vllm_output_rate.telemetry.labels import OTHER, UserLabeler
@@ -1189,29 +1190,37 @@ def _ns_edges(bounds: tuple[float, ...]) -> tuple[int, ...]:
     return tuple(edges)
 
 
-_EDGES: dict[tuple[float, ...], tuple[int, ...]] = {}
+_EDGES: dict[tuple[float, ...], Any] = {}
 
 
 def _observe_by_label(labels: list[str | None], values_ns: list[int],
                       hist_of: Callable[[Any], Histogram]) -> None:
     """Observe ``values_ns[i]`` (ns) in the histogram of ``labels[i]``: the
-    buckets counted in C per (label, bucket), the sums per label."""
+    buckets found and counted per (label, bucket) by numpy over the whole
+    batch (a fold's thousands of values), then a loop per label."""
     if not values_ns:
         return
     bounds = hist_of(labels[0]).bounds
     edges = _EDGES.get(bounds)
     if edges is None:
-        edges = _EDGES[bounds] = _ns_edges(bounds)
-    pairs = Counter(zip(labels, map(partial(bisect.bisect_right, edges), values_ns)))
-    sums: dict[Any, int] = defaultdict(int)
-    for label, value in zip(labels, values_ns):
-        sums[label] += value
-    for (label, bucket), n in pairs.items():
+        edges = _EDGES[bounds] = np.asarray(_ns_edges(bounds), dtype=np.int64)
+    n = len(values_ns)
+    values = np.fromiter(values_ns, dtype=np.int64, count=n)
+    index: dict[Any, int] = {}
+    for label in labels:  # (distinct labels, in order: a dict pass in C)
+        index.setdefault(label, len(index))
+    which = np.fromiter(map(index.__getitem__, labels), dtype=np.int64, count=n)
+    width = len(edges) + 1
+    counts = np.bincount(which * width + np.searchsorted(edges, values, side="right"),
+                         minlength=len(index) * width).reshape(len(index), width)
+    sums = np.bincount(which, weights=values, minlength=len(index))
+    for label, i in index.items():
         hist = hist_of(label)
-        hist.counts[bucket] += n
-        hist.count += n
-    for label, total in sums.items():
-        hist_of(label).sum += total * 1e-9
+        row = counts[i]
+        for bucket in np.flatnonzero(row).tolist():
+            hist.counts[bucket] += int(row[bucket])
+        hist.count += int(row.sum())
+        hist.sum += float(sums[i]) * 1e-9
 
 
 def attach(view: EngineView) -> EngineTelemetry | None:
