@@ -1,17 +1,29 @@
-"""Engine-side telemetry: aggregate in the scheduler thread, export off it.
+"""Engine-side telemetry: handed over on the scheduler's thread, folded and
+exported off it.
 
 Lives in the engine-core process: an ``OutputRateObserver`` (see
 ``vllm_output_rate.observers``), registered by ``telemetry.plugin``. The
-scheduler hands over plain data once per step (``StepReport``), once per
-``update_from_output`` (the engine outputs, for token timing), at aborts and
-once per idle wait (``IdleWait``); this module folds them into plain dicts of
-counters, gauges and histogram buckets, and reads the engine only through
-its ``EngineView``. Nothing here touches an mmap, a lock or an exporter on
-the scheduler's thread.
+scheduler hands over plain data when a request is added, once per step
+(``StepReport``), once per ``update_from_output`` (the engine outputs, for
+token timing), at aborts and once per idle wait (``IdleWait``). On the
+scheduler's thread this module only appends each to an inbox (references
+to the step's own containers, not changed after it) and makes the reads of
+the engine that must be made then: which throttle episodes end and begin
+(one pass each in C), the KV blocks and facts of the requests whose long
+episode ended (for their spans), and at export steps the inputs of the
+gauges and user states (KV blocks of the throttled requests, live requests
+per user). A worker thread of ours drains the inbox every
+``DRAIN_INTERVAL_S`` and folds it, in order, into plain dicts of counters,
+gauges and histogram buckets (users and facts of requests by a handle taken
+when each was added: they may be gone from the engine by then), then
+builds the spans (``tracing.spans``). Nothing here touches an mmap, a lock
+or an exporter on the scheduler's thread; if the worker falls
+``INBOX_CAP`` events behind, the scheduler's thread drains the inbox
+itself (bounded memory, nothing lost). A fold that fails is counted in
+``telemetry_dropped_total{reason="fold_failed"}`` and logged once.
 
-A daemon thread copies the dicts (``dict.copy`` is atomic under the GIL) every
-``interval_s`` and writes a JSON snapshot atomically (temp file + rename) into
-the telemetry directory; ``telemetry.collector`` in the API-server process
+The worker copies the dicts every ``interval_s`` and writes a JSON snapshot
+atomically (temp file + rename) into the telemetry directory; ``telemetry.collector`` in the API-server process
 turns the snapshots into Prometheus metrics on vLLM's own ``/metrics``. A
 failing write is counted in ``telemetry_dropped_total`` and logged once.
 
@@ -65,6 +77,9 @@ DRAIN_INTERVAL_S = 0.05
 #: Events handed over and not yet folded before the scheduler's thread
 #: folds them itself (the worker is late: keeps the inbox bounded).
 INBOX_CAP = 4096
+#: Events the worker folds between two points where it lets the scheduler's
+#: thread take the GIL (it would wait up to the switch interval, 5 ms).
+YIELD_EVERY = 8
 #: Steps' charges and skips kept for the next fold before one is forced (an
 #: export is due every ``EXPORT_INTERVAL_S``; this bounds them if it is late).
 PENDING_STEPS_CAP = 4096
@@ -139,6 +154,8 @@ class EngineTelemetry(OutputRateObserver):
         self._flush_spans = (spans is not None and not self._sync
                              and getattr(spans, "_builder", None) is None)
         self._drain_lock = threading.Lock()
+        #: the worker's thread id: its drains give the GIL up every YIELD_EVERY events
+        self._worker_ident: int | None = None
         self._fold_error_logged = False
         #: request id -> its handle (``EngineView.request_handle``), from
         #: when it was added until it ends (the worker)
@@ -395,8 +412,13 @@ class EngineTelemetry(OutputRateObserver):
         fold is counted (``telemetry_dropped{reason="fold_failed"}``) and
         logged once; the others go on."""
         inbox = self._inbox
+        pause = threading.get_ident() == self._worker_ident
         with self._drain_lock:
+            n = 0
             while inbox:
+                n += 1
+                if pause and n % YIELD_EVERY == 0:
+                    time.sleep(0)  # (let a waiting scheduler thread have the GIL)
                 fold, args = inbox.popleft()
                 try:
                     fold(*args)
@@ -1159,6 +1181,7 @@ class EngineTelemetry(OutputRateObserver):
             self._export_due = True
 
     def _run(self) -> None:
+        self._worker_ident = threading.get_ident()
         next_export = time.monotonic() + self.interval_s
         while not self._stop.wait(DRAIN_INTERVAL_S):
             self.drain()

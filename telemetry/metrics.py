@@ -154,7 +154,8 @@ METRICS: tuple[Metric, ...] = (
            "bounded by the label cap; limiter.users: users whose budget is not full).",
            ("container",), renamed=False),
     Metric("telemetry_dropped", "counter", "events",
-           "Telemetry data dropped (export failed, event log write failed, event queue full), by reason.", ("reason",)),
+           "Telemetry data dropped (export failed, event log write failed, event queue full, "
+           "a fold failed, trace queue full, trace export failed), by reason.", ("reason",)),
 )
 
 BY_NAME = {m.name: m for m in METRICS}

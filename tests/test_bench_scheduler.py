@@ -15,6 +15,7 @@ from harness import REPO
     ["--same-scheduler"],
     ["--same-scheduler", "--telemetry", "--throttled-rate", "10"],
     ["--same-scheduler", "--telemetry", "--cpu", "--no-traces"],
+    ["--same-scheduler", "--telemetry", "--thread-cpu", "--throttled-rate", "10"],
     ["--control"],
 ])
 def test_the_benchmark_runs_and_prints_its_table(args):

@@ -2,14 +2,15 @@
 
 Built from the same plain data the metrics use (``StepReport`` per step,
 ``IdleWait`` per idle wait, the engine outputs per ``update_from_output``;
-see ``vllm_output_rate.observers``), driven by ``telemetry.engine``.
-On the scheduler's thread tracing is at most one append per step and one
-per update of plain data (references to the step's own containers, lists
-made in C) to a bounded queue; a builder thread of ours replays them in
-order (the spacing series, throttle episodes per request, over-limit
-periods per user) and makes the SDK spans (every ``BUILD_INTERVAL_S``, and
-at shutdown), handing them to a ``BatchSpanProcessor``, whose queue and
-exporter thread export them. A full queue drops entries and a failing
+see ``vllm_output_rate.observers``), driven by ``telemetry.engine``,
+whose worker thread (off the scheduler's thread) appends plain data per
+step and per update (references to the step's own containers, lists made
+in C) to a bounded queue and, at the end of each of its drains, replays
+them in order (the spacing series, throttle episodes per request,
+over-limit periods per user) and makes the SDK spans (``flush``; a
+recorder made with ``background=True`` has a builder thread of its own
+that does it every ``BUILD_INTERVAL_S``; and at shutdown), handing them to
+a ``BatchSpanProcessor``, whose queue and exporter thread export them. A full queue drops entries and a failing
 exporter loses spans, both counted (``TraceDrops``, exported as
 ``vllm_output_rate_telemetry_dropped_total``) and logged once, never
 blocking. Building and exporting a span costs the process some tens of
@@ -201,7 +202,7 @@ def _quantile(sorted_values: list[int], q: float) -> int:
 
 
 class _Period:
-    """One user's over-limit period (the span builder's thread only).
+    """One user's over-limit period (the span builder only).
 
     What is counted per step (tokens charged, episode durations, when the
     last episode ended) is kept per user in the recorder's own books,
@@ -240,7 +241,7 @@ class SpanRecorder:
         self.drops = TraceDrops(max_queue_from_env())
         #: the TracerProvider (flushed and shut down with the engine)
         self.provider: Any = None
-        #: (the span builder's thread only, from here to ``_who``:)
+        #: (the span builder only, from here to ``_who``:)
         #: user -> its open over-limit period
         self._periods: dict[str, _Period] = {}
         #: request id -> the durations (ns) of its throttle episodes ended
@@ -297,7 +298,7 @@ class SpanRecorder:
         self._propagator: Any = None
         #: whether vLLM appended its random suffix to the client's request id
         self._randomized_ids = not _env_flag(_NO_RANDOM_ID_ENV)
-        #: spans to build: (builder, args) queued by the scheduler's thread as
+        #: spans to build: (builder, args) queued by ``telemetry.engine``'s worker as
         #: plain data, built into SDK spans by a thread of our own (or flush())
         self._pending: deque[tuple[Callable[..., None], tuple]] = deque()
         self._build_error_logged = False
@@ -357,7 +358,8 @@ class SpanRecorder:
             pending.append((build, args))
 
     def flush(self) -> None:
-        """Build every queued span now (the builder thread does this every
+        """Build every queued span now (the telemetry's worker at the end of
+        each drain, or the builder thread of a ``background`` recorder every
         ``BUILD_INTERVAL_S``; shutdown and tests call it)."""
         pending = self._pending
         # (the scheduler's thread never takes this lock: it only appends)
@@ -400,7 +402,7 @@ class SpanRecorder:
                         len(record.throttled), list(record.refused))
 
     def _queue_replay(self, replay: Callable[..., None], *args: Any) -> None:
-        """Queue what the span builder's thread keeps books of (series,
+        """Queue what the span builder keeps books of (series,
         episodes, periods): dropped and counted only when the queue is
         full, like a span."""
         pending = self._pending
@@ -409,7 +411,7 @@ class SpanRecorder:
         else:
             pending.append((replay, args))
 
-    # -- the span builder's thread: throttle episodes and over-limit periods --
+    # -- the span builder: throttle episodes and over-limit periods --------
 
     def _replay_step(self, now: int, opened_users: list[str], charged_by_user: dict[str, int],
                      ended: list[str], starts: list[int], charged: dict[str, str],

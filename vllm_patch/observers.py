@@ -1,8 +1,10 @@
 """The observer contract: how the engine side reports what the limiter did.
 
 The scheduler and the engine loop know nothing of telemetry or tracing. They
-report four things, as plain data, to whatever observers were registered:
+report five things, as plain data, to whatever observers were registered:
 
+* a request added (its id: an observer that defers its work takes a
+  handle to read its user and facts by later, ``EngineView.request_handle``),
 * a step (``StepReport``: ids, users, counts; no vLLM objects),
 * the engine outputs of each ``update_from_output`` (token timing),
 * requests finished from outside the scheduler (client aborts),
