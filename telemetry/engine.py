@@ -334,9 +334,9 @@ class EngineTelemetry(OutputRateObserver):
         Here only: the throttle episodes that end (a throttled request
         dispatched again) and begin (throttled now, none open), by one pass
         each in C over the step's lists; the KV blocks and facts of the
-        requests whose episode is long enough for a span; at a sweep tick,
-        the requests with an episode open; at an export step, the reads of
-        the engine that gauges and user states need. Everything else runs on
+        requests whose episode is long enough for a span; at an export
+        step, the reads of the engine that gauges and user states need (and
+        the requests gone with an episode open). Everything else runs on
         the worker (``_fold_step``), from references to the report's own
         containers (not changed after the step)."""
         episodes = self._episodes
