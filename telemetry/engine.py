@@ -73,13 +73,10 @@ logger = logging.getLogger("vllm_output_rate.telemetry")
 EVENTS_QUEUE_CAP = 500_000
 EXPORT_INTERVAL_S = 1.0
 #: How often the worker folds what the scheduler's thread handed over.
-DRAIN_INTERVAL_S = 0.05
+DRAIN_INTERVAL_S = 0.1
 #: Events handed over and not yet folded before the scheduler's thread
 #: folds them itself (the worker is late: keeps the inbox bounded).
 INBOX_CAP = 4096
-#: Events the worker folds between two points where it lets the scheduler's
-#: thread take the GIL (it would wait up to the switch interval, 5 ms).
-YIELD_EVERY = 8
 #: Steps' charges and skips kept for the next fold before one is forced (an
 #: export is due every ``EXPORT_INTERVAL_S``; this bounds them if it is late).
 PENDING_STEPS_CAP = 4096
@@ -154,8 +151,6 @@ class EngineTelemetry(OutputRateObserver):
         self._flush_spans = (spans is not None and not self._sync
                              and getattr(spans, "_builder", None) is None)
         self._drain_lock = threading.Lock()
-        #: the worker's thread id: its drains give the GIL up every YIELD_EVERY events
-        self._worker_ident: int | None = None
         self._fold_error_logged = False
         #: request id -> its handle (``EngineView.request_handle``), from
         #: when it was added until it ends (the worker)
@@ -412,13 +407,8 @@ class EngineTelemetry(OutputRateObserver):
         fold is counted (``telemetry_dropped{reason="fold_failed"}``) and
         logged once; the others go on."""
         inbox = self._inbox
-        pause = threading.get_ident() == self._worker_ident
         with self._drain_lock:
-            n = 0
             while inbox:
-                n += 1
-                if pause and n % YIELD_EVERY == 0:
-                    time.sleep(0)  # (let a waiting scheduler thread have the GIL)
                 fold, args = inbox.popleft()
                 try:
                     fold(*args)
@@ -1181,7 +1171,6 @@ class EngineTelemetry(OutputRateObserver):
             self._export_due = True
 
     def _run(self) -> None:
-        self._worker_ident = threading.get_ident()
         next_export = time.monotonic() + self.interval_s
         while not self._stop.wait(DRAIN_INTERVAL_S):
             self.drain()
