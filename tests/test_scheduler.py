@@ -15,18 +15,32 @@ from vllm.v1.request import RequestStatus
 from harness import Driver, FakeClock, make_request, make_scheduler, observe_steps, scheduled_ids
 from vllm_output_rate import config as orl_config
 from vllm_output_rate import scheduler as orl_scheduler
+from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
 
-@pytest.fixture(autouse=True, params=["lean", "general"])
+class SettledLimiter(OutputRateLimiter):
+    """The plain limiter's rules, through the scheduler's other books: a
+    limiter that is not exactly ``OutputRateLimiter`` (shared budgets) is
+    asked once per user in a step and settled once at its end, where the
+    plain one is charged token by token as the step goes."""
+
+
+@pytest.fixture(autouse=True, params=["lean", "general", "lean-settled", "general-settled"])
 def charge_path(request, monkeypatch):
-    """Every test here runs twice: with the lean charge hook the scheduler
-    uses where the active cap cannot bind, and with every step through the
-    general one (``_reserve_prefill_lookahead``): one set of charge rules."""
-    if request.param == "general":
+    """Every test here runs four times: with the lean charge hook the
+    scheduler uses where the active cap cannot bind, and with every step
+    through the general one (``_reserve_prefill_lookahead``); each with the
+    plain limiter charged token by token and with a limiter settled once
+    per step. One set of charge rules."""
+    if request.param.startswith("general"):
         monkeypatch.setattr(orl_scheduler.OutputRateSchedulerMixin, "output_rate_lean_hook", False)
+    if request.param.endswith("settled"):
+        monkeypatch.setattr(
+            orl_scheduler.OutputRateSchedulerMixin, "_orl_new_limiter",
+            lambda self, config: SettledLimiter(config.default_rate, config.user_rates))
     return request.param
 
 
@@ -35,7 +49,8 @@ def test_each_charge_path_is_the_one_that_runs(charge_path):
     drv.add(make_request("a", max_tokens=4))
     drv.step()
     lean = "_reserve_prefill_lookahead" in sched.__dict__  # the closure set per step
-    assert lean == (charge_path == "lean")
+    assert lean == charge_path.startswith("lean")
+    assert sched._orl_direct == (not charge_path.endswith("settled"))
 
 
 def limits(default, **users):

@@ -128,8 +128,7 @@ class OutputRateLimiter:
     def take(self, user: str, now_ns: int, n: int) -> None:
         """Take ``n`` tokens at ``now_ns`` at once (``n <= available(...)``).
 
-        The same as ``n`` successful ``try_take`` calls at ``now_ns``; the
-        scheduler uses it to settle a step's net charges per user.
+        The same as ``n`` successful ``try_take`` calls at ``now_ns``.
         """
         if n <= 0:
             return
@@ -140,8 +139,10 @@ class OutputRateLimiter:
         st.tat = (st.tat if st.tat > now else now) + n * st.step
 
     def settle(self, now_ns: int, taken: Mapping[str, int]) -> None:
-        """``take(user, now_ns, n)`` for every ``user, n`` in ``taken``: the
-        scheduler's net charges of one step, in one call."""
+        """``take(user, now_ns, n)`` for every ``user, n`` in ``taken``: a
+        step's net charges in one call (the scheduler settles any limiter
+        but this plain one so; this one it charges token by token, with
+        ``try_take`` inlined in its charge hook)."""
         users = self._users
         for user, n in taken.items():
             if n <= 0:

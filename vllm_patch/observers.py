@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -54,13 +55,28 @@ class StepReport:
     cap_deferred: int = 0
     #: ids of throttled requests preempted in place of a request with budget
     preempted_throttled: list[str] = field(default_factory=list)
-    #: user -> tokens charged and kept in this step (net of refunds; users
-    #: asked but not charged are absent): what was settled with the limiter
-    charged_by_user: dict[str, int] = field(default_factory=dict)
     #: share of this schedule() call spent in the limiter's step-level code
     #: (ordering, settling; not the per-request charge hook); set only when
     #: an observer is registered
     limiter_share: float | None = None
+    #: set by the scheduler when it settled net charges with the limiter
+    #: (shared budgets); otherwise counted from ``charged`` when first read
+    _charged_by_user: dict[str, int] | None = None
+
+    @property
+    def charged_by_user(self) -> dict[str, int]:
+        """user -> tokens charged and kept in this step (net of refunds;
+        users asked but not charged are absent). Counted when first read,
+        so that the scheduler's thread does no per-user work for it: an
+        observer reads it from its own thread, after the step."""
+        by_user = self._charged_by_user
+        if by_user is None:
+            by_user = self._charged_by_user = dict(Counter(self.charged.values()))
+        return by_user
+
+    @charged_by_user.setter
+    def charged_by_user(self, value: dict[str, int]) -> None:
+        self._charged_by_user = value
 
 
 @dataclass(slots=True)

@@ -271,6 +271,12 @@ class OutputRateSchedulerMixin:
         self._orl_record = record
         self._orl_charged = record.charged
         self._orl_refused = record.refused
+        # The plain limiter is charged token by token as the step goes
+        # (``try_take``; a refund gives one back), so its state is always the
+        # user's budget left in this step. Any other limiter (shared budgets)
+        # is asked once per user and settled once per step with the net
+        # charges, through the two books below.
+        self._orl_direct = type(self.output_rate_limiter) is OutputRateLimiter
         # user -> tokens it may still take in this step (asked once per user)
         self._orl_allow: dict[str, int] = {}
         # user -> tokens it could take at the start of this step
@@ -298,7 +304,7 @@ class OutputRateSchedulerMixin:
             user = request.output_rate_user
             streams[user] = streams.get(user, 0) + 1
         # Asks the limiter once per user: the hook reads the same allowance.
-        budget = {user: self._orl_budget(user) for user in streams}
+        budget = {user: self._orl_left(user) for user in streams}
         short = any(budget[user] < n for user, n in streams.items())
         cap_binds = len(running) > self._orl_base_active
         if not short and not cap_binds:
@@ -383,12 +389,8 @@ class OutputRateSchedulerMixin:
             req_id = request.request_id
             if req_id not in charged:
                 user = request.output_rate_user
-                left = self._orl_allow.get(user)
-                if left is None:
-                    left = self._orl_budget(user)
-                if left <= 0:
+                if not self._orl_take(user):
                     return self._orl_refuse(request, user, num_computed_tokens)
-                self._orl_allow[user] = left - 1
                 charged[req_id] = user
         if running:
             self._orl_active += 1
@@ -400,11 +402,44 @@ class OutputRateSchedulerMixin:
         bind: no running request can exceed it, since no more are resident,
         so the per-request cap accounting of the method above is skipped.
         Otherwise the same rules, with the step's state in local cells
-        rather than behind attribute lookups (this runs once per request)."""
-        charged, allow, allow_start = self._orl_charged, self._orl_allow, self._orl_allow_start
-        available, now = self.output_rate_limiter.available, self._orl_now
+        rather than behind attribute lookups (this runs once per request).
+        With the plain limiter its ``try_take`` is inlined on the user's
+        state (``limiter.py``: rate-scaled integers): one request's charge
+        is a few integer operations, nothing per user at the step's end."""
+        charged, now = self._orl_charged, self._orl_now
         refuse = self._orl_refuse
         running_status = _RUNNING
+        limiter = self.output_rate_limiter
+        if self._orl_direct:
+            states, new_state = limiter._users, limiter._new_state
+
+            def charge_direct(request: Request, num_computed_tokens: int,
+                              num_new_tokens: int) -> int:
+                if num_new_tokens <= 0:
+                    return 0
+                if (request.status == running_status and not request.is_prefill_chunk) or (
+                    num_computed_tokens + num_new_tokens >= request.num_tokens
+                ):
+                    req_id = request.request_id
+                    if req_id not in charged:
+                        user = request.output_rate_user
+                        st = states.get(user)
+                        if st is None:
+                            st = new_state(user, now)
+                        at = now * st.num
+                        tat = st.tat
+                        if tat < at:
+                            tat = at
+                        elif tat - at > st.burst:
+                            return refuse(request, user, num_computed_tokens)
+                        st.tat = tat + st.step
+                        charged[req_id] = user
+                return num_new_tokens
+
+            return charge_direct
+
+        allow, allow_start = self._orl_allow, self._orl_allow_start
+        available = limiter.available
 
         def charge(request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
             if num_new_tokens <= 0:
@@ -427,11 +462,25 @@ class OutputRateSchedulerMixin:
 
         return charge
 
-    def _orl_budget(self, user: str) -> int:
-        """First look at ``user`` in this step: how many tokens it may take."""
-        left = self.output_rate_limiter.available(user, self._orl_now)
-        self._orl_allow[user] = self._orl_allow_start[user] = left
+    def _orl_left(self, user: str) -> int:
+        """How many tokens ``user`` may still take in this step."""
+        if self._orl_direct:
+            return self.output_rate_limiter.available(user, self._orl_now)
+        left = self._orl_allow.get(user)
+        if left is None:  # first look at this user in this step
+            left = self.output_rate_limiter.available(user, self._orl_now)
+            self._orl_allow[user] = self._orl_allow_start[user] = left
         return left
+
+    def _orl_take(self, user: str) -> bool:
+        """Charge ``user`` one token now, if it has one left in this step."""
+        if self._orl_direct:
+            return self.output_rate_limiter.try_take(user, self._orl_now)
+        left = self._orl_left(user)
+        if left <= 0:
+            return False
+        self._orl_allow[user] = left - 1
+        return True
 
     def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
         self._orl_refused[user] = 0  # ready time filled in when the step ends
@@ -458,10 +507,7 @@ class OutputRateSchedulerMixin:
             # its own preemptions, admit nothing new in this step.
             return False
         user = request.output_rate_user
-        left = self._orl_allow.get(user)
-        if left is None:
-            left = self._orl_budget(user)
-        if left > 0:
+        if self._orl_left(user) > 0:
             return True
         self._orl_refused[user] = 0
         if self._orl_chunked and self._can_hold_prefill(request):
@@ -511,15 +557,12 @@ class OutputRateSchedulerMixin:
             start = running.index(request) + 1
         except ValueError:
             return None
-        charged, allow = self._orl_charged, self._orl_allow
+        charged = self._orl_charged
         candidates = []
         for r in running[start:]:
             if r.request_id in charged or not self._request_blocks_can_be_freed(r):
                 continue
-            left = allow.get(r.output_rate_user)
-            if left is None:
-                left = self._orl_budget(r.output_rate_user)
-            if left <= 0:
+            if self._orl_left(r.output_rate_user) <= 0:
                 candidates.append(r)
         if not candidates:
             return None
@@ -536,19 +579,26 @@ class OutputRateSchedulerMixin:
     def _orl_finish(self, scheduled: dict[str, int], preempted: set[str]) -> None:
         record = self._orl_record
         charged = record.charged
+        limiter = self.output_rate_limiter
+        direct = self._orl_direct
         allow = self._orl_allow
         for req_id in () if charged.keys() <= scheduled.keys() else charged.keys() - scheduled.keys():
             # The single refund point: charged but not dispatched.
             user = charged.pop(req_id)
-            allow[user] += 1
+            if direct:
+                limiter.refund(user)
+            else:
+                allow[user] += 1
             reason = "preempted" if req_id in preempted else "not_scheduled"
             record.refunded.append((req_id, user, reason))
-        # Settle the step: the net charge of each user, taken at `now` (the
-        # same as one try_take per charge and one refund per give-back).
-        limiter = self.output_rate_limiter
-        taken = {user: n for user, start in self._orl_allow_start.items() if (n := start - allow[user]) > 0}
-        record.charged_by_user = taken
-        limiter.settle(self._orl_now, taken)
+        if not direct:
+            # Settle the step: the net charge of each user, taken at `now`
+            # (the same as one try_take per charge and one refund per
+            # give-back). The plain limiter was charged as the step went.
+            taken = {user: n for user, start in self._orl_allow_start.items()
+                     if (n := start - allow[user]) > 0}
+            record.charged_by_user = taken
+            limiter.settle(self._orl_now, taken)
         refused = record.refused
         for user in refused:
             refused[user] = limiter.ready_at_ns(user)
