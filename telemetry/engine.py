@@ -176,9 +176,9 @@ class EngineTelemetry(OutputRateObserver):
         #: user -> counter key (bounded; cleared when labels change)
         self._charged_keys: dict[str, tuple] = {}
         self._skipped_keys: dict[str, tuple] = {}
-        #: What each step charged per user and throttled, kept as references
-        #: to the step reports' own containers, run-length encoded ([the
-        #: step's dict or list, how many steps in a row had it]): no work per
+        #: What each step charged (request -> user) and throttled, kept as
+        #: references to the step reports' own containers, run-length encoded
+        #: ([the step's dict or list, how many steps in a row had it]): no work per
         #: user or per request in a step; folded into the counters at
         #: exports, aborts, when the engine goes idle and at close
         #: (``_fold``), or when ``PENDING_STEPS_CAP`` runs are pending.
@@ -447,16 +447,15 @@ class EngineTelemetry(OutputRateObserver):
         the other steps' throttled lists are counted request by request."""
         counters = self.counters
         charged = record.charged
-        # Per user, as the scheduler settled them with the limiter: the
-        # step's dict itself, or one more step of the last one when equal
-        # (a steady engine: most steps).
-        per_user = record.charged_by_user
-        if per_user:
+        # The step's own request -> user dict of charges (net of refunds),
+        # or one more step of the last one when equal (a steady engine:
+        # most steps); counted per user at the fold, in C.
+        if charged:
             runs = self._charge_runs
-            if runs and runs[-1][0] == per_user:
+            if runs and runs[-1][0] == charged:
                 runs[-1][1] += 1
             else:
-                runs.append([per_user, 1])
+                runs.append([charged, 1])
             counters[("engine_tokens_charged", ())] += len(charged)
         if record.refunded:
             labeler = self.labeler
@@ -525,16 +524,14 @@ class EngineTelemetry(OutputRateObserver):
         only the users of requests with an episode open stay known."""
         runs, self._charge_runs = self._charge_runs, []
         if runs:
-            charged: Counter[str] = Counter()
-            # (steps that charged each user one token: counted in C)
-            ones: list[dict[str, int]] = []
-            for per_user, k in runs:
-                if k == 1 and len(per_user) == sum(per_user.values()):
-                    ones.append(per_user)
-                else:
-                    for user, n in per_user.items():
+            # (the users of every charge of the steps seen once: counted in
+            # C; a run of equal steps: its step's counts times its length)
+            charged: Counter[str] = Counter(
+                chain.from_iterable(by_id.values() for by_id, k in runs if k == 1))
+            for by_id, k in runs:
+                if k > 1:
+                    for user, n in Counter(by_id.values()).items():
                         charged[user] += n * k
-            charged.update(chain.from_iterable(ones))
             for user, n in charged.items():
                 self._charge_fold(user, n)
         users, bases, full = self._thr_users, self._bases, self._full_steps

@@ -394,7 +394,7 @@ class SpanRecorder:
         users with an episode open, for periods to end."""
         now = record.now_ns
         if ended or opened_users or record.refused or record.preempted_throttled or sweep is not None:
-            self._queue_replay(self._replay_step, now, opened_users, record.charged_by_user,
+            self._queue_replay(self._replay_step, now, opened_users,
                                ended, starts, record.charged, record.preempted_throttled, held,
                                sweep)
         if record.refunded or (record.refused and self._sample_refusal()):
@@ -413,20 +413,15 @@ class SpanRecorder:
 
     # -- the span builder: throttle episodes and over-limit periods --------
 
-    def _replay_step(self, now: int, opened_users: list[str], charged_by_user: dict[str, int],
+    def _replay_step(self, now: int, opened_users: list[str],
                      ended: list[str], starts: list[int], charged: dict[str, str],
                      preempted: list[str],
                      held: dict[str, tuple[int, RequestFacts | None]] | None,
                      sweep: set[str | None] | None) -> None:
         self._now = now
         periods = self._periods
-        if charged_by_user:  # tokens per user, counted in C
-            tokens = self._charged
-            if len(charged_by_user) == sum(charged_by_user.values()):  # one each
-                tokens.update(charged_by_user.keys())
-            else:  # (each user repeated n times)
-                tokens.update(chain.from_iterable(
-                    map(repeat, charged_by_user.keys(), charged_by_user.values())))
+        if charged:  # tokens per user: the users of the step's charges, counted in C
+            self._charged.update(charged.values())
         if opened_users:
             # a user with no open period opens one (its tokens from the
             # next step on); the others' are open (found in C)
