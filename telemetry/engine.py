@@ -44,7 +44,7 @@ import threading
 import time
 from collections import Counter, defaultdict, deque
 from itertools import chain, compress, filterfalse, repeat
-from operator import le, sub
+from operator import add, le, sub
 from collections.abc import Callable
 from typing import Any
 
@@ -469,7 +469,7 @@ class EngineTelemetry(OutputRateObserver):
             self._ended_runs.append((now, ended, starts, charged, credits))
         if opened:
             users = self._thr_users
-            new = [r for r in opened if r not in users]
+            new = list(filterfalse(users.__contains__, opened))
             if new:
                 user_of = self._user_of
                 for req_id in new:
@@ -549,9 +549,13 @@ class EngineTelemetry(OutputRateObserver):
                     skipped[user_of(req_id)] += full - base
             self._bases = dict.fromkeys(bases, full)
         self._bases_at = full
-        for _now, ended, _starts, _by_id, credits in self._ended_runs:  # (per episode)
-            for user, n in zip(map(user_of, ended), credits):
-                skipped[user] += n
+        if self._ended_runs:  # (per episode, in C and numpy: a user's credits summed)
+            ended_users: list[str | None] = []
+            ended_credits: list[int] = []
+            for _now, ended, _starts, _by_id, credits in self._ended_runs:
+                ended_users.extend(map(user_of, ended))
+                ended_credits.extend(credits)
+            skipped.update(_sums_by_key(ended_users, ended_credits))
         lists, self._skip_lists = self._skip_lists, []
         if lists:
             # (the other steps: counted in C per request, then per user)
@@ -1202,6 +1206,20 @@ def _ns_edges(bounds: tuple[float, ...]) -> tuple[int, ...]:
 _EDGES: dict[tuple[float, ...], Any] = {}
 
 
+def _sums_by_key(keys: list[Any], values: list[int]) -> dict[Any, int]:
+    """key -> the sum of ``values[i]`` over the ``i`` where ``keys[i]`` is
+    that key (integers; numpy over the batch, one Python pass per key)."""
+    if not keys:
+        return {}
+    index = dict.fromkeys(keys)
+    for i, key in enumerate(index):
+        index[key] = i
+    which = np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=len(keys))
+    sums = np.bincount(which, weights=np.fromiter(values, dtype=np.int64, count=len(values)),
+                       minlength=len(index))
+    return dict(zip(index, np.rint(sums).astype(np.int64).tolist()))
+
+
 def _observe_by_label(labels: list[str | None], values_ns: list[int],
                       hist_of: Callable[[Any], Histogram]) -> None:
     """Observe ``values_ns[i]`` (ns) in the histogram of ``labels[i]``: the
@@ -1215,21 +1233,20 @@ def _observe_by_label(labels: list[str | None], values_ns: list[int],
         edges = _EDGES[bounds] = np.asarray(_ns_edges(bounds), dtype=np.int64)
     n = len(values_ns)
     values = np.fromiter(values_ns, dtype=np.int64, count=n)
-    index: dict[Any, int] = {}
-    for label in labels:  # (distinct labels, in order: a dict pass in C)
-        index.setdefault(label, len(index))
+    # (distinct labels, in order: a dict pass in C, then one per label)
+    index: dict[Any, int] = {label: i for i, label in enumerate(dict.fromkeys(labels))}
     which = np.fromiter(map(index.__getitem__, labels), dtype=np.int64, count=n)
     width = len(edges) + 1
     counts = np.bincount(which * width + np.searchsorted(edges, values, side="right"),
                          minlength=len(index) * width).reshape(len(index), width)
-    sums = np.bincount(which, weights=values, minlength=len(index))
+    sums = np.bincount(which, weights=values, minlength=len(index)).tolist()
+    totals = counts.sum(axis=1).tolist()
+    rows = counts.tolist()  # (plain ints: no numpy scalar per bucket)
     for label, i in index.items():
         hist = hist_of(label)
-        row = counts[i]
-        for bucket in np.flatnonzero(row).tolist():
-            hist.counts[bucket] += int(row[bucket])
-        hist.count += int(row.sum())
-        hist.sum += float(sums[i]) * 1e-9
+        hist.counts = list(map(add, hist.counts, rows[i]))
+        hist.count += totals[i]
+        hist.sum += sums[i] * 1e-9
 
 
 def attach(view: EngineView) -> EngineTelemetry | None:

@@ -479,7 +479,12 @@ def test_the_readme_lists_every_renamed_metric():
 
 from hypothesis import given, settings as hsettings, strategies as st  # noqa: E402
 
-from vllm_output_rate.telemetry.engine import Histogram, _ns_edges, _observe_by_label  # noqa: E402
+from vllm_output_rate.telemetry.engine import (  # noqa: E402
+    Histogram,
+    _ns_edges,
+    _observe_by_label,
+    _sums_by_key,
+)
 from vllm_output_rate.telemetry.metrics import EPISODE_BUCKETS  # noqa: E402
 
 
@@ -505,6 +510,22 @@ def test_observing_by_label_in_c_equals_observing_one_by_one(bounds, values_ns, 
         assert grouped[name].counts == single[name].counts
         assert grouped[name].count == single[name].count
         assert grouped[name].sum == pytest.approx(single[name].sum, rel=1e-12, abs=1e-12)
+
+
+@hsettings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", None]),
+                          st.integers(min_value=0, max_value=10**12)), max_size=80))
+def test_sums_by_key_in_numpy_equal_summing_one_by_one(pairs):
+    """The folds' per-user sums of episode credits (numpy over the batch)
+    equal a plain loop: exact integers, every key present, None a key."""
+    keys = [k for k, _ in pairs]
+    values = [v for _, v in pairs]
+    expected: dict = {}
+    for key, value in pairs:
+        expected[key] = expected.get(key, 0) + value
+    got = _sums_by_key(keys, values)
+    assert got == expected
+    assert all(type(v) is int for v in got.values())
 
 
 def test_pending_steps_stay_bounded_without_exports(tmp_path, monkeypatch):
