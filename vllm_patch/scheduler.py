@@ -303,7 +303,7 @@ class OutputRateSchedulerMixin:
         for request in running:
             user = request.output_rate_user
             streams[user] = streams.get(user, 0) + 1
-        # Asks the limiter once per user: the hook reads the same allowance.
+        # Asks the limiter once per user (the budget at the step's start).
         budget = {user: self._orl_left(user) for user in streams}
         short = any(budget[user] < n for user, n in streams.items())
         cap_binds = len(running) > self._orl_base_active
