@@ -1206,15 +1206,19 @@ def _ns_edges(bounds: tuple[float, ...]) -> tuple[int, ...]:
 _EDGES: dict[tuple[float, ...], Any] = {}
 
 
+def _key_index(keys: list[Any]) -> tuple[dict[Any, int], Any]:
+    """The distinct keys in order, each with its position (a dict pass in
+    C, then one per distinct key), and each key's position as an array."""
+    index: dict[Any, int] = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+    return index, np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=len(keys))
+
+
 def _sums_by_key(keys: list[Any], values: list[int]) -> dict[Any, int]:
     """key -> the sum of ``values[i]`` over the ``i`` where ``keys[i]`` is
     that key (integers; numpy over the batch, one Python pass per key)."""
     if not keys:
         return {}
-    index = dict.fromkeys(keys)
-    for i, key in enumerate(index):
-        index[key] = i
-    which = np.fromiter(map(index.__getitem__, keys), dtype=np.int64, count=len(keys))
+    index, which = _key_index(keys)
     sums = np.bincount(which, weights=np.fromiter(values, dtype=np.int64, count=len(values)),
                        minlength=len(index))
     return dict(zip(index, np.rint(sums).astype(np.int64).tolist()))
@@ -1233,9 +1237,7 @@ def _observe_by_label(labels: list[str | None], values_ns: list[int],
         edges = _EDGES[bounds] = np.asarray(_ns_edges(bounds), dtype=np.int64)
     n = len(values_ns)
     values = np.fromiter(values_ns, dtype=np.int64, count=n)
-    # (distinct labels, in order: a dict pass in C, then one per label)
-    index: dict[Any, int] = {label: i for i, label in enumerate(dict.fromkeys(labels))}
-    which = np.fromiter(map(index.__getitem__, labels), dtype=np.int64, count=n)
+    index, which = _key_index(labels)
     width = len(edges) + 1
     counts = np.bincount(which * width + np.searchsorted(edges, values, side="right"),
                          minlength=len(index) * width).reshape(len(index), width)

@@ -410,34 +410,8 @@ class OutputRateSchedulerMixin:
         refuse = self._orl_refuse
         running_status = _RUNNING
         limiter = self.output_rate_limiter
-        if self._orl_direct:
-            states, new_state = limiter._users, limiter._new_state
-
-            def charge_direct(request: Request, num_computed_tokens: int,
-                              num_new_tokens: int) -> int:
-                if num_new_tokens <= 0:
-                    return 0
-                if (request.status == running_status and not request.is_prefill_chunk) or (
-                    num_computed_tokens + num_new_tokens >= request.num_tokens
-                ):
-                    req_id = request.request_id
-                    if req_id not in charged:
-                        user = request.output_rate_user
-                        st = states.get(user)
-                        if st is None:
-                            st = new_state(user, now)
-                        at = now * st.num
-                        tat = st.tat
-                        if tat < at:
-                            tat = at
-                        elif tat - at > st.burst:
-                            return refuse(request, user, num_computed_tokens)
-                        st.tat = tat + st.step
-                        charged[req_id] = user
-                return num_new_tokens
-
-            return charge_direct
-
+        direct = self._orl_direct
+        states, new_state = limiter._users, limiter._new_state
         allow, allow_start = self._orl_allow, self._orl_allow_start
         available = limiter.available
 
@@ -450,13 +424,25 @@ class OutputRateSchedulerMixin:
                 req_id = request.request_id
                 if req_id not in charged:
                     user = request.output_rate_user
-                    left = allow.get(user)
-                    if left is None:  # first look at this user in this step
-                        left = allow_start[user] = available(user, now)
-                    if left <= 0:
-                        allow[user] = left
-                        return refuse(request, user, num_computed_tokens)
-                    allow[user] = left - 1
+                    if direct:  # the plain limiter's try_take, inlined
+                        st = states.get(user)
+                        if st is None:
+                            st = new_state(user, now)
+                        at = now * st.num
+                        tat = st.tat
+                        if tat < at:
+                            tat = at
+                        elif tat - at > st.burst:
+                            return refuse(request, user, num_computed_tokens)
+                        st.tat = tat + st.step
+                    else:
+                        left = allow.get(user)
+                        if left is None:  # first look at this user in this step
+                            left = allow_start[user] = available(user, now)
+                        if left <= 0:
+                            allow[user] = left
+                            return refuse(request, user, num_computed_tokens)
+                        allow[user] = left - 1
                     charged[req_id] = user
             return num_new_tokens
 
