@@ -313,7 +313,11 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
     if shared is not None:
         shared.close()
     average = statistics.fmean if CPU or THREAD_CPU else statistics.median
-    return average(on_times), average(off_times), active
+    # Block i of one arm ran right beside block i of the other (ABBA): the
+    # machine's speed drifts by tens of percent over seconds, far less
+    # within one pair of blocks, so the ratio is taken pair by pair.
+    paired = statistics.geometric_mean(a / b for a, b in zip(on_times, off_times))
+    return average(on_times), average(off_times), active, paired
 
 
 def background_cpu() -> float:
@@ -358,10 +362,13 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
                                         telemetry_dir, traces_url, on_first=i % 2 == 0,
                                         control=control))
         gc.collect()
-    ratios = [on / off for on, off, _ in results]
+    # One scheduler alternating arms: its block-by-block ratio (see
+    # measure_same); two schedulers: the ratio of their medians.
+    ratios = [r[3] if len(r) > 3 else r[0] / r[1] for r in results]
     ratio = statistics.geometric_mean(ratios)
+    of_means = statistics.geometric_mean(r[0] / r[1] for r in results)
     return (statistics.median(r[0] for r in results), statistics.median(r[1] for r in results),
-            results[-1][2], ratio, min(ratios), max(ratios))
+            results[-1][2], ratio, min(ratios), max(ratios), of_means)
 
 
 def main() -> None:
@@ -427,21 +434,24 @@ def main() -> None:
               + ("" if args.no_traces else "; spans through the OTLP/HTTP exporter to a receiver "
                  "process") + "), off = limiter without telemetry\n")
     print(f"{args.pairs} {'schedulers (arms alternating)' if args.same_scheduler else 'pairs'} per row;"
-          " on/off is the geometric mean of their ratios\n")
+          " on/off is the geometric mean of their ratios"
+          + (" (each scheduler's: the geometric mean of its side-by-side blocks' ratios;"
+             " the last column, of its arms' means)" if args.same_scheduler else "") + "\n")
     print("| R | users | throttled share | active/step (on) | on ms/step | off ms/step | on/off "
-          "| pairs' range |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| pairs' range | ratio of means |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for running in sizes:
         for users in args.users or (1, 16, 256):
             for share in (0.0, 0.5, 0.9) if args.shares is None else args.shares:
                 if users == 1 and share > 0:
                     continue  # one user is either throttled or not
-                on, off, active, ratio, low, high = measure(
+                on, off, active, ratio, low, high, of_means = measure(
                     running, users, share, args.blocks, args.block_steps,
                     telemetry_dir, traces_url, args.pairs, args.control, args.same_scheduler)
                 rows.append((running, users, share, active, on, off, ratio))
                 print(f"| {running} | {users} | {share:.0%} | {active} | {on * 1e3:.3f} | "
-                      f"{off * 1e3:.3f} | {ratio:.3f} | {low:.3f}-{high:.3f} |", flush=True)
+                      f"{off * 1e3:.3f} | {ratio:.3f} | {low:.3f}-{high:.3f} | {of_means:.3f} |",
+                      flush=True)
     if receiver is not None:
         receiver.terminate()
     if redis_server is not None:

@@ -38,14 +38,15 @@ def monotonic_clock() -> int:
 
 
 class _UserState:
-    """GCRA state of one user, in rate-scaled units."""
+    """GCRA state of one user, in rate-scaled units. ``num``, ``step`` and
+    ``burst`` depend on the rate only: users of one rate share the very
+    same int objects (``OutputRateLimiter._scales``), so that charging many
+    users in one step reads a few hot objects and only each one's ``tat``."""
 
     __slots__ = ("num", "step", "burst", "tat")
 
-    def __init__(self, rate: Fraction, burst_ns: int, tat: int) -> None:
-        self.num = rate.numerator
-        self.step = rate.denominator * NS_PER_S
-        self.burst = burst_ns * rate.numerator
+    def __init__(self, scales: tuple[int, int, int], tat: int) -> None:
+        self.num, self.step, self.burst = scales
         self.tat = tat
 
 
@@ -70,6 +71,9 @@ class OutputRateLimiter:
         self.user_rates = {u: Fraction(r) for u, r in (user_rates or {}).items()}
         self.burst_ns = burst_ns
         self._users: dict[str, _UserState] = {}
+        #: rate -> (num, step, burst) of its users' states (one per rate in
+        #: force: the configured limits, so bounded by the config)
+        self._scales: dict[Fraction, tuple[int, int, int]] = {}
 
     # -- queries ---------------------------------------------------------
 
@@ -110,6 +114,15 @@ class OutputRateLimiter:
         tat = st.tat if st.tat > now else now
         slack = st.burst - (tat - now)
         return slack // st.step + 1 if slack >= 0 else 0
+
+    def state_of(self, user: str, now_ns: int) -> _UserState:
+        """The user's state object, made at ``now_ns`` if it has none (a
+        new state changes nothing observable: it is an idle user's). It is
+        the user's until ``set_limits`` changes its rate or
+        ``cleanup_idle_users`` drops it; the scheduler keeps it on the
+        user's requests and forgets it then."""
+        st = self._users.get(user)
+        return self._new_state(user, now_ns) if st is None else st
 
     # -- updates ---------------------------------------------------------
 
@@ -180,6 +193,7 @@ class OutputRateLimiter:
             raise ValueError(f"default rate must be positive, got {default_rate}")
         self.default_rate = Fraction(default_rate)
         self.user_rates = {u: Fraction(r) for u, r in (user_rates or {}).items()}
+        self._scales = {}
         changed: list[str] = []
         for user, st in self._users.items():
             rate = self.rate_of(user)
@@ -188,7 +202,7 @@ class OutputRateLimiter:
                 continue
             changed.append(user)
             debt = st.tat - now_ns * st.num  # old rate-scaled units
-            new = _UserState(rate, self.burst_ns, now_ns * rate.numerator)
+            new = _UserState(self._scales_of(rate), now_ns * rate.numerator)
             if debt > 0:
                 # debt / st.step tokens, in the new units: * step, rounded up
                 new.tat += -(-debt * step // st.step)
@@ -206,8 +220,15 @@ class OutputRateLimiter:
             del self._users[user]
         return idle
 
+    def _scales_of(self, rate: Fraction) -> tuple[int, int, int]:
+        scales = self._scales.get(rate)
+        if scales is None:
+            scales = self._scales[rate] = (
+                rate.numerator, rate.denominator * NS_PER_S, self.burst_ns * rate.numerator)
+        return scales
+
     def _new_state(self, user: str, now_ns: int) -> _UserState:
         rate = self.rate_of(user)
-        st = _UserState(rate, self.burst_ns, now_ns * rate.numerator)
+        st = _UserState(self._scales_of(rate), now_ns * rate.numerator)
         self._users[user] = st
         return st

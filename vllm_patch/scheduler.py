@@ -165,6 +165,9 @@ class OutputRateSchedulerMixin:
         #: "header" / "api_key" when the API server vouches for the user
         request.output_rate_trusted = trusted_source(extra_args)
         request.output_rate_user = self.output_rate_config.charged_user(identity)
+        # The user's limiter state, once the lean hook first charged it (the
+        # plain limiter only; forgotten when the limiter drops or replaces it)
+        request.output_rate_state = None
         # When a token was last dispatched for it (rotation, cross-user order).
         request.output_rate_served_ns = 0
         super().add_request(request)
@@ -241,6 +244,7 @@ class OutputRateSchedulerMixin:
             charged_user = config.charged_user
             for request in self.requests.values():
                 request.output_rate_user = charged_user(request.output_rate_identity)
+        self._orl_forget_states(None)
         added, removed, changed = diff_limits(old, config)
         observer = self.output_rate_observer
         if observer is not None:
@@ -289,7 +293,17 @@ class OutputRateSchedulerMixin:
         if begin is not None:
             begin(now)
         if self._orl_step_no % CLEANUP_EVERY_STEPS == 0:
-            self.output_rate_limiter.cleanup_idle_users(now)
+            dropped = self.output_rate_limiter.cleanup_idle_users(now)
+            if dropped:
+                self._orl_forget_states(set(dropped))
+
+    def _orl_forget_states(self, users: set[str] | None) -> None:
+        """The limiter dropped (``users``) or replaced (None: any) some
+        users' states: their requests look theirs up again when next
+        charged."""
+        for request in self.requests.values():
+            if users is None or request.output_rate_user in users:
+                request.output_rate_state = None
 
     def _orl_order_running(self) -> bool:
         """Rotate, move users without budget back, longest-waiting user first.
@@ -411,7 +425,7 @@ class OutputRateSchedulerMixin:
         running_status = _RUNNING
         limiter = self.output_rate_limiter
         direct = self._orl_direct
-        states, new_state = limiter._users, limiter._new_state
+        state_of = limiter.state_of
         allow, allow_start = self._orl_allow, self._orl_allow_start
         available = limiter.available
 
@@ -423,26 +437,30 @@ class OutputRateSchedulerMixin:
             ):
                 req_id = request.request_id
                 if req_id not in charged:
-                    user = request.output_rate_user
-                    if direct:  # the plain limiter's try_take, inlined
-                        st = states.get(user)
+                    if direct:
+                        # The plain limiter's try_take, inlined, on the state
+                        # kept on the request: no lookup by user (what costs
+                        # here is memory that the step has not touched yet).
+                        st = request.output_rate_state
                         if st is None:
-                            st = new_state(user, now)
+                            st = request.output_rate_state = state_of(request.output_rate_user, now)
                         at = now * st.num
                         tat = st.tat
                         if tat < at:
                             tat = at
                         elif tat - at > st.burst:
-                            return refuse(request, user, num_computed_tokens)
+                            return refuse(request, request.output_rate_user, num_computed_tokens)
                         st.tat = tat + st.step
-                    else:
-                        left = allow.get(user)
-                        if left is None:  # first look at this user in this step
-                            left = allow_start[user] = available(user, now)
-                        if left <= 0:
-                            allow[user] = left
-                            return refuse(request, user, num_computed_tokens)
-                        allow[user] = left - 1
+                        charged[req_id] = request.output_rate_user
+                        return num_new_tokens
+                    user = request.output_rate_user
+                    left = allow.get(user)
+                    if left is None:  # first look at this user in this step
+                        left = allow_start[user] = available(user, now)
+                    if left <= 0:
+                        allow[user] = left
+                        return refuse(request, user, num_computed_tokens)
+                    allow[user] = left - 1
                     charged[req_id] = user
             return num_new_tokens
 
