@@ -202,6 +202,8 @@ class EngineTelemetry(OutputRateObserver):
         #: the requests throttled in the last step, and the users of the
         #: requests throttled since the last fold
         self._thr_prev_list: list[str] = []
+        #: the step of the last report seen (None: none yet)
+        self._last_step: int | None = None
         self._thr_users: dict[str, str] = {}
         #: request ids that had tokens at the previous update, and when
         self._prev_ids: set[str] = set()
@@ -349,12 +351,17 @@ class EngineTelemetry(OutputRateObserver):
             # (the same requests throttled as in the step before, in the
             # same order: a heavily throttled engine; nothing opens)
             if throttled != self._thr_prev_list:
-                opened = list(filterfalse(episodes.__contains__, throttled))
+                # Only a request not throttled in the step before can be
+                # without an episode open (one throttled then has one), when
+                # that step was seen: else every throttled one is looked at.
+                maybe = record.throttled_new if record.step - 1 == self._last_step else throttled
+                opened = list(filterfalse(episodes.__contains__, maybe))
                 if opened:
                     episodes.update(dict.fromkeys(opened, now))
                 self._thr_prev_list = throttled
         elif self._thr_prev_list:
             self._thr_prev_list = []
+        self._last_step = record.step
         # Every throttled request has an episode open: when as many are
         # open as were throttled, the requests with one open are exactly the
         # step's throttled ones (the worker counts skips by episode then).

@@ -732,3 +732,46 @@ def test_the_skip_examples_took_both_ways():
     if not _SKIP_PATHS:
         pytest.skip("run with the test above")
     assert _SKIP_PATHS == {True, False}
+
+
+@hsettings(max_examples=10, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), defer=st.booleans())
+def test_every_throttled_request_has_an_episode_open_after_its_step(tmp_path_factory, seed, defer):
+    """Episodes open by the requests not throttled in the step before (the
+    scheduler lists them) when the telemetry saw that step, and by every
+    throttled request after steps it did not see (its observer unset for a
+    while): either way each throttled request of a step has an episode open
+    after it, and every request throttled again keeps the one it had."""
+    import random
+
+    rng = random.Random(seed)
+    clock = FakeClock()
+    sched = make_scheduler(limits(1000, a=rng.choice([10, 25]), b=rng.choice([15, 40])),
+                           clock=clock, max_num_seqs=12)
+    tel = attach_telemetry(sched, str(tmp_path_factory.mktemp("open")), start_thread=False,
+                           defer=defer)
+    drv = Driver(sched, clock, step_ms=10.0)
+    drv.add(*[make_request(rng.choice("ab"), max_tokens=rng.randint(20, 60)) for _ in range(10)])
+    fast = slow = 0
+    started: dict[str, int] = {}
+    for _ in range(150):
+        unseen = rng.random() < 0.05
+        if unseen:
+            sched.output_rate_observer = None
+        seen_before = tel._last_step
+        drv.step()
+        sched.output_rate_observer = tel
+        record = sched.output_rate_last_step
+        if unseen:
+            continue
+        if record.step - 1 == seen_before:
+            fast += 1
+        else:
+            slow += 1
+        assert set(record.throttled) <= tel._episodes.keys()
+        assert set(record.throttled_new) <= set(record.throttled)
+        for req_id in record.throttled:
+            if req_id in started and req_id not in record.throttled_new:
+                assert tel._episodes[req_id] == started[req_id]  # (kept, not reopened)
+        started = {r: tel._episodes[r] for r in record.throttled}
+    assert fast > 100 and slow > 0

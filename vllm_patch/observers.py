@@ -45,6 +45,9 @@ class StepReport:
     refunded: list[tuple[str, str, str]] = field(default_factory=list)
     #: ids of running requests skipped because their user had no budget
     throttled: list[str] = field(default_factory=list)
+    #: those of ``throttled`` that were not throttled in the step before
+    #: (the others were: a user pacing at its limit changes only a few)
+    throttled_new: list[str] = field(default_factory=list)
     #: users refused in this step -> when their budget returns (ns)
     refused: dict[str, int] = field(default_factory=dict)
     #: final prefill chunks held one position short for lack of budget

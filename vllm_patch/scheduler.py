@@ -168,6 +168,8 @@ class OutputRateSchedulerMixin:
         # The user's limiter state, once the lean hook first charged it (the
         # plain limiter only; forgotten when the limiter drops or replaces it)
         request.output_rate_state = None
+        # The last step that throttled it (StepReport.throttled_new).
+        request.output_rate_throttled_step = -1
         # When a token was last dispatched for it (rotation, cross-user order).
         request.output_rate_served_ns = 0
         super().add_request(request)
@@ -286,6 +288,7 @@ class OutputRateSchedulerMixin:
         # user -> tokens it could take at the start of this step
         self._orl_allow_start: dict[str, int] = {}
         self._orl_throttled = record.throttled
+        self._orl_throttled_new = record.throttled_new
         self._orl_throttled_running = 0
         self._orl_active = 0
         self._orl_block_admission = False
@@ -500,7 +503,12 @@ class OutputRateSchedulerMixin:
                 return held
         if running:
             self._orl_throttled_running += 1
-            self._orl_throttled.append(request.request_id)
+            req_id = request.request_id
+            self._orl_throttled.append(req_id)
+            step = self._orl_step_no
+            if request.output_rate_throttled_step != step - 1:
+                self._orl_throttled_new.append(req_id)
+            request.output_rate_throttled_step = step
         return 0
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
