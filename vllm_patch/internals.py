@@ -92,7 +92,10 @@ requests per user over ``Scheduler.requests``).
 Request fields read: ``request_id``, ``status``, ``priority``,
 ``arrival_time``, ``num_tokens``, ``num_computed_tokens``,
 ``num_output_tokens``, ``is_prefill_chunk``, ``trace_headers``,
-``sampling_params.extra_args``.
+``sampling_params.extra_args``. Fields set on ``Request`` (ours, all named
+``output_rate_*``, set in ``add_request``): the identity, whether it is
+trusted, the charged user, that user's limiter state (kept for the charge
+hook), when it was last dispatched, the last step that throttled it.
 """
 
 from __future__ import annotations
