@@ -155,7 +155,7 @@ def close_telemetry(sched) -> None:
 def measure_pair(running: int, users: int, share: float, blocks: int, block_steps: int,
                  telemetry_dir: str | None, traces_url: str | None, on_first: bool,
                  control: bool = False):
-    """(on, off, active) medians of one freshly built pair of schedulers."""
+    """(on, off, active, on/off) medians of one freshly built pair of schedulers."""
     def build_on():
         pair = build(True, running, users, share)
         if telemetry_dir is not None:
@@ -194,12 +194,13 @@ def measure_pair(running: int, users: int, share: float, blocks: int, block_step
         gc.unfreeze()
     active = len(on[0].output_rate_last_step.charged)
     close_telemetry(on[0])
-    return statistics.median(on_times), statistics.median(off_times), active
+    on_median, off_median = statistics.median(on_times), statistics.median(off_times)
+    return on_median, off_median, active, on_median / off_median
 
 
 def measure_same(running: int, users: int, share: float, blocks: int, block_steps: int,
                  telemetry_dir: str | None, traces_url: str | None, control: bool = False):
-    """(on, off, active) on ONE limited scheduler whose steps alternate
+    """(on, off, active, on/off) on ONE limited scheduler whose steps alternate
     between the two arms, so both arms see the same requests in the same
     memory (no build-to-build difference at all).
 
@@ -364,7 +365,7 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
         gc.collect()
     # One scheduler alternating arms: its block-by-block ratio (see
     # measure_same); two schedulers: the ratio of their medians.
-    ratios = [r[3] if len(r) > 3 else r[0] / r[1] for r in results]
+    ratios = [r[3] for r in results]
     ratio = statistics.geometric_mean(ratios)
     of_means = statistics.geometric_mean(r[0] / r[1] for r in results)
     return (statistics.median(r[0] for r in results), statistics.median(r[1] for r in results),
