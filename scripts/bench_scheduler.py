@@ -200,7 +200,8 @@ def measure_pair(running: int, users: int, share: float, blocks: int, block_step
 
 def measure_same(running: int, users: int, share: float, blocks: int, block_steps: int,
                  telemetry_dir: str | None, traces_url: str | None, control: bool = False):
-    """(on, off, active, on/off) on ONE limited scheduler whose steps alternate
+    """(on, off, active, on/off, on/off with the metrics export charged in
+    full (``CPU`` only)) on ONE limited scheduler whose steps alternate
     between the two arms, so both arms see the same requests in the same
     memory (no build-to-build difference at all).
 
@@ -267,12 +268,33 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         if shared is not None:
             time.sleep(0.002)
     on_times, off_times = [], []
+    # The metrics export runs once a second of wall time whatever the steps
+    # (a snapshot of every series, written out): over this run it also runs
+    # in the off arm's seconds, which a process running the on arm only
+    # would not spend on it. Its CPU (the folds it starts with aside: those
+    # are the steps' work) is timed apart and charged at the on arm's share
+    # of the run's wall time; charged in full as well (the last value).
+    export_cpu = [0.0]
+    if CPU and hasattr(telemetry, "export"):
+        export = telemetry.export
+
+        def timed_export() -> bool:
+            telemetry.drain()
+            c0 = time.thread_time()
+            try:
+                return export()
+            finally:
+                export_cpu[0] += time.thread_time() - c0
+
+        telemetry.export = timed_export
+    wall = {"on": 0.0, "off": 0.0}
     if CPU and hasattr(telemetry, "drain"):  # what the warm-up handed over, before counting
         telemetry.drain()
     if CPU and spans is not None:
         spans.flush()
         spans.provider.force_flush()
     background = background_cpu()
+    run_start = time.perf_counter()
     # What was built stays out of the collections (each would walk the
     # whole KV block pool otherwise).
     gc.collect()
@@ -284,7 +306,9 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
             arms = ("on", "off") if i % 2 == 0 else ("off", "on")
             for arm in arms:
                 gc.collect()
+                w0 = time.perf_counter()
                 (on_times if arm == "on" else off_times).append(block(arm))
+                wall[arm] += time.perf_counter() - w0
                 if arm == "on" and not CPU and hasattr(telemetry, "drain"):
                     # (untimed: what the on arm handed over is folded now,
                     # not by the worker during the off arm's steps)
@@ -305,11 +329,25 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
             spans.flush()
             spans.provider.force_flush()
         extra = (time.thread_time() - c0) + background_cpu() - background
+        run_wall = time.perf_counter() - run_start
+        if export_cpu[0]:
+            telemetry.export = export
+        both = shared is not None or control  # (both arms give them work: half each)
+        # (the export's CPU at the share of the wall time the arms giving
+        # it work took)
+        busy = wall["on"] + wall["off"] if both else wall["on"]
         share = extra / (len(on_times) * block_steps)
-        if shared is not None or control:  # (both arms give them work: half each)
+        at_wall = (extra - export_cpu[0] * (1 - busy / run_wall)) / (len(on_times) * block_steps)
+        if both:
             share /= 2
-            off_times = [t + share for t in off_times]
-        on_times = [t + share for t in on_times]
+            at_wall /= 2
+            off_full = [t + share for t in off_times]
+            off_times = [t + at_wall for t in off_times]
+        else:
+            off_full = off_times
+        on_full = [t + share for t in on_times]
+        on_times = [t + at_wall for t in on_times]
+        in_full = statistics.geometric_mean(a / b for a, b in zip(on_full, off_full))
     close_telemetry(sched)
     if shared is not None:
         shared.close()
@@ -318,7 +356,7 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
     # machine's speed drifts by tens of percent over seconds, far less
     # within one pair of blocks, so the ratio is taken pair by pair.
     paired = statistics.geometric_mean(a / b for a, b in zip(on_times, off_times))
-    return average(on_times), average(off_times), active, paired
+    return average(on_times), average(off_times), active, paired, in_full if CPU else None
 
 
 def background_cpu() -> float:
@@ -351,7 +389,8 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
     geometric mean of the pairs' ratios with their spread.
     With ``same`` each "pair" is one scheduler alternating arms
     (``measure_same``).
-    Returns (on ms, off ms, active, ratio, lowest ratio, highest ratio).
+    Returns (on ms, off ms, active, ratio, lowest ratio, highest ratio,
+    ratio of means, ratio with the metrics export charged in full or None).
     """
     results = []
     for i in range(pairs):
@@ -368,8 +407,11 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
     ratios = [r[3] for r in results]
     ratio = statistics.geometric_mean(ratios)
     of_means = statistics.geometric_mean(r[0] / r[1] for r in results)
+    # (--cpu: the ratio with the metrics export charged in full, see measure_same)
+    in_full = [r[4] for r in results if len(r) > 4 and r[4] is not None]
     return (statistics.median(r[0] for r in results), statistics.median(r[1] for r in results),
-            results[-1][2], ratio, min(ratios), max(ratios), of_means)
+            results[-1][2], ratio, min(ratios), max(ratios), of_means,
+            statistics.geometric_mean(in_full) if in_full else None)
 
 
 def main() -> None:
@@ -399,7 +441,9 @@ def main() -> None:
                         "thread) per step: the scheduler thread's per block (mean over "
                         "blocks), and the other threads' over the run (the telemetry "
                         "threads: only the on arm's steps give them work) spread over the "
-                        "on steps")
+                        "on steps; the metrics export, which runs once a second whatever the "
+                        "steps, at the on arm's share of the wall time (a last column: "
+                        "charged in full)")
     parser.add_argument("--thread-cpu", action="store_true",
                         help="with --same-scheduler: the scheduler thread's own CPU time per "
                         "step (mean over blocks; the telemetry worker's is in --cpu)")
@@ -438,21 +482,23 @@ def main() -> None:
           " on/off is the geometric mean of their ratios"
           + (" (each scheduler's: the geometric mean of its side-by-side blocks' ratios;"
              " the last column, of its arms' means)" if args.same_scheduler else "") + "\n")
+    full_col = CPU and args.same_scheduler
     print("| R | users | throttled share | active/step (on) | on ms/step | off ms/step | on/off "
-          "| pairs' range | ratio of means |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|")
+          "| pairs' range | ratio of means |" + (" export in full |" if full_col else ""))
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|" + ("---:|" if full_col else ""))
     for running in sizes:
         for users in args.users or (1, 16, 256):
             for share in (0.0, 0.5, 0.9) if args.shares is None else args.shares:
                 if users == 1 and share > 0:
                     continue  # one user is either throttled or not
-                on, off, active, ratio, low, high, of_means = measure(
+                on, off, active, ratio, low, high, of_means, in_full = measure(
                     running, users, share, args.blocks, args.block_steps,
                     telemetry_dir, traces_url, args.pairs, args.control, args.same_scheduler)
                 rows.append((running, users, share, active, on, off, ratio))
                 print(f"| {running} | {users} | {share:.0%} | {active} | {on * 1e3:.3f} | "
-                      f"{off * 1e3:.3f} | {ratio:.3f} | {low:.3f}-{high:.3f} | {of_means:.3f} |",
-                      flush=True)
+                      f"{off * 1e3:.3f} | {ratio:.3f} | {low:.3f}-{high:.3f} | {of_means:.3f} |"
+                      + (f" {in_full:.3f} |" if full_col and in_full is not None else
+                         " |" if full_col else ""), flush=True)
     if receiver is not None:
         receiver.terminate()
     if redis_server is not None:
