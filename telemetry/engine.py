@@ -401,10 +401,19 @@ class EngineTelemetry(OutputRateObserver):
 
     def on_outputs(self, outputs: dict[int, Any]) -> None:
         """The engine outputs of one ``update_from_output``: when, and
-        whether anything is still running (the scheduler's thread)."""
+        whether anything is still running (the scheduler's thread).
+
+        The requests with a token and the few outputs that need a closer
+        look (finished, or more than one token) are picked out here, by two
+        passes in C over output objects that the update has just made: the
+        same passes on the worker read them from another core's cache,
+        several times slower (R=1024: ~40 us here, ~200 us there)."""
         running = self.view.has_running()
-        self._post(self._fold_outputs, outputs, time.monotonic_ns(), running,
-                   None if running else self._engine_reads([]))
+        cur = {o.request_id for eco in outputs.values() for o in eco.outputs if o.new_token_ids}
+        special = [o for eco in outputs.values() for o in eco.outputs
+                   if o.finish_reason is not None or len(o.new_token_ids) > 1]
+        self._post(self._fold_outputs, cur, special, outputs if self._events is not None else None,
+                   time.monotonic_ns(), running, None if running else self._engine_reads([]))
 
     # -- the worker: everything else, in the scheduler's order -----------------
 
@@ -827,11 +836,13 @@ class EngineTelemetry(OutputRateObserver):
         if self.spans is not None:
             self.spans.on_limits(change)
 
-    def _fold_outputs(self, outputs: dict[int, Any], now: int, running: bool,
-                      reads: tuple | None) -> None:
+    def _fold_outputs(self, cur: set[str], special: list[Any], outputs: dict[int, Any] | None,
+                      now: int, running: bool, reads: tuple | None) -> None:
         """Token timing from the outputs of one ``update_from_output`` (the
-        worker; ``now``: when it returned, ``running``: whether anything
-        was still running then, and if not, ``reads`` of the engine).
+        worker; ``cur``: the requests with a token, ``special``: the outputs
+        finished or with more than one token, ``outputs``: all of them when
+        the event log is on; ``now``: when it returned, ``running``: whether
+        anything was still running then, and if not, ``reads`` of the engine).
 
         One spacing per request per step into the per-user histogram (the
         all-users histogram is folded from those at export). Most requests
@@ -848,12 +859,8 @@ class EngineTelemetry(OutputRateObserver):
         """
         spans = self.spans
         labels = self._request_label
-        events = self._events
-        if events is not None:
+        if outputs is not None:
             self._events_for(outputs, now)
-        cur = {o.request_id for eco in outputs.values() for o in eco.outputs if o.new_token_ids}
-        special = [o for eco in outputs.values() for o in eco.outputs
-                   if o.finish_reason is not None or len(o.new_token_ids) > 1]
         prev_ids, prev_now = self._prev_ids, self._prev_now
         last = self._last_token_ns
         # Label counts of the requests that had a token at the last two
