@@ -51,12 +51,18 @@ class RedisServer:
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         log = open(self.dir / "redis.log", "ab")
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
-             "--save", "", "--appendonly", "no", "--dir", str(self.dir),
-             "--protected-mode", "no"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            preexec_fn=self._raise_priority if self.nice else None)
+        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1",
+                   "--save", "", "--appendonly", "no", "--dir", str(self.dir),
+                   "--protected-mode", "no"]
+        nice = shutil.which("nice")
+        if self.nice and nice is not None and os.geteuid() == 0:
+            # Raised by nice(1), which execs the server (the same process):
+            # no Python run in a forked child of a process full of threads
+            # (a preexec_fn), which stalled a restart for seconds once.
+            # Not root: the default priority.
+            command = [nice, "-n", str(-self.nice), *command]
+        self.proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -79,12 +85,6 @@ class RedisServer:
                 time.sleep(0.05)
         client.close()
         raise TimeoutError(f"redis-server not ready on port {self.port}")
-
-    def _raise_priority(self) -> None:
-        try:
-            os.nice(-self.nice)
-        except OSError:  # not root: the default priority
-            pass
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
