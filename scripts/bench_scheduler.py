@@ -481,7 +481,7 @@ def main() -> None:
     print(f"{args.pairs} {'schedulers (arms alternating)' if args.same_scheduler else 'pairs'} per row;"
           " on/off is the geometric mean of their ratios"
           + (" (each scheduler's: the geometric mean of its side-by-side blocks' ratios;"
-             " the last column, of its arms' means)" if args.same_scheduler else "") + "\n")
+             " the ratio of means column, of its arms' means)" if args.same_scheduler else "") + "\n")
     full_col = CPU and args.same_scheduler
     print("| R | users | throttled share | active/step (on) | on ms/step | off ms/step | on/off "
           "| pairs' range | ratio of means |" + (" export in full |" if full_col else ""))
