@@ -804,11 +804,13 @@ def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monk
     for step in range(2000):
         if not sched.has_requests():
             break
+        rec.flush()  # (its builder thread may be mid-replay: build here, then read)
         open_runs = list(rec._runs.values())
         drv.step()
         if step == 30:
             sched.finish_requests([reqs[1].request_id, reqs[5].request_id],
                                   RequestStatus.FINISHED_ABORTED)
+        rec.flush()
         # the timeline holds no more than the runs open in the last 3
         # updates (it is cut every 3) need
         recent.append(min(open_runs + list(rec._runs.values()), default=rec._index))
