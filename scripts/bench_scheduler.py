@@ -201,7 +201,9 @@ def measure_pair(running: int, users: int, share: float, blocks: int, block_step
 def measure_same(running: int, users: int, share: float, blocks: int, block_steps: int,
                  telemetry_dir: str | None, traces_url: str | None, control: bool = False):
     """(on, off, active, on/off, on/off with the metrics export charged in
-    full (``CPU`` only)) on ONE limited scheduler whose steps alternate
+    full, the scheduler thread's own on/off, the background threads' CPU
+    per on step over an off step (the last three ``CPU`` only)) on ONE
+    limited scheduler whose steps alternate
     between the two arms, so both arms see the same requests in the same
     memory (no build-to-build difference at all).
 
@@ -330,6 +332,12 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
             spans.provider.force_flush()
         extra = (time.thread_time() - c0) + background_cpu() - background
         run_wall = time.perf_counter() - run_start
+        # (the two parts of the process's ratio, each read within this run:
+        # the scheduler thread's own, block by block, and what the other
+        # threads spent per on step over the off arm's mean step; their
+        # sum is about the process's ratio)
+        thread_only = statistics.geometric_mean(a / b for a, b in zip(on_times, off_times))
+        off_mean = statistics.fmean(off_times)
         if export_cpu[0]:
             telemetry.export = export
         both = shared is not None or control  # (both arms give them work: half each)
@@ -348,6 +356,7 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         on_full = [t + share for t in on_times]
         on_times = [t + at_wall for t in on_times]
         in_full = statistics.geometric_mean(a / b for a, b in zip(on_full, off_full))
+        bg_share = at_wall / off_mean
     close_telemetry(sched)
     if shared is not None:
         shared.close()
@@ -356,7 +365,9 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
     # machine's speed drifts by tens of percent over seconds, far less
     # within one pair of blocks, so the ratio is taken pair by pair.
     paired = statistics.geometric_mean(a / b for a, b in zip(on_times, off_times))
-    return average(on_times), average(off_times), active, paired, in_full if CPU else None
+    if not CPU:
+        return average(on_times), average(off_times), active, paired, None
+    return average(on_times), average(off_times), active, paired, in_full, thread_only, bg_share
 
 
 def background_cpu() -> float:
@@ -390,7 +401,9 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
     With ``same`` each "pair" is one scheduler alternating arms
     (``measure_same``).
     Returns (on ms, off ms, active, ratio, lowest ratio, highest ratio,
-    ratio of means, ratio with the metrics export charged in full or None).
+    ratio of means, ratio with the metrics export charged in full or None,
+    the scheduler thread's own ratio or None, the background threads' CPU
+    per on step over an off step or None; the last three with ``--cpu``).
     """
     results = []
     for i in range(pairs):
@@ -409,9 +422,12 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
     of_means = statistics.geometric_mean(r[0] / r[1] for r in results)
     # (--cpu: the ratio with the metrics export charged in full, see measure_same)
     in_full = [r[4] for r in results if len(r) > 4 and r[4] is not None]
+    parts = [r[5:7] for r in results if len(r) > 6]
     return (statistics.median(r[0] for r in results), statistics.median(r[1] for r in results),
             results[-1][2], ratio, min(ratios), max(ratios), of_means,
-            statistics.geometric_mean(in_full) if in_full else None)
+            statistics.geometric_mean(in_full) if in_full else None,
+            statistics.geometric_mean(p[0] for p in parts) if parts else None,
+            statistics.fmean(p[1] for p in parts) if parts else None)
 
 
 def main() -> None:
@@ -483,22 +499,27 @@ def main() -> None:
           + (" (each scheduler's: the geometric mean of its side-by-side blocks' ratios;"
              " the ratio of means column, of its arms' means)" if args.same_scheduler else "") + "\n")
     full_col = CPU and args.same_scheduler
+    if full_col:
+        print("(--cpu: the process's on/off is about the scheduler thread's own on/off plus the "
+              "background threads' CPU per on step over an off step: both printed last)\n")
     print("| R | users | throttled share | active/step (on) | on ms/step | off ms/step | on/off "
-          "| pairs' range | ratio of means |" + (" export in full |" if full_col else ""))
-    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|" + ("---:|" if full_col else ""))
+          "| pairs' range | ratio of means |"
+          + (" export in full | thread's own | background share |" if full_col else ""))
+    print("|---:|---:|---:|---:|---:|---:|---:|---|---:|" + ("---:|---:|---:|" if full_col else ""))
     for running in sizes:
         for users in args.users or (1, 16, 256):
             for share in (0.0, 0.5, 0.9) if args.shares is None else args.shares:
                 if users == 1 and share > 0:
                     continue  # one user is either throttled or not
-                on, off, active, ratio, low, high, of_means, in_full = measure(
+                on, off, active, ratio, low, high, of_means, in_full, thread, bg = measure(
                     running, users, share, args.blocks, args.block_steps,
                     telemetry_dir, traces_url, args.pairs, args.control, args.same_scheduler)
                 rows.append((running, users, share, active, on, off, ratio))
                 print(f"| {running} | {users} | {share:.0%} | {active} | {on * 1e3:.3f} | "
                       f"{off * 1e3:.3f} | {ratio:.3f} | {low:.3f}-{high:.3f} | {of_means:.3f} |"
-                      + (f" {in_full:.3f} |" if full_col and in_full is not None else
-                         " |" if full_col else ""), flush=True)
+                      + (f" {in_full:.3f} | {thread:.3f} | {bg:.3f} |"
+                         if full_col and in_full is not None else
+                         " | | |" if full_col else ""), flush=True)
     if receiver is not None:
         receiver.terminate()
     if redis_server is not None:
