@@ -504,10 +504,13 @@ def throttle_episode_panels() -> list[Panel]:
     episodes = sel("throttle_episode_seconds", "_bucket")
     return [Panel(
         "Throttle episode duration per user",
-        "How long a request stayed throttled in one go: from the first step it was skipped to "
-        "the step it was dispatched again (or finished). Healthy: about (open streams of the "
-        "user) / limit, e.g. 0.2 s for 4 streams at 20 tok/s; long episodes mean a user far "
-        "above its limit or an engine that wakes late.",
+        "How long a request was held to its user's limit in one go: from the first step it "
+        "was skipped to its last dispatch before a step that did not skip it (or its end). A "
+        "request pacing at its limit (a token, then skipped again) is one episode over all "
+        "its pacing. Healthy: short episodes (a burst over the limit) or about a request's "
+        "life for a user that keeps more streams open than its limit serves; episodes that "
+        "grow mean a user's demand staying above its limit. The wait per token of a pacing "
+        "request is in the spacing panels.",
         "s",
         [Target(quantile(0.5, episodes, "user"), "{{user}} p50", "throttled"),
          Target(quantile(0.99, episodes, "user"), "{{user}} p99", "throttled")])]

@@ -9,8 +9,9 @@ token timing), at aborts and once per idle wait (``IdleWait``). On the
 scheduler's thread this module only appends each to an inbox (references
 to the step's own containers, not changed after it) and makes the reads of
 the engine that must be made then: which throttle episodes end and begin
-(one pass each in C), the KV blocks and facts of the requests whose long
-episode ended (for their spans), and at export steps the inputs of the
+(a few passes in C; a request pacing at its limit keeps one episode over
+its pacing), the KV blocks and facts of the requests whose episode began
+(with spans), and at export steps the inputs of the
 gauges and user states (KV blocks of the throttled requests, live requests
 per user). A worker thread of ours drains the inbox every
 ``DRAIN_INTERVAL_S`` and folds it, in order, into plain dicts of counters,
@@ -196,12 +197,22 @@ class EngineTelemetry(OutputRateObserver):
         self._bases_at = 0
         #: the throttled lists of the other steps, since the last fold
         self._skip_lists: list[list[str]] = []
+        #: the requests dispatched with an episode open in the steps that
+        #: ``_full_steps`` counts (counted there, but not skipped), since
+        #: the last fold
+        self._inside_lists: list[list[str]] = []
         #: spacings of requests back after a pause, not yet in their
         #: histograms: (update ns, previous token ns of each, label of each)
         self._resume_runs: list[tuple[int, list[int], list[str | None]]] = []
         #: the requests throttled in the last step, and the users of the
         #: requests throttled since the last fold
         self._thr_prev_list: list[str] = []
+        #: (the scheduler's thread) the requests dispatched in the last step
+        #: with an episode open, that step's time and its charges
+        #: (request -> user): those not throttled in the next step end there
+        self._cur: Any = ()
+        self._cur_ns = 0
+        self._cur_by: dict[str, str] = {}
         #: the step of the last report seen (None: none yet)
         self._last_step: int | None = None
         self._thr_users: dict[str, str] = {}
@@ -234,6 +245,9 @@ class EngineTelemetry(OutputRateObserver):
         #: request id -> first skipped step's ns, of open throttle episodes
         #: (the scheduler's thread)
         self._episodes: dict[str, int] = {}
+        #: request id -> (KV blocks, facts) when its open episode began
+        #: (with spans; the scheduler's thread)
+        self._open_held: dict[str, tuple] = {}
         #: the opt-in event log: plain tuples queued here, written by the exporter
         self._events_path = events_path
         self._events: deque[tuple] | None = deque() if events_path else None
@@ -328,24 +342,46 @@ class EngineTelemetry(OutputRateObserver):
     def on_step(self, record: StepReport) -> None:
         """Hand one ``StepReport`` over (the scheduler's thread).
 
-        Here only: the throttle episodes that end (a throttled request
-        dispatched again) and begin (throttled now, none open), by one pass
-        each in C over the step's lists; the KV blocks and facts of the
-        requests whose episode is long enough for a span; at an export
-        step, the reads of the engine that gauges and user states need (and
-        the requests gone with an episode open). Everything else runs on
-        the worker (``_fold_step``), from references to the report's own
-        containers (not changed after the step)."""
+        Here only: the throttle episodes that end and begin, by a few passes
+        in C over the step's lists. An episode begins when a request is
+        throttled with none open; it stays open while the request is
+        dispatched a token and throttled again in the next step (a user
+        pacing at its limit: one episode over its pacing, not one per
+        token), and ends when the request, dispatched in a step, is not
+        throttled in the step after: at that dispatch's time. Also the KV
+        blocks and facts of the requests whose episode is long enough for a
+        span, and at an export step the reads of the engine that gauges and
+        user states need (and the requests gone with an episode open).
+        Everything else runs on the worker (``_fold_step``), from references
+        to the report's own containers (not changed after the step)."""
         episodes = self._episodes
         now = record.now_ns
         charged = record.charged
+        throttled = record.throttled
+        # (a request throttled now that was not in the step before, when
+        # that step was seen: only those can be one dispatched then)
+        seen = record.step - 1 == self._last_step
         ended: Any = ()
         starts: Any = ()
-        if episodes and charged:
-            ended = list(filter(episodes.__contains__, charged))
+        end_ns = self._cur_ns
+        ended_by = self._cur_by
+        prev = self._cur
+        if prev:
+            again = record.throttled_new if seen else throttled
+            if again:
+                ended = list(filter(episodes.__contains__, filterfalse(set(again).__contains__, prev)))
+            else:
+                ended = list(filter(episodes.__contains__, prev))
             if ended:
                 starts = list(map(episodes.pop, ended))
-        throttled = record.throttled
+        # dispatched now with an episode open: it ends next step, unless
+        # the request is throttled again then
+        cur: Any = ()
+        if episodes and charged:
+            cur = list(filter(episodes.__contains__, charged))
+        self._cur = cur
+        self._cur_ns = now
+        self._cur_by = charged
         opened: Any = ()
         if throttled:
             # (the same requests throttled as in the step before, in the
@@ -354,33 +390,47 @@ class EngineTelemetry(OutputRateObserver):
                 # Only a request not throttled in the step before can be
                 # without an episode open (one throttled then has one), when
                 # that step was seen: else every throttled one is looked at.
-                maybe = record.throttled_new if record.step - 1 == self._last_step else throttled
+                maybe = record.throttled_new if seen else throttled
                 opened = list(filterfalse(episodes.__contains__, maybe))
                 if opened:
                     episodes.update(dict.fromkeys(opened, now))
+                    if self.spans is not None:
+                        # the KV blocks it holds while it waits (a throttled
+                        # request computes nothing: they stay) and its facts
+                        view = self.view
+                        self._open_held.update(
+                            {r: (view.kv_blocks_held(r), view.request_facts(r)) for r in opened})
                 self._thr_prev_list = throttled
         elif self._thr_prev_list:
             self._thr_prev_list = []
         self._last_step = record.step
-        # Every throttled request has an episode open: when as many are
-        # open as were throttled, the requests with one open are exactly the
-        # step's throttled ones (the worker counts skips by episode then).
-        every = len(throttled) == len(episodes)
+        # Every throttled request has an episode open, and so has every one
+        # in ``cur`` (dispatched, not throttled): when as many are open as
+        # both, the requests with one open are exactly those (the worker
+        # counts skips by episode then).
+        every = len(throttled) + len(cur) == len(episodes)
         held = None
         spans = self.spans
-        if spans is not None:
-            if ended:
-                # the KV blocks and facts of the requests whose episode
-                # gets a span, read now: long ones only
-                long = list(compress(ended, map(le, starts, repeat(now - spans.throttle_min_ns))))
-                if long:
-                    view = self.view
-                    held = {r: (view.kv_blocks_held(r), view.request_facts(r)) for r in long}
+        if spans is not None and ended:
+            held = self._held(ended, starts, end_ns)
         reads = None
         if self._export_due:
             self._export_due = False
             reads = self._engine_reads(record.throttled)
-        self._post(self._fold_step, record, ended, starts, opened, every, held, reads)
+        self._post(self._fold_step, record, ended, starts, end_ns, ended_by, opened, cur, every,
+                   held, reads)
+
+    def _held(self, ended: list[str], starts: list[int], end_ns: int) -> dict | None:
+        """The KV blocks and facts, read when their episodes began, of the
+        requests whose ended episode gets a span (long ones only)."""
+        kept = list(map(self._open_held.pop, ended, repeat(None)))
+        long = list(compress(zip(ended, kept),
+                             map(le, starts, repeat(end_ns - self.spans.throttle_min_ns))))
+        if not long:
+            return None
+        view = self.view
+        return {r: (view.kv_blocks_held(r), view.request_facts(r)) if h is None else h
+                for r, h in long}
 
     def _engine_reads(self, throttled: list[str]) -> tuple:
         """What gauges and user states need from the engine, read on the
@@ -395,6 +445,7 @@ class EngineTelemetry(OutputRateObserver):
             gone = [r for r in episodes if view.user_of(r) is None]
             for req_id in gone:
                 del episodes[req_id]
+                self._open_held.pop(req_id, None)
         requests = view.requests_by_user()
         return (list(map(view.kv_blocks_held, throttled)), requests,
                 {user: view.ready_at_ns(user) for user in requests}, gone)
@@ -412,8 +463,22 @@ class EngineTelemetry(OutputRateObserver):
         cur = {o.request_id for eco in outputs.values() for o in eco.outputs if o.new_token_ids}
         special = [o for eco in outputs.values() for o in eco.outputs
                    if o.finish_reason is not None or len(o.new_token_ids) > 1]
+        # A request that finished with an episode open (its last token was
+        # dispatched inside it): the episode ends at that dispatch, now,
+        # before the request's own spans are made.
+        closing = None
+        episodes = self._episodes
+        if episodes and special:
+            done = [o.request_id for o in special
+                    if o.finish_reason is not None and o.request_id in episodes]
+            if done:
+                starts = list(map(episodes.pop, done))
+                end_ns = self._cur_ns
+                closing = (done, starts, end_ns, self._cur_by,
+                           None if self.spans is None else self._held(done, starts, end_ns))
         self._post(self._fold_outputs, cur, special, outputs if self._events is not None else None,
-                   time.monotonic_ns(), running, None if running else self._engine_reads([]))
+                   time.monotonic_ns(), running, None if running else self._engine_reads([]),
+                   closing)
 
     # -- the worker: everything else, in the scheduler's order -----------------
 
@@ -451,16 +516,20 @@ class EngineTelemetry(OutputRateObserver):
             return self.view.request_facts(req_id)
         return self.view.handle_facts(handle)
 
-    def _fold_step(self, record: StepReport, ended: Any, starts: Any, opened: Any, every: bool,
+    def _fold_step(self, record: StepReport, ended: Any, starts: Any, end_ns: int,
+                   ended_by: dict[str, str], opened: Any, cur: Any, every: bool,
                    held: Any, reads: tuple | None) -> None:
         """One step, on the worker: references to the report's containers
         kept for the next fold (``_fold``); what each user was charged,
         run-length encoded ([the step's dict, how many steps in a row had
         it]). Skips are counted by throttle episode: a step whose throttled
-        requests are exactly those with an episode open (``every``: most
-        steps) only moves a step count on, and an episode that ends (or a
-        fold) credits its request with the steps counted since it began;
-        the other steps' throttled lists are counted request by request."""
+        requests and those dispatched inside an episode (``cur``) are
+        exactly those with an episode open (``every``: most steps) only
+        moves a step count on (and keeps ``cur``, subtracted at the fold),
+        and an episode that ends (at ``end_ns``; ``ended_by``: the charges
+        of the step it ended in) or a fold credits its request with the
+        steps counted since it began; the other steps' throttled lists are
+        counted request by request."""
         counters = self.counters
         charged = record.charged
         # The step's own request -> user dict of charges (net of refunds),
@@ -482,7 +551,7 @@ class EngineTelemetry(OutputRateObserver):
         bases, full = self._bases, self._full_steps
         if ended:  # (their durations and skips go in at the next fold)
             credits = list(map(sub, repeat(full, len(ended)), map(bases.pop, ended, repeat(full))))
-            self._ended_runs.append((now, ended, starts, charged, credits))
+            self._ended_runs.append((end_ns, ended, starts, ended_by, credits))
         if opened:
             users = self._thr_users
             new = list(filterfalse(users.__contains__, opened))
@@ -494,6 +563,8 @@ class EngineTelemetry(OutputRateObserver):
         throttled = record.throttled
         if every:
             self._full_steps = full + 1
+            if cur:
+                self._inside_lists.append(cur)
         elif throttled:
             self._skip_lists.append(throttled)
         if throttled:
@@ -506,11 +577,11 @@ class EngineTelemetry(OutputRateObserver):
                 sweep = set(map(self._thr_users.get, bases))
             spans.on_step(record, ended, starts,
                           list(map(self._thr_users.__getitem__, opened)) if opened else (),
-                          held, sweep)
+                          held, sweep, end_ns, ended_by)
         if record.limiter_share is not None:
             self.histograms[("schedule_limiter_ratio", ())].observe(record.limiter_share)
         if (len(self._charge_runs) + len(self._skip_lists) + len(self._ended_runs)
-                + len(self._resume_runs)) > PENDING_STEPS_CAP:
+                + len(self._resume_runs) + len(self._inside_lists)) > PENDING_STEPS_CAP:
             self._fold()  # (exports are late: keep what is pending bounded)
         if reads is not None:
             # Gauges and label changes only when an export is coming: their
@@ -577,6 +648,11 @@ class EngineTelemetry(OutputRateObserver):
             # (the other steps: counted in C per request, then per user)
             for req_id, n in Counter(chain.from_iterable(lists)).items():
                 skipped[user_of(req_id)] += n
+        inside, self._inside_lists = self._inside_lists, []
+        if inside:
+            # steps counted that dispatched a request inside its episode
+            for req_id, n in Counter(chain.from_iterable(inside)).items():
+                skipped[user_of(req_id)] -= n
         for user, n in skipped.items():
             if n:
                 self._skip_fold(user or OTHER, n)
@@ -634,6 +710,9 @@ class EngineTelemetry(OutputRateObserver):
         ended = {}
         if episodes:
             ended = {r: episodes.pop(r) for r, _ in aborted if r in episodes}
+            if self._open_held:
+                for req_id in ended:
+                    self._open_held.pop(req_id, None)
         running = self.view.has_running()
         self._post(self._fold_aborted, aborted, now, ended, running,
                    None if running else self._engine_reads([]))
@@ -837,7 +916,8 @@ class EngineTelemetry(OutputRateObserver):
             self.spans.on_limits(change)
 
     def _fold_outputs(self, cur: set[str], special: list[Any], outputs: dict[int, Any] | None,
-                      now: int, running: bool, reads: tuple | None) -> None:
+                      now: int, running: bool, reads: tuple | None,
+                      closing: tuple | None = None) -> None:
         """Token timing from the outputs of one ``update_from_output`` (the
         worker; ``cur``: the requests with a token, ``special``: the outputs
         finished or with more than one token, ``outputs``: all of them when
@@ -859,6 +939,13 @@ class EngineTelemetry(OutputRateObserver):
         """
         spans = self.spans
         labels = self._request_label
+        if closing is not None:  # episodes of requests that finished inside one
+            ended, starts, end_ns, by_id, held = closing
+            bases, full = self._bases, self._full_steps
+            self._ended_runs.append((end_ns, ended, starts, by_id,
+                                     [full - bases.pop(r, full) for r in ended]))
+            if spans is not None:
+                spans.on_ended(end_ns, ended, starts, by_id, held)
         if outputs is not None:
             self._events_for(outputs, now)
         prev_ids, prev_now = self._prev_ids, self._prev_now
@@ -1022,7 +1109,7 @@ class EngineTelemetry(OutputRateObserver):
             "users.activity": len(self._activity) + len(self._window_activity),
             "users.counter_keys": len(self._charged_keys) + len(self._skipped_keys),
             "steps.pending": (len(self._charge_runs) + len(self._skip_lists) + len(self._ended_runs)
-                              + len(self._resume_runs)),
+                              + len(self._resume_runs) + len(self._inside_lists)),
             "requests.episodes_folded": len(self._bases),
             "events.inbox": len(self._inbox),
             "users.states": len(self._user_states) + len(self._thr_by_user),

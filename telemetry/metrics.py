@@ -101,7 +101,9 @@ METRICS: tuple[Metric, ...] = (
            (), SPACING_BUCKETS),
     Metric("throttle_episode_seconds", "histogram", "seconds",
            "Duration of one throttle episode of a request: from the first step it was skipped "
-           "to the step it was dispatched again (or aborted), by user.",
+           "to its last dispatch before a step that did not skip it (or its abort), by user; "
+           "a request pacing at its limit (a token, then skipped again) has one episode over "
+           "its pacing, not one per token.",
            ("user",), EPISODE_BUCKETS),
     Metric("wake_lateness_seconds", "histogram", "seconds",
            "How late the engine loop woke after the ready time it waited for.",

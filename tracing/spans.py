@@ -14,27 +14,31 @@ a ``BatchSpanProcessor``, whose queue and exporter thread export them. A full qu
 exporter loses spans, both counted (``TraceDrops``, exported as
 ``vllm_output_rate_telemetry_dropped_total``) and logged once, never
 blocking. Building and exporting a span costs the process some tens of
-microseconds of CPU (BENCHMARKS.md): a user pacing at its limit has a
-throttle episode per token, so a request gets a throttle span only for its
-longest episode of ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S`` (default 1 s) or
-more, and the user one span per over-limit period; the standard ``OTEL_TRACES_SAMPLER`` thins all spans.
+microseconds of CPU (BENCHMARKS.md): a request gets a throttle span only
+for its longest episode of ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S`` (default
+1 s) or more, and the user one span per over-limit period; the standard
+``OTEL_TRACES_SAMPLER`` thins all spans. A throttle episode runs from the
+first step a request was skipped for lack of budget to its last dispatch
+before a step that did not skip it: a request pacing at its limit (a
+token, then skipped again) has one over its pacing, not one per token.
 
 Spans:
 - ``output_rate.over_limit``: one per over-limit period of a user, from the
   start of the first throttle episode of one of its requests (skipped for
-  lack of budget) to the end of the last (dispatched again), once none was
+  lack of budget) to the end of the last, once none was
   open for ``PERIOD_QUIET_S`` after that (or the engine went idle): user,
   limit, tokens charged and their rate, its requests' throttle episodes
   (count, total, p50 / p90 / p99 / max in whole microseconds), most
   throttled requests and KV blocks (sampled at exports). Kept from
-  episode events (a few per paced token, appends in C), never from every
+  episode events (a few per episode, appends in C), never from every
   refused user in every step.
 - ``output_rate.throttle``: at most one per request, for its longest
   throttle episode when that lasted ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S``
   (default 1 s; 0: every throttled request) or longer, made when the request
-  ends: from the first step it was skipped for lack of budget to the step it
-  was dispatched again (or aborted): user, request id, priority, tokens
-  charged by then, KV blocks held, preempted meanwhile, outcome.
+  ends: from the first step it was skipped for lack of budget to its last
+  dispatch before a step that did not skip it (or its abort): user,
+  request id, priority, tokens charged by then, KV blocks held while it
+  waited (when the episode began), preempted meanwhile, outcome.
 - ``output_rate.step``: only for steps in which a token was refunded or a
   user refused (not for every step): charged / refunded counts and one event
   per refund with its reason.
@@ -384,22 +388,33 @@ class SpanRecorder:
     def on_step(self, record: StepReport, ended: Any = (), starts: Any = (),
                 opened_users: Any = (),
                 held: dict[str, tuple[int, RequestFacts | None]] | None = None,
-                sweep: set[str | None] | None = None) -> None:
+                sweep: set[str | None] | None = None, end_ns: int | None = None,
+                ended_by: dict[str, str] | None = None) -> None:
         """Per step (``telemetry.engine``'s worker: at most two appends).
-        ``ended``: the ids of throttled requests dispatched again, and
-        ``starts`` when their episodes began; ``opened_users``: the users of
-        the episodes that began in this step; ``held``: the KV blocks and
-        facts, read in the step, of the ended requests whose episode is at
-        least ``throttle_min_ns`` long; ``sweep`` (every ``sweep_ns``): the
-        users with an episode open, for periods to end."""
+        ``ended``: the ids of requests whose throttle episode ended (at
+        ``end_ns``, the step they were last dispatched in, whose charges
+        are ``ended_by``; default: this step), and ``starts`` when their
+        episodes began; ``opened_users``: the users of the episodes that
+        began in this step; ``held``: the KV blocks and facts, read in the
+        step, of the ended requests whose episode is at least
+        ``throttle_min_ns`` long; ``sweep`` (every ``sweep_ns``): the users
+        with an episode open, for periods to end."""
         now = record.now_ns
         if ended or opened_users or record.refused or record.preempted_throttled or sweep is not None:
             self._queue_replay(self._replay_step, now, opened_users,
                                ended, starts, record.charged, record.preempted_throttled, held,
-                               sweep)
+                               sweep, now if end_ns is None else end_ns,
+                               record.charged if ended_by is None else ended_by)
         if record.refunded or (record.refused and self._sample_refusal()):
             self._queue(self._build_step, now, record.step, len(record.charged), record.refunded,
                         len(record.throttled), list(record.refused))
+
+    def on_ended(self, end_ns: int, ended: list[str], starts: list[int], by_id: dict[str, str],
+                 held: dict[str, tuple[int, RequestFacts | None]] | None) -> None:
+        """Throttle episodes that ended outside a step: of requests that
+        finished with one open (their last token dispatched inside it), at
+        ``end_ns``; ``by_id``: request -> user for them."""
+        self._queue_replay(self._replay_ended, end_ns, ended, starts, by_id, held)
 
     def _queue_replay(self, replay: Callable[..., None], *args: Any) -> None:
         """Queue what the span builder keeps books of (series,
@@ -417,7 +432,8 @@ class SpanRecorder:
                      ended: list[str], starts: list[int], charged: dict[str, str],
                      preempted: list[str],
                      held: dict[str, tuple[int, RequestFacts | None]] | None,
-                     sweep: set[str | None] | None) -> None:
+                     sweep: set[str | None] | None, end_ns: int,
+                     ended_by: dict[str, str]) -> None:
         self._now = now
         periods = self._periods
         if charged:  # tokens per user: the users of the step's charges, counted in C
@@ -434,16 +450,22 @@ class SpanRecorder:
         if preempted:
             self._preempted.update(preempted)
         if ended:
-            self._book_episodes(now, ended, list(map(sub, repeat(now, len(starts)), starts)),
-                                charged.get)
-            if held:  # the episodes long enough for a span: the longest of each
-                start_of = dict(zip(ended, starts))
-                for req_id, (blocks, facts) in held.items():
-                    self._keep_longest(req_id, start_of[req_id], now, "dispatched", blocks, facts)
-            if self._preempted:
-                self._preempted.difference_update(ended)
+            self._replay_ended(end_ns, ended, starts, ended_by, held)
         if sweep is not None:
             self._sweep(now, sweep)
+
+    def _replay_ended(self, end_ns: int, ended: list[str], starts: list[int],
+                      by_id: dict[str, str],
+                      held: dict[str, tuple[int, RequestFacts | None]] | None) -> None:
+        self._now = max(self._now, end_ns)
+        self._book_episodes(end_ns, ended, list(map(sub, repeat(end_ns, len(starts)), starts)),
+                            by_id.get)
+        if held:  # the episodes long enough for a span: the longest of each
+            start_of = dict(zip(ended, starts))
+            for req_id, (blocks, facts) in held.items():
+                self._keep_longest(req_id, start_of[req_id], end_ns, "dispatched", blocks, facts)
+        if self._preempted:
+            self._preempted.difference_update(ended)
 
     def _book_episodes(self, now: int, req_ids: list[str], took: list[int],
                        user_of: Callable[[str], str | None]) -> None:
@@ -592,7 +614,7 @@ class SpanRecorder:
         if kept is None or end_ns - start_ns > kept[1] - kept[0]:
             self._longest[req_id] = (start_ns, end_ns, outcome, blocks, facts,
                                      req_id in self._preempted,
-                                     self._tokens_charged(req_id, outcome))
+                                     self._tokens_charged(req_id))
 
     def _build_throttle(self, req_id: str, start_ns: int, end_ns: int, outcome: str,
                         blocks: int, facts: RequestFacts | None, preempted: bool,
@@ -616,15 +638,15 @@ class SpanRecorder:
         self._span("output_rate.throttle", start_ns, end_ns, attributes,
                    context=self._parent_context(facts))
 
-    def _tokens_charged(self, req_id: str, outcome: str) -> int:
-        """Tokens charged to the request so far: its output tokens, plus the
-        one charged by the dispatch that ended the episode."""
+    def _tokens_charged(self, req_id: str) -> int:
+        """Tokens charged to the request so far: its output tokens (the
+        episode ended at a dispatch whose step came before this replay)."""
         tokens = self.view.num_output_tokens(req_id)
         if tokens is None:
             if req_id not in self._series:
                 return 0
             return self._spacings(req_id) + 1
-        return tokens + (1 if outcome == "dispatched" else 0)
+        return tokens
 
     # -- per update_from_output -------------------------------------------
     #

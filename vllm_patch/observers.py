@@ -137,7 +137,8 @@ class LimitsChange:
 
 class RequestFacts(NamedTuple):
     """What an observer may know of one live request (a tuple: made for
-    every throttle episode a pacing user opens, so it must be cheap)."""
+    every throttle episode that begins while spans are on, so it must be
+    cheap)."""
 
     request_id: str
     user: str
