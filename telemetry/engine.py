@@ -922,7 +922,9 @@ class EngineTelemetry(OutputRateObserver):
         worker; ``cur``: the requests with a token, ``special``: the outputs
         finished or with more than one token, ``outputs``: all of them when
         the event log is on; ``now``: when it returned, ``running``: whether
-        anything was still running then, and if not, ``reads`` of the engine).
+        anything was still running then, and if not, ``reads`` of the engine;
+        ``closing``: the throttle episodes of requests that finished with one
+        open, ended here before their spans are made).
 
         One spacing per request per step into the per-user histogram (the
         all-users histogram is folded from those at export). Most requests
@@ -1104,6 +1106,7 @@ class EngineTelemetry(OutputRateObserver):
             "requests.previous": len(self._prev_ids),
             "requests.label": len(self._request_label),
             "requests.episodes": len(self._episodes),
+            "requests.episodes_held": len(self._open_held),
             "requests.events": len(self._event_tokens),
             "requests.handles": len(self._handles),
             "users.activity": len(self._activity) + len(self._window_activity),
