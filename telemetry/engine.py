@@ -708,17 +708,19 @@ class EngineTelemetry(OutputRateObserver):
         throttle episodes open among them close (the scheduler's thread)."""
         episodes = self._episodes
         ended = {}
+        held = None
         if episodes:
             ended = {r: episodes.pop(r) for r, _ in aborted if r in episodes}
-            if self._open_held:
-                for req_id in ended:
-                    self._open_held.pop(req_id, None)
+            if ended and self._open_held:
+                # (the KV blocks they held while they waited, for their spans)
+                kept = self._open_held
+                held = {r: kept.pop(r) for r in ended if r in kept}
         running = self.view.has_running()
         self._post(self._fold_aborted, aborted, now, ended, running,
-                   None if running else self._engine_reads([]))
+                   None if running else self._engine_reads([]), held)
 
     def _fold_aborted(self, aborted: list[tuple[str, str]], now: int, ended: dict[str, int],
-                      running: bool, reads: tuple | None) -> None:
+                      running: bool, reads: tuple | None, held: dict | None = None) -> None:
         if ended:  # (their skips and durations: folded next)
             bases, full = self._bases, self._full_steps
             closed = list(ended)
@@ -746,7 +748,7 @@ class EngineTelemetry(OutputRateObserver):
                 self._queue_event(("finished", now, req_id, user,
                                    "abort", seen[1] if seen else 0))
         if self.spans is not None:
-            self.spans.on_aborted(aborted, now, ended, facts)
+            self.spans.on_aborted(aborted, now, ended, facts, held)
             if not running:
                 self.spans.on_idle(now)
 

@@ -789,25 +789,29 @@ class SpanRecorder:
 
     def on_aborted(self, aborted: list[tuple[str, str]], now: int,
                    ended: dict[str, int] | None = None,
-                   facts: list[RequestFacts | None] | None = None) -> None:
+                   facts: list[RequestFacts | None] | None = None,
+                   held: dict[str, tuple[int, RequestFacts | None]] | None = None) -> None:
         """Requests finished from outside (client aborts), as (request id,
         user), and the start of the open throttle episodes among them: their
         generation spans are emitted (one append; ``facts`` of each, read
-        from the engine now when not given)."""
+        from the engine now when not given; ``held``: the KV blocks of those
+        with an episode open, read when it began)."""
         if facts is None:
             view = self.view
             facts = [view.request_facts(req_id) for req_id, _ in aborted]
-        self._queue_replay(self._replay_aborted, aborted, facts, ended or {}, now)
+        self._queue_replay(self._replay_aborted, aborted, facts, ended or {}, now, held or {})
 
     def _replay_aborted(self, aborted: list[tuple[str, str]], facts: list[RequestFacts | None],
-                        ended: dict[str, int], now: int) -> None:
+                        ended: dict[str, int], now: int,
+                        held: dict[str, tuple[int, RequestFacts | None]] | None = None) -> None:
         if ended:
             closed = [req_id for req_id, _ in aborted if req_id in ended]
             self._book_episodes(now, closed, [now - ended[r] for r in closed], dict(aborted).get)
         for (req_id, _user), known in zip(aborted, facts):
             start = ended.get(req_id)
             if start is not None and now - start >= self.throttle_min_ns:
-                self._keep_longest(req_id, start, now, "aborted", 0, known)
+                blocks = held[req_id][0] if held and req_id in held else 0
+                self._keep_longest(req_id, start, now, "aborted", blocks, known)
             self._finish(req_id, "abort", now, known)
 
     def _finish(self, req_id: str, reason: str, now: int,
