@@ -548,10 +548,9 @@ class EngineTelemetry(OutputRateObserver):
                 counters[("tokens_refunded", (labeler.label(user), reason))] += 1
                 counters[("engine_tokens_refunded", ())] += 1
         now = record.now_ns
+        if ended:
+            self._end_episodes(end_ns, ended, starts, ended_by)
         bases, full = self._bases, self._full_steps
-        if ended:  # (their durations and skips go in at the next fold)
-            credits = list(map(sub, repeat(full, len(ended)), map(bases.pop, ended, repeat(full))))
-            self._ended_runs.append((end_ns, ended, starts, ended_by, credits))
         if opened:
             users = self._thr_users
             new = list(filterfalse(users.__contains__, opened))
@@ -593,6 +592,15 @@ class EngineTelemetry(OutputRateObserver):
             self._rebalance()
             if spans is not None:
                 spans.on_throttled_users(now, self._thr_by_user)
+
+    def _end_episodes(self, end_ns: int, ended: list[str], starts: list[int],
+                      by_id: dict[str, str]) -> None:
+        """Throttle episodes of ``ended`` (begun at ``starts``) that ended at
+        ``end_ns``; ``by_id``: request -> user for them. Their durations and
+        skips (the steps counted since each began) go in at the next fold."""
+        full = self._full_steps
+        credits = list(map(sub, repeat(full, len(ended)), map(self._bases.pop, ended, repeat(full))))
+        self._ended_runs.append((end_ns, ended, starts, by_id, credits))
 
     def _charge_fold(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._charged_keys, "tokens_charged", user)] += n
@@ -721,11 +729,8 @@ class EngineTelemetry(OutputRateObserver):
 
     def _fold_aborted(self, aborted: list[tuple[str, str]], now: int, ended: dict[str, int],
                       running: bool, reads: tuple | None, held: dict | None = None) -> None:
-        if ended:  # (their skips and durations: folded next)
-            bases, full = self._bases, self._full_steps
-            closed = list(ended)
-            self._ended_runs.append((now, closed, list(ended.values()), dict(aborted),
-                                     [full - bases.pop(r, full) for r in closed]))
+        if ended:
+            self._end_episodes(now, list(ended), list(ended.values()), dict(aborted))
         # The engine may go idle now, with no step to fold counts at.
         self._fold(None if reads is None else reads[3])
         if reads is not None:
@@ -945,9 +950,7 @@ class EngineTelemetry(OutputRateObserver):
         labels = self._request_label
         if closing is not None:  # episodes of requests that finished inside one
             ended, starts, end_ns, by_id, held = closing
-            bases, full = self._bases, self._full_steps
-            self._ended_runs.append((end_ns, ended, starts, by_id,
-                                     [full - bases.pop(r, full) for r in ended]))
+            self._end_episodes(end_ns, ended, starts, by_id)
             if spans is not None:
                 spans.on_ended(end_ns, ended, starts, by_id, held)
         if outputs is not None:

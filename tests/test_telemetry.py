@@ -707,12 +707,7 @@ def test_throttle_episodes_follow_the_scheduler_step_by_step(tmp_path_factory, s
                     for _ in range(rng.randint(2, 6))]
             drv.add(*reqs)
             user_of.update({r.request_id: r.output_rate_user for r in reqs})
-        if rng.random() < 0.05:
-            tel._export_due = True
-        drv.step()
-        if rng.random() < 0.05:
-            tel.drain()
-            tel._fold()
+        _step_folding_at_random(tel, drv, rng)
     drv.run_until_done()
     for req_id in prev:  # (the last step's: nothing after it throttles them)
         took[user_of[req_id]].append(prev_ns - opened.pop(req_id))
@@ -726,6 +721,17 @@ def test_throttle_episodes_follow_the_scheduler_step_by_step(tmp_path_factory, s
         if count:
             assert hist.sum == pytest.approx(sum(took[user]) / 1e9)
     assert any(took.values())
+
+
+def _step_folding_at_random(tel, drv, rng):
+    """One step, with an export due before it and a fold after it, each
+    at random."""
+    if rng.random() < 0.05:
+        tel._export_due = True
+    drv.step()
+    if rng.random() < 0.05:
+        tel.drain()
+        tel._fold()
 
 
 #: whether steps with throttled requests were counted by episode (True) or
@@ -780,12 +786,7 @@ def test_skips_counted_by_episode_equal_skips_counted_per_request(tmp_path_facto
             victims = [r.request_id for r in live if r.request_id in sched.requests][:1]
             if victims:
                 sched.finish_requests(victims, RequestStatus.FINISHED_ABORTED)
-        if rng.random() < 0.05:
-            tel._export_due = True
-        drv.step()
-        if rng.random() < 0.05:
-            tel.drain()
-            tel._fold()
+        _step_folding_at_random(tel, drv, rng)
     drv.run_until_done()
     tel.drain()
     tel._fold()
