@@ -1235,7 +1235,7 @@ class EngineTelemetry(OutputRateObserver):
             view = self.view
             events.appendleft(("start", time.monotonic_ns(), time.time_ns(), {
                 user: float(view.rate_of(user)) for user in view.user_rates
-            }, float(view.default_rate)))
+            }, float(view.default_rate), bool(view.async_scheduling)))
         self._idle_exports = 0 if self.view.has_running() else self._idle_exports + 1
         if self._idle_exports >= 2 and not self._events_idle_written:
             # The engine went idle: nothing throttled, stated once, after the

@@ -10,7 +10,9 @@ monotonic clock in nanoseconds:
 ``start``, once, before the engine's first other line::
 
     {"kind": "start", "t_ns": int, "unix_ns": int (wall clock at t_ns),
-     "engine": str, "limits": {user: tok/s}, "default_limit": tok/s}
+     "engine": str, "limits": {user: tok/s}, "default_limit": tok/s,
+     "async_scheduling": bool (the scheduler runs a step ahead of the
+     outputs: a token shows two updates after its charge, not one)}
 
 ``tokens``, one per engine step that produced output tokens, stamped when
 the step's output was processed (tokens of one step share that moment)::
@@ -58,7 +60,7 @@ def encode_event(event: tuple, engine: str) -> str:
     ``event``: ``("tokens", t_ns, [(request id, user, n), ...])``,
     ``("finished", t_ns, request id, user, reason, output tokens)``,
     ``("throttled", t_ns, {user: requests}, {user: kv blocks}, kv share)`` or
-    ``("start", t_ns, unix_ns, {user: limit}, default limit)`` or
+    ``("start", t_ns, unix_ns, {user: limit}, default limit, async scheduling)`` or
     ``("limits", t_ns, unix_ns, {user: limit}, default limit, sha256, added,
     removed, changed)``; ``engine``:
     the engine's index, written in the start line."""
@@ -77,7 +79,7 @@ def encode_event(event: tuple, engine: str) -> str:
                 "removed": event[7], "changed": event[8]}
     else:  # start
         data = {"kind": kind, "t_ns": t_ns, "unix_ns": event[2], "engine": engine,
-                "limits": event[3], "default_limit": event[4]}
+                "limits": event[3], "default_limit": event[4], "async_scheduling": event[5]}
     return json.dumps(data) + "\n"
 
 

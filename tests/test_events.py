@@ -7,9 +7,9 @@ from vllm_output_rate.telemetry.events import EngineLog, encode_event
 
 #: one record of each kind as the engine queues it, and its line in the log
 RECORDS = [
-    (("start", 5, 1_700_000_000_000_000_000, {"a": 20.0}, 1000.0),
+    (("start", 5, 1_700_000_000_000_000_000, {"a": 20.0}, 1000.0, True),
      '{"kind": "start", "t_ns": 5, "unix_ns": 1700000000000000000, "engine": "0", '
-     '"limits": {"a": 20.0}, "default_limit": 1000.0}\n'),
+     '"limits": {"a": 20.0}, "default_limit": 1000.0, "async_scheduling": true}\n'),
     (("tokens", 10, [("chatcmpl-r1-0123abcd", "a", 1), ("chatcmpl-r2-0123abcd", "b", 2)]),
      '{"kind": "tokens", "t_ns": 10, "tokens": [["chatcmpl-r1-0123abcd", "a", 1], '
      '["chatcmpl-r2-0123abcd", "b", 2]]}\n'),
@@ -34,6 +34,7 @@ def test_the_reader_reads_what_the_encoder_writes(tmp_path):
     assert log.bad_lines == []
     assert [s["limits"] for s in log.starts] == [{"a": 20.0}]
     assert log.starts[0]["engine"] == "0" and log.starts[0]["default_limit"] == 1000.0
+    assert log.starts[0]["async_scheduling"] is True
     assert log.steps == [(10, [("chatcmpl-r1-0123abcd", "a", 1), ("chatcmpl-r2-0123abcd", "b", 2)])]
     assert log.throttled == [{"kind": "throttled", "t_ns": 20, "requests": {"a": 2},
                               "kv_blocks": {"a": 6}, "kv_share": 0.25}]

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from harness import Driver, FakeClock, attach_telemetry, make_request, make_scheduler, observe_steps
+from vllm_output_rate.scheduler import OutputRateAsyncScheduler
 from vllm_output_rate.telemetry.collector import SnapshotCollector
 from vllm_output_rate.telemetry.labels import OTHER
 from vllm_output_rate.telemetry.metrics import HISTOGRAM_SERIES, METRICS, SPACING_BUCKETS, series_name
@@ -322,6 +323,18 @@ def test_throttle_episodes_are_timed_per_user(tmp_path, monkeypatch):
     assert not tel._episodes  # every episode ended
 
 
+def test_the_event_logs_start_line_says_whether_the_scheduler_runs_ahead(tmp_path, monkeypatch):
+    """The verifier allows one more update of lag under async scheduling:
+    it reads the mode from the engine, not from how the server was started."""
+    for is_async in (False, True):
+        (tmp_path / str(is_async)).mkdir()
+        sched, drv, tel, path = events_setup(tmp_path / str(is_async), limits(1000, a=20),
+                                             monkeypatch, async_scheduling=is_async)
+        assert isinstance(sched, OutputRateAsyncScheduler) == is_async
+        tel.export()
+        assert read_events(path)[0]["async_scheduling"] is is_async
+
+
 def test_event_log_matches_what_the_engine_delivered(tmp_path, monkeypatch):
     sched, drv, tel, path = events_setup(tmp_path, limits(1000, a=20), monkeypatch)
     reqs = [make_request("a", max_tokens=12) for _ in range(2)] + [make_request("b", max_tokens=9)]
@@ -334,6 +347,7 @@ def test_event_log_matches_what_the_engine_delivered(tmp_path, monkeypatch):
     events = read_events(path)
     assert events[0]["kind"] == "start"
     assert events[0]["limits"] == {"a": 20.0} and events[0]["default_limit"] == 1000.0
+    assert events[0]["async_scheduling"] is False
     per_request: dict[str, int] = {}
     times: dict[str, list[int]] = {}
     for e in events:

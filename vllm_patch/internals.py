@@ -193,6 +193,9 @@ class SchedulerView(EngineView):
         self.num_kv_blocks = max(int(vllm_config.cache_config.num_gpu_blocks or 0), 1)
         self.otlp_traces_endpoint = getattr(
             vllm_config.observability_config, "otlp_traces_endpoint", None)
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        self.async_scheduling = isinstance(scheduler, AsyncScheduler)
         self._options_status = LimitsStatus(
             "command line", config.digest, time.time(), {}, None)
 

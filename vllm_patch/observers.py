@@ -168,6 +168,9 @@ class EngineView(ABC):
     num_kv_blocks: int
     #: ``--otlp-traces-endpoint``, if given
     otlp_traces_endpoint: str | None
+    #: whether the scheduler runs a step ahead of the outputs (vLLM's
+    #: ``AsyncScheduler``): a token is charged two updates before it shows
+    async_scheduling: bool = False
     #: the default limit (tokens per second)
     default_rate: Fraction
     #: users with a configured limit -> that limit
