@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from harness import REPO, second_model, tiny_model
+from vllm_output_rate import settings
 from vllm_output_rate.tools import verify
 from vllm_output_rate.tools.client import Server
 from vllm_output_rate.tools.loadgen import load_scenario
@@ -84,8 +85,11 @@ def test_verify_with_model_passes_on_a_correct_run(short_scenario, tmp_path, sch
     report = tmp_path / "report"
     scenario = short_scenario
     if scheduling == "async":  # vLLM's --async-scheduling: one step dispatched ahead
+        # (vLLM's CPU platform turns the flag off; the setting keeps it on:
+        # the engine's event log says which ran, and verify reads it there)
         data = yaml.safe_load(short_scenario.read_text())
         data["server"]["args"] = data["server"]["args"] + ["--async-scheduling"]
+        data["server"]["env"] = settings.child_env(FORCE_ASYNC_SCHEDULING=True)
         scenario = tmp_path / "short-async.yaml"
         scenario.write_text(yaml.safe_dump(data, sort_keys=False))
     rc = verify.main(["--model", tiny_model() if model == "tiny" else second_model(),
