@@ -986,8 +986,8 @@ def _wait_for_engine_log(path: Path, run: RunRecord, timeout_s: float = 20.0) ->
 
 def is_async(scenario: Scenario, start: dict[str, Any] | None) -> bool:
     """Whether the engine ran async scheduling: its event log's start line
-    says so; a log without the field (written before 0.1.0's last change) is
-    read by the scenario's flags (a guess: vLLM's CPU platform turns
+    says so; a log without the field (an older engine's) is read by the
+    scenario's flags (a guess: vLLM's CPU platform turns
     ``--async-scheduling`` off unless the project's setting forces it)."""
     if start and "async_scheduling" in start:
         return bool(start["async_scheduling"])
