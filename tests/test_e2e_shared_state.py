@@ -160,8 +160,35 @@ def test_one_users_limit_holds_across_two_engines(fleet):
         assert metric_value(samples, "vllm_output_rate_shared_store_call_seconds_count") > 0
 
 
-def test_store_stopped_mid_run_then_back_empty(fleet):
-    redis, engines, events = fleet
+class StallWatch:
+    """How late this process's threads wake (a 50 ms sleep, over and over),
+    while a scenario runs: a test process that got no CPU or no GIL for
+    seconds cannot have run its side of the scenario on time."""
+
+    def __init__(self) -> None:
+        self.worst_s = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.monotonic()
+            time.sleep(0.05)
+            self.worst_s = max(self.worst_s, time.monotonic() - t0 - 0.05)
+
+    def __enter__(self) -> StallWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def outage_run(redis, engines, events):
+    """user-a's four streams over both engines, the store killed 3 s in and
+    started again empty 5 s later. Returns (start, marks, spends, the
+    engines' log sizes before, the worst stall of this process)."""
     marks = {}
 
     def outage():
@@ -175,9 +202,34 @@ def test_store_stopped_mid_run_then_back_empty(fleet):
 
     start = time.monotonic_ns()
     log_sizes = [engine.log_path.stat().st_size for engine in engines]
-    run_streams(engines, [(0, "user-a", 2, 100), (1, "user-a", 2, 100)], during=outage)
+    with StallWatch() as watch:
+        run_streams(engines, [(0, "user-a", 2, 100), (1, "user-a", 2, 100)], during=outage)
     wait_for_events(events)
-    spends = fleet_tokens(events, "user-a", start)
+    return start, marks, fleet_tokens(events, "user-a", start), log_sizes, watch.worst_s
+
+
+def test_store_stopped_mid_run_then_back_empty(fleet):
+    redis, engines, events = fleet
+    for attempt in (1, 2):
+        start, marks, spends, log_sizes, stall_s = outage_run(redis, engines, events)
+        timing = {k: round((v - start) / NS_PER_S, 2) for k, v in marks.items()}
+        if spends:
+            timing["first token"] = round((spends[0][0] - start) / NS_PER_S, 2)
+            timing["last token"] = round((spends[-1][0] - start) / NS_PER_S, 2)
+        print(f"\ntiming (s from start): {timing}; this process's worst stall {stall_s:.2f} s")
+        # The premise: the outage fell inside the run (about 20 s of
+        # streams at the fleet's 20 tok/s, the store back at about 8 s).
+        # Once (CI, late in the suite) every token came before the kill:
+        # this process's thread that kills the store had run late by the
+        # whole run. Then the scenario did not happen, and runs again (a
+        # limiter that let the streams finish early fails both attempts).
+        if spends and marks["up"] + 3 * NS_PER_S <= spends[-1][0]:
+            break
+        print(f"attempt {attempt}: the outage did not fall inside the run (the store back "
+              f"at {timing['up']} s, the last token at {timing.get('last token')} s)")
+    else:
+        pytest.fail(f"twice the outage did not fall inside the run: {timing}, "
+                    f"this process's worst stall {stall_s:.2f} s")
     assert sum(n for _, n in spends) == 400
     # both engines kept serving during the outage, each at its fallback share
     # (20 / 2 engines last seen sharing user-a): the fleet at about 20
@@ -198,9 +250,7 @@ def test_store_stopped_mid_run_then_back_empty(fleet):
         assert 0.5 * LIMIT_A / 2 <= share <= (LIMIT_A / 2) * 1.05 + 2 / ((hi - lo) / NS_PER_S), share
     # after it: shared again, and the bound held across the outage and the reset
     after = [s for s in spends if s[0] >= marks["up"] + NS_PER_S]
-    timing = {k: round((v - start) / NS_PER_S, 2) for k, v in marks.items()}
-    timing["last token"] = round((spends[-1][0] - start) / NS_PER_S, 2)
-    print(f"user-a after it: {spend_rate(after):.2f} tok/s; timing (s from start): {timing}")
+    print(f"user-a after it: {spend_rate(after):.2f} tok/s")
     assert len(after) >= 20, timing  # the run went on well past the restart
     assert spend_rate(after) >= 0.9 * LIMIT_A, timing
     excess, window = worst_window_excess(spends, Fraction(LIMIT_A), HORIZON_S, LOOKAHEAD_S,
