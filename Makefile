@@ -2,11 +2,14 @@
 #   make demo   - tiny local model, served with per-user limits, load, results
 #   make test   - the whole test suite (what CI runs)
 PY := .venv/bin/python
-# The scheduler-level suites, run a second time against vLLM 0.33 (CPU, no engine).
-VLLM033_TESTS := tests/test_scheduler.py tests/test_live_limits.py tests/test_telemetry.py tests/test_tracing.py \
-                 tests/test_plugin.py tests/test_layers.py tests/test_frontend.py tests/test_shared_state.py
+# The scheduler-level suites: run on the CPU build (vLLM 0.32, in `tests`) and
+# again against each other supported vLLM's wheel (CPU, no engine). The
+# versions are one list: vllm_patch/versions.py (SUPPORTED).
+SCHEDULER_SUITES := tests/test_scheduler.py tests/test_live_limits.py tests/test_telemetry.py \
+                    tests/test_tracing.py tests/test_plugin.py tests/test_layers.py \
+                    tests/test_frontend.py tests/test_shared_state.py tests/test_engine_loop.py
 
-.PHONY: venv tools vllm033 demo test test-vllm033 bench clean
+.PHONY: venv tools demo test test-versions bench clean
 
 venv:
 	@scripts/bootstrap.sh
@@ -19,20 +22,23 @@ tools:
 	@scripts/ensure_nginx.sh
 	@scripts/ensure_redis.sh
 
-# vLLM 0.33.0 in .cache/vllm-0.33 (no dependencies) for the second run below
-vllm033: venv
-	@scripts/ensure_vllm033.sh
-
 demo: venv
 	$(PY) -m vllm_output_rate.tools.demo
 
-test: venv tools vllm033
+test: venv tools
 	$(PY) -m pytest -q tests
-	$(MAKE) --no-print-directory test-vllm033
+	$(MAKE) --no-print-directory test-versions
 
-test-vllm033: vllm033
-	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/.cache/vllm-0.33 EXPECT_VLLM_MINOR=0.33 \
-	    $(PY) -m pytest -q $(VLLM033_TESTS)
+# The version matrix: one run of the scheduler-level suites per wheel version.
+test-versions: venv
+	@set -e; for version in $$($(PY) -m vllm_output_rate.versions wheels); do \
+	    $(MAKE) --no-print-directory test-vllm-$$version; done
+
+# vLLM VERSION's wheel in .cache/vllm-VERSION (no dependencies), first on the path.
+test-vllm-%: venv
+	@scripts/ensure_vllm_wheel.sh $*
+	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/.cache/vllm-$* EXPECT_VLLM_MINOR=$(basename $*) \
+	    $(PY) -m pytest -q $(SCHEDULER_SUITES)
 
 bench: venv
 	$(PY) -m vllm_output_rate.tools.bench_scheduler

@@ -73,15 +73,18 @@ def version() -> str:
     """This package's version and the vLLM beside it."""
     from importlib import metadata
 
-    from vllm_output_rate.internals import SUPPORTED, installed_vllm_version, minor_version
+    from vllm_output_rate.versions import SUPPORTED, is_supported, pip_range
 
     ours = metadata.version("vllm-output-rate")
+    supported = f"supports vLLM {', '.join(SUPPORTED)} ({pip_range()})"
     try:
+        from vllm_output_rate.internals import installed_vllm_version
+
         vllm = installed_vllm_version()
-        note = "supported" if minor_version(vllm) in SUPPORTED else "NOT supported"
-        beside = f"vLLM {vllm} ({note}; supported: {', '.join(SUPPORTED)})"
+        note = "supported" if is_supported(vllm) else "NOT supported: limits are off"
+        beside = f"vLLM {vllm} ({note}); {supported}"
     except ImportError:
-        beside = "vLLM not installed"
+        beside = f"vLLM not installed; {supported}"
     return f"vllm-output-rate {ours}, {beside}"
 
 

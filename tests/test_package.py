@@ -25,7 +25,7 @@ def test_version_command():
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("vllm-output-rate 0.1.0, vLLM 0.3"), run.stdout
-    assert "(supported;" in run.stdout
+    assert "(supported); supports vLLM 0.32, 0.33, 0.34 (>=0.32,<0.35)" in run.stdout
 
 
 @pytest.fixture(scope="module")

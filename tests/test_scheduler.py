@@ -270,6 +270,64 @@ def test_full_prefix_hit_without_budget_does_not_block_others(is_async):
     assert drv.count(again.request_id) == 2
 
 
+def _has_cache_aware_admission() -> bool:
+    from vllm.config import SchedulerConfig
+
+    return "cache_aware_admission_window" in SchedulerConfig.__dataclass_fields__
+
+
+@pytest.mark.skipif(not _has_cache_aware_admission(),
+                    reason="cache-aware admission is vLLM 0.34's")
+@pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "whole-prefill"])
+@pytest.mark.parametrize("is_async", MODES)
+def test_cache_aware_admission_never_admits_a_user_past_its_budget(is_async, chunked):
+    """vLLM 0.34 moves waiting requests with a cached prefix ahead of cold
+    ones (``--cache-aware-admission-window``). A throttled user's requests
+    moved to the front are still held (chunked prefill: one short of their
+    first token; otherwise not admitted), charged nothing, and the cold
+    request of another user behind them starts in the same step."""
+    sched, drv, clock = setup(limits(1, b=1000), is_async, enable_chunked_prefill=chunked,
+                              scheduler_options={"cache_aware_admission_window": 8,
+                                                 "cache_aware_admission_threshold": 0.0})
+    assert sched.cache_aware_window == 8
+    prefix = list(range(100, 164))  # 4 full blocks
+    warm = make_request("a", prompt=prefix + [5], max_tokens=1)
+    drv.add(warm)
+    drv.run_until_done()
+    drv.flush()
+    _exhaust(sched, drv)
+    orders = []
+    upstream = sched._reorder_waiting_by_cached_prefix
+
+    def reorder():
+        upstream()
+        orders.append([r.request_id for r in sched.waiting])
+
+    sched._reorder_waiting_by_cached_prefix = reorder
+    cold = make_request("b", prompt_len=70, max_tokens=3)
+    hot = [make_request("a", prompt=prefix + [6, 7, i], max_tokens=3) for i in range(2)]
+    drv.add(cold, *hot)
+    out = drv.step()
+    # the premise: vLLM put a's cached requests ahead of b's cold one
+    assert orders and orders[0][-1] == cold.request_id, orders
+    assert cold.request_id in out.num_scheduled_tokens
+    assert set(sched.output_rate_last_step.charged.values()) == {"b"}
+    for request in hot:
+        scheduled = out.num_scheduled_tokens.get(request.request_id, 0)
+        if chunked:  # held one short of the first token
+            assert request.num_computed_tokens <= request.num_tokens - 1
+        else:
+            assert scheduled == 0 and request.status == RequestStatus.WAITING
+    # a's budget returns 0.9 s after it was spent (1 tok/s, 100 ms burst):
+    # none of a's tokens before that
+    for _ in range(80):
+        drv.step()
+    assert all(drv.count(r.request_id) == 0 for r in hot)
+    drv.run_until_done()
+    drv.flush()
+    assert all(drv.count(r.request_id) == 3 for r in [cold, *hot])
+
+
 # -- throttled requests give their place away ---------------------------------
 
 

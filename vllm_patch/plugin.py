@@ -346,6 +346,13 @@ def unsupported_reasons(vllm_config: Any) -> list[str]:
             f"(vLLM 0.33 applies it to a single engine) would hold other users' "
             f"first tokens while every running decode is throttled"
         )
+    inflight = getattr(vllm_config.scheduler_config, "max_num_inflight_kv_loads", None)
+    if inflight:
+        reasons.append(
+            f"--max-num-inflight-kv-loads {inflight}: async KV loads (vLLM 0.34) "
+            f"come from a KV connector, and connectors change the KV lifecycle "
+            f"of throttled requests"
+        )
     scheduler_cls = vllm_config.scheduler_config.scheduler_cls
     if scheduler_cls is not None and _qualname(scheduler_cls) not in _OUR_SCHEDULERS:
         reasons.append(
