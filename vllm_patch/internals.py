@@ -36,7 +36,11 @@ Per-version differences (each read in that release's source):
   are sent in full like new ones; ``_make_cached_request_data``,
   ``NewRequestData``, ``TokenBuffer`` prompts, ``prefix_cache_hit_limit``,
   ``AsyncScheduler``'s dropped fields: none is read here.
-  ``EngineCoreProc._process_engine_step`` feeds a watchdog first; its shape
+  The KV cache manager applies its admission watermark only when
+  ``running`` is not empty (``has_scheduled_reqs``): in a step where every
+  running request is held back, a waiting one may take the watermark's
+  blocks; the next step's room check then leaves the throttled at the tail
+  of ``running``, preemptible. ``EngineCoreProc._process_engine_step`` feeds a watchdog first; its shape
   (step, outputs, post-step, 1 ms nap when no model ran) is unchanged, so the
   engine-loop wrap is the same. Tools only (``tools.scheduler_driver``, no
   engine): ``ModelRunnerOutput`` lost ``req_id_to_index`` (derived from
@@ -44,25 +48,56 @@ Per-version differences (each read in that release's source):
   built (``vllm.triton_utils.HAS_TRITON``), passed over while the driver
   builds one (it runs no model).
 
-Overridden by subclassing (``vllm_output_rate.scheduler``):
-  - ``vllm.v1.core.sched.scheduler.Scheduler.schedule``: wrapped (pre-pass
-    before, refund point after), never copied.
-  - ``Scheduler._reserve_prefill_lookahead(request, num_computed_tokens,
-    num_new_tokens)``: called for every running and waiting request right
-    before ``num_new_tokens == 0`` and KV allocation; the charge point.
-  - ``Scheduler._handle_blocked_waiting_request(request)``: returning False
-    makes ``schedule()`` skip a waiting request for this step (used for
-    requests of users without budget that cannot advance a prefill).
-  - ``Scheduler.max_num_active_reqs``: read by the waiting loop as the
-    admission cap; turned into a property so throttled requests do not count.
+Hook points that change what vLLM does: five (README, "Hook points into
+vLLM", has the count before and after). The same on 0.32, 0.33 and 0.34.
+
+  1. ``vllm.v1.core.sched.scheduler.Scheduler.schedule`` (and
+     ``AsyncScheduler``'s, same mixin): wrapped, never copied. Before:
+     order ``running`` (rotation, users without budget to the tail, longest
+     waiting first) and hold the throttled tail back from it (vllm-spyre's
+     way: out of ``running`` while vLLM schedules, back after), only when the
+     step cannot run out of KV blocks (``kv_cache_manager.block_pool
+     .get_num_free_blocks()`` against one block a request left plus the token
+     budget's worth, per group of ``kv_cache_config.kv_cache_groups``) and
+     without LoRA (vLLM counts the adapters of all of ``running``). After:
+     the single refund point, over ``num_scheduled_tokens`` and
+     ``preempted_req_ids``. Needs: ``running`` a list vLLM iterates in order,
+     ``max_num_scheduled_tokens``, ``block_size``, ``lora_config``.
+  2. ``Scheduler._reserve_prefill_lookahead(request, num_computed_tokens,
+     num_new_tokens)``: the charge point, overridden once (never swapped per
+     step). vLLM calls it for every running and waiting request right before
+     ``num_new_tokens == 0`` and KV allocation, in both loops, on every
+     supported version; upstream's body matters only with multi-module MTP
+     (``num_prefill_lookahead``; speculative decoding is refused anyway).
+  3. ``Scheduler._handle_blocked_waiting_request(request)``: returning False
+     makes ``schedule()`` skip a waiting request for this step, before its
+     prefix-cache lookup (requests of users without budget that cannot
+     advance a prefill). Returning 0 from hook 2 would not do: 0.32 ``break``s
+     the waiting loop there, and 0.33/0.34 would count a prefix-cache lookup
+     for the skipped request every step.
+  4. ``Scheduler.max_num_active_reqs``: the waiting loop's admission cap
+     (``len(running) >= max_num_active_reqs``; 0.34 also enters its
+     ``loads_only`` state there); turned into a property so throttled
+     requests do not count against it and held-back ones still count against
+     ``max_num_running_reqs``.
+  5. ``vllm.v1.engine.core.EngineCoreProc._process_engine_step``: wrapped
+     (``engine_loop``), only in an engine core whose scheduler is ours: after
+     a step that ran no model, wait on ``input_queue`` (handing a message to
+     ``_handle_client_request``) instead of spinning; ``batch_queue`` read.
+
+  With ``--scheduling-policy priority`` only, set once at construction:
+  ``KVCacheManager.allocate_slots`` wrapped on the scheduler's own manager
+  (on failure, a throttled request of the lowest priority is preempted with
+  ``Scheduler._preempt_request`` before vLLM picks by priority and arrival;
+  ``_request_blocks_can_be_freed`` read). With FCFS none of this: vLLM
+  preempts ``running[-1]``, where the throttled requests sit.
+
+Observing only (subclass overrides that change nothing vLLM decides):
   - ``Scheduler.add_request``: resolves the request's user once.
   - ``Scheduler.finish_requests(request_ids, finished_status)``: returns the
     requests it finished (client aborts); telemetry ends their records.
-  - ``Scheduler._preempt_request``: called to preempt throttled victims.
-  - ``vllm.v1.core.sched.async_scheduler.AsyncScheduler``: same mixin.
-  - ``KVCacheManager.allocate_slots``: wrapped on the scheduler's own
-    manager instance so that, on failure, a throttled request is preempted
-    before vLLM picks its own victim.
+  - ``Scheduler.update_from_output``: the engine outputs, to the observers.
+  - ``Scheduler.shutdown``: stops the limits watcher and the observers.
 
 Wrapped in place (``vllm_output_rate.engine_loop`` / ``vllm_output_rate.plugin``), only in
 a process where the feature is on (engine loop) or to add options (CLI):
@@ -122,8 +157,8 @@ Request fields read: ``request_id``, ``status``, ``priority``,
 ``num_output_tokens``, ``is_prefill_chunk``, ``trace_headers``,
 ``sampling_params.extra_args``. Fields set on ``Request`` (ours, all named
 ``output_rate_*``, set in ``add_request``): the identity, whether it is
-trusted, the charged user, that user's limiter state (kept for the charge
-hook), when it was last dispatched, the last step that throttled it.
+trusted, the charged user, when it was last dispatched, the last step that
+throttled it.
 """
 
 from __future__ import annotations

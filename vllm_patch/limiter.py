@@ -115,15 +115,6 @@ class OutputRateLimiter:
         slack = st.burst - (tat - now)
         return slack // st.step + 1 if slack >= 0 else 0
 
-    def state_of(self, user: str, now_ns: int) -> _UserState:
-        """The user's state object, made at ``now_ns`` if it has none (a
-        new state changes nothing observable: it is an idle user's). It is
-        the user's until ``set_limits`` changes its rate or
-        ``cleanup_idle_users`` drops it; the scheduler keeps it on the
-        user's requests and forgets it then."""
-        st = self._users.get(user)
-        return self._new_state(user, now_ns) if st is None else st
-
     # -- updates ---------------------------------------------------------
 
     def try_take(self, user: str, now_ns: int) -> bool:

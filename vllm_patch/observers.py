@@ -58,6 +58,9 @@ class StepReport:
     cap_deferred: int = 0
     #: ids of throttled requests preempted in place of a request with budget
     preempted_throttled: list[str] = field(default_factory=list)
+    #: of ``throttled``, those held out of vLLM's loop for the whole step
+    #: (the others were refused at the charge point)
+    held_back: int = 0
     #: share of this schedule() call spent in the limiter's step-level code
     #: (ordering, settling; not the per-request charge hook); set only when
     #: an observer is registered

@@ -8,7 +8,10 @@ works at the hook points listed in ``vllm_output_rate.internals``:
 * before ``schedule()``: read the clock once, rotate each user's streams so
   the one after the last served goes first, move requests whose user has no
   budget behind the others, and, when the active cap binds, put the users
-  who waited longest first;
+  who waited longest first; then hold those without budget back from
+  ``running`` for vLLM's ``schedule()`` (vllm-spyre's way) when the KV cache
+  has room for the step, or leave them at the tail, where vLLM's own
+  preemption looks first;
 * at ``_reserve_prefill_lookahead`` (per request, right before KV
   allocation): charge one token when the step samples, shrink a final
   prefill chunk to stop one position short when the budget is gone (chunked
@@ -75,10 +78,10 @@ class OutputRateSchedulerMixin:
     #: The registered observers as one (``observers.create_observer``), or
     #: None: told of every step, the outputs, aborts and idle waits.
     output_rate_observer: OutputRateObserver | None = None
-    #: Use the lean charge hook (``_orl_lean_hook``) in steps where the active
-    #: cap cannot bind. Both hooks apply the same charge rules; the scheduler
-    #: test suite runs once with each (this set False for the second run).
-    output_rate_lean_hook: bool = True
+    #: Hold throttled running requests back from vLLM's ``schedule()`` when
+    #: the KV cache has room for the step (see ``_orl_hold_back``); tests set
+    #: False to run every step with them left at the tail of ``running``.
+    output_rate_hold_back: bool = True
     #: Watch the limits file from a thread of its own (tests set False and
     #: call ``output_rate_limits_watcher.check()`` themselves).
     output_rate_watch_thread: bool = True
@@ -89,6 +92,8 @@ class OutputRateSchedulerMixin:
     # vLLM's __init__ runs, before ours has set anything.
     _orl_base_active = 0
     _orl_throttled_running = 0
+    _orl_held = 0
+    _orl_capped = False
     _orl_limiter_begin: Callable[[int], None] | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -116,9 +121,20 @@ class OutputRateSchedulerMixin:
         self._orl_step_no = 0
         self._orl_begin(self.output_rate_clock())
         self.output_rate_last_step = self._orl_record
+        # KV blocks one step of the running loop can allocate beyond one a
+        # request (chunks of prefill take the token budget at most), per KV
+        # cache group: the room throttled requests may be held back within.
+        groups = max(len(self.kv_cache_config.kv_cache_groups), 1)
+        self._orl_step_blocks = groups * (-(-self.max_num_scheduled_tokens // self.block_size) + 1)
+        self._orl_groups = groups
+        self._orl_free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks
+        # With FCFS, vLLM preempts the tail of ``running``, where throttled
+        # requests sit: no wrap. With PRIORITY it picks by priority and
+        # arrival, so a throttled one of the lowest priority is picked here
+        # first (the wrap is set once, never per step).
         self._orl_upstream_allocate = self.kv_cache_manager.allocate_slots
-        # The lean charge hook (see _orl_lean_hook) needs no MTP look-ahead.
-        self._orl_lean_ok = self.output_rate_lean_hook and not self.num_prefill_lookahead
+        if self._orl_priority:
+            self.kv_cache_manager.allocate_slots = self._orl_allocate_slots
 
         from vllm_output_rate import engine_loop
 
@@ -144,10 +160,12 @@ class OutputRateSchedulerMixin:
 
     @property
     def max_num_active_reqs(self) -> int:
-        """Admission cap of the waiting loop: throttled requests don't count."""
+        """Admission cap of the waiting loop: throttled requests don't count
+        against the active cap; held-back ones (out of ``running`` while
+        vLLM schedules) still count against the resident cap."""
         return min(
             self._orl_base_active + self._orl_throttled_running,
-            self.max_num_running_reqs,
+            self.max_num_running_reqs - self._orl_held,
         )
 
     @max_num_active_reqs.setter
@@ -165,9 +183,6 @@ class OutputRateSchedulerMixin:
         #: "header" / "api_key" when the API server vouches for the user
         request.output_rate_trusted = trusted_source(extra_args)
         request.output_rate_user = self.output_rate_config.charged_user(identity)
-        # The user's limiter state, once the lean hook first charged it (the
-        # plain limiter only; forgotten when the limiter drops or replaces it)
-        request.output_rate_state = None
         # The last step that throttled it (StepReport.throttled_new).
         request.output_rate_throttled_step = -1
         # When a token was last dispatched for it (rotation, cross-user order).
@@ -191,23 +206,19 @@ class OutputRateSchedulerMixin:
         was_short = bool(self._orl_refused)
         self._orl_begin(now)
         running = len(self.running)
-        short = running > 1 and (was_short or running > self._orl_base_active) and (
-            self._orl_order_running()
-        )
-        # Throttled victims exist only when some user is short of budget;
-        # otherwise keep vLLM's allocate_slots unwrapped (hot path).
-        manager = self.kv_cache_manager
-        if short:
-            manager.allocate_slots = self._orl_allocate_slots
-        elif "allocate_slots" in manager.__dict__:
-            del manager.allocate_slots
-        # The charge hook: the lean one when the active cap cannot bind.
-        if self._orl_lean_ok and running <= self._orl_base_active:
-            self._reserve_prefill_lookahead = self._orl_lean_hook()
-        elif "_reserve_prefill_lookahead" in self.__dict__:
-            del self._reserve_prefill_lookahead
+        # Only when more are resident than may run can the active cap bind.
+        self._orl_capped = running > self._orl_base_active
+        throttled = None
+        if running > 1 and (was_short or self._orl_capped):
+            throttled = self._orl_order_running()
+        held = self._orl_hold_back(throttled) if throttled else None
         t1 = time.perf_counter()
-        output = super().schedule(*args, **kwargs)
+        try:
+            output = super().schedule(*args, **kwargs)
+        finally:
+            if held:
+                self.running.extend(held)
+                self._orl_held = 0
         t2 = time.perf_counter()
         self._orl_finish(output.num_scheduled_tokens, output.preempted_req_ids)
         observer = self.output_rate_observer
@@ -246,7 +257,6 @@ class OutputRateSchedulerMixin:
             charged_user = config.charged_user
             for request in self.requests.values():
                 request.output_rate_user = charged_user(request.output_rate_identity)
-        self._orl_forget_states(None)
         added, removed, changed = diff_limits(old, config)
         observer = self.output_rate_observer
         if observer is not None:
@@ -296,24 +306,16 @@ class OutputRateSchedulerMixin:
         if begin is not None:
             begin(now)
         if self._orl_step_no % CLEANUP_EVERY_STEPS == 0:
-            dropped = self.output_rate_limiter.cleanup_idle_users(now)
-            if dropped:
-                self._orl_forget_states(set(dropped))
+            self.output_rate_limiter.cleanup_idle_users(now)
 
-    def _orl_forget_states(self, users: set[str] | None) -> None:
-        """The limiter dropped (``users``) or replaced (None: any) some
-        users' states: their requests look theirs up again when next
-        charged."""
-        for request in self.requests.values():
-            if users is None or request.output_rate_user in users:
-                request.output_rate_state = None
-
-    def _orl_order_running(self) -> bool:
+    def _orl_order_running(self) -> list[Request] | None:
         """Rotate, move users without budget back, longest-waiting user first.
 
         Only reorders when it matters: when some user has fewer tokens than
         running streams, or when more requests could run than the active cap.
-        Returns whether some user is short of budget.
+        Returns the throttled requests now at the tail of ``running`` (those
+        of users without budget at the step's start), or None when no user
+        is short of budget.
         """
         running = self.running
         streams: dict[str, int] = {}
@@ -325,7 +327,7 @@ class OutputRateSchedulerMixin:
         short = any(budget[user] < n for user, n in streams.items())
         cap_binds = len(running) > self._orl_base_active
         if not short and not cap_binds:
-            return False
+            return None
         if short:
             running = self._orl_rotated(running)
         ready: list[Request] = []
@@ -342,7 +344,42 @@ class OutputRateSchedulerMixin:
         if len(ready) > self._orl_base_active:
             ready = self._orl_longest_waiting_first(ready)
         self.running[:] = ready + throttled
-        return short
+        return throttled if short else None
+
+    def _orl_hold_back(self, throttled: list[Request]) -> list[Request] | None:
+        """Take the throttled tail out of ``running`` while vLLM schedules,
+        as vllm-spyre holds requests back: they cost vLLM's loop nothing and
+        keep their KV blocks and worker slot. They are refused here, once
+        each, as the charge point would have refused them.
+
+        Only when the step cannot run out of KV blocks (every request left
+        one new block, the token budget's worth of prefill, per KV cache
+        group): under pressure they stay at the tail, where vLLM's own FCFS
+        preemption (or ours, with PRIORITY) takes them first. Not with LoRA
+        (vLLM counts the adapters of all of ``running``)."""
+        if not self.output_rate_hold_back or self.lora_config:
+            return None
+        running = self.running
+        keep = len(running) - len(throttled)
+        need = self._orl_groups * keep + self._orl_step_blocks
+        if self._orl_free_blocks() < need:
+            return None
+        del running[keep:]
+        self._orl_held = len(throttled)
+        record = self._orl_record
+        refused = self._orl_refused
+        ids = record.throttled
+        new = record.throttled_new
+        step = self._orl_step_no
+        for request in throttled:
+            refused[request.output_rate_user] = 0  # ready time filled in at the end
+            req_id = request.request_id
+            ids.append(req_id)
+            if request.output_rate_throttled_step != step - 1:
+                new.append(req_id)
+            request.output_rate_throttled_step = step
+        record.held_back = len(throttled)
+        return throttled
 
     def _orl_rotated(self, running: list[Request]) -> list[Request]:
         """Each (user, priority) group starts after its stream served last."""
@@ -386,6 +423,8 @@ class OutputRateSchedulerMixin:
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
+        # The charge point: vLLM calls this for every running and waiting
+        # request it is about to give tokens to, right before KV allocation.
         if self.num_prefill_lookahead:  # 0 unless multi-module MTP drafting
             num_new_tokens = super()._reserve_prefill_lookahead(
                 request, num_computed_tokens, num_new_tokens
@@ -393,7 +432,8 @@ class OutputRateSchedulerMixin:
         if num_new_tokens <= 0:
             return 0
         running = request.status == _RUNNING
-        if running and self._orl_active >= self._orl_base_active:
+        capped = running and self._orl_capped
+        if capped and self._orl_active >= self._orl_base_active:
             self._orl_record.cap_deferred += 1
             return 0
         # A step samples when it reaches the end of the known sequence. A
@@ -406,68 +446,16 @@ class OutputRateSchedulerMixin:
             req_id = request.request_id
             if req_id not in charged:
                 user = request.output_rate_user
-                if not self._orl_take(user):
+                if self._orl_direct:
+                    taken = self.output_rate_limiter.try_take(user, self._orl_now)
+                else:
+                    taken = self._orl_take(user)
+                if not taken:
                     return self._orl_refuse(request, user, num_computed_tokens)
                 charged[req_id] = user
-        if running:
+        if capped:
             self._orl_active += 1
         return num_new_tokens
-
-    def _orl_lean_hook(self) -> Callable[[Request, int, int], int]:
-        """The charge point of one step as a closure (set on the instance,
-        so vLLM calls it unbound), for steps where the active cap cannot
-        bind: no running request can exceed it, since no more are resident,
-        so the per-request cap accounting of the method above is skipped.
-        Otherwise the same rules, with the step's state in local cells
-        rather than behind attribute lookups (this runs once per request).
-        With the plain limiter its ``try_take`` is inlined on the user's
-        state (``limiter.py``: rate-scaled integers): one request's charge
-        is a few integer operations, nothing per user at the step's end."""
-        charged, now = self._orl_charged, self._orl_now
-        refuse = self._orl_refuse
-        running_status = _RUNNING
-        limiter = self.output_rate_limiter
-        direct = self._orl_direct
-        state_of = limiter.state_of
-        allow, allow_start = self._orl_allow, self._orl_allow_start
-        available = limiter.available
-
-        def charge(request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
-            if num_new_tokens <= 0:
-                return 0
-            if (request.status == running_status and not request.is_prefill_chunk) or (
-                num_computed_tokens + num_new_tokens >= request.num_tokens
-            ):
-                req_id = request.request_id
-                if req_id not in charged:
-                    if direct:
-                        # The plain limiter's try_take, inlined, on the state
-                        # kept on the request: no lookup by user (what costs
-                        # here is memory that the step has not touched yet).
-                        st = request.output_rate_state
-                        if st is None:
-                            st = request.output_rate_state = state_of(request.output_rate_user, now)
-                        at = now * st.num
-                        tat = st.tat
-                        if tat < at:
-                            tat = at
-                        elif tat - at > st.burst:
-                            return refuse(request, request.output_rate_user, num_computed_tokens)
-                        st.tat = tat + st.step
-                        charged[req_id] = request.output_rate_user
-                        return num_new_tokens
-                    user = request.output_rate_user
-                    left = allow.get(user)
-                    if left is None:  # first look at this user in this step
-                        left = allow_start[user] = available(user, now)
-                    if left <= 0:
-                        allow[user] = left
-                        return refuse(request, user, num_computed_tokens)
-                    allow[user] = left - 1
-                    charged[req_id] = user
-            return num_new_tokens
-
-        return charge
 
     def _orl_left(self, user: str) -> int:
         """How many tokens ``user`` may still take in this step."""
