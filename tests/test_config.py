@@ -129,3 +129,19 @@ def test_one_rule_for_the_user_field(value):
         assert USER_FIELD in error and type(value).__name__ in error
         assert isinstance(value, (bool, list, dict))
         assert resolve_user({USER_FIELD: value}) == ANONYMOUS_USER
+
+
+def test_carried_trace_headers_are_read_only_when_well_formed():
+    from vllm_output_rate.config import (
+        TRACEPARENT_FIELD,
+        TRACESTATE_FIELD,
+        carried_trace_headers,
+    )
+
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    assert carried_trace_headers({TRACEPARENT_FIELD: parent}) == {"traceparent": parent}
+    assert carried_trace_headers({TRACEPARENT_FIELD: parent, TRACESTATE_FIELD: "a=1"}) == {
+        "traceparent": parent, "tracestate": "a=1"}
+    for bad in (None, {}, {TRACEPARENT_FIELD: ""}, {TRACEPARENT_FIELD: 5},
+                {TRACESTATE_FIELD: "a=1"}, ["not", "a", "dict"]):
+        assert carried_trace_headers(bad) is None

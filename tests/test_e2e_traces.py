@@ -7,6 +7,9 @@
   their spans are children of it, beside vLLM's own ``llm_request`` span of
   the same request (same ``gen_ai.request.id``); the unlimited user's spans
   start traces of their own.
+- With only the standard ``OTEL_*`` variables (no ``--otlp-traces-endpoint``:
+  vLLM then passes no trace headers itself), the API server's middleware
+  carries each request's ``traceparent`` and the spans still join its trace.
 - With the OTLP endpoint down (gRPC to a closed port), the engine serves at
   the limit exactly as before and the drop counter on /metrics rises.
 """
@@ -134,6 +137,38 @@ def test_spans_of_a_real_engine_reach_an_otlp_receiver_in_the_requests_traces():
     a_p50 = sorted(g["attributes"]["output_rate.spacing_p50_us"] for g in gens
                    if g["attributes"]["gen_ai.usage.output_tokens"] == 30)
     assert all(120_000 <= p <= 180_000 for p in a_p50), a_p50
+
+
+def test_only_otel_variables_put_the_spans_in_the_requests_traces():
+    receiver = OtlpSpanReceiver()
+    env = {"OUTPUT_RATE_TELEMETRY": "1",
+           "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.base_url,  # the exporter adds /v1/traces
+           "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+           "OTEL_BSP_SCHEDULE_DELAY": "200"}
+    args = [*ARGS, "--output-rate-user-header", "X-User"]  # no --otlp-traces-endpoint
+    parents = {os.urandom(16).hex(): os.urandom(8).hex() for _ in range(2)}  # trace -> span
+    plan = [("user-a", 20, {"traceparent": f"00-{trace}-{span}-01", "tracestate": "t=1"})
+            for trace, span in parents.items()] + [("user-b", 20, {})]
+    try:
+        with Server(tiny_model(), args, REPO / ".cache" / "logs" / "e2e-traces-otel-only.log",
+                    extra_env=env) as server:
+            results = asyncio.run(_streams(server.base_url, plan))
+            assert all(r.error is None and r.completion_tokens == r.max_tokens for r in results)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(receiver.named("output_rate.generation")) < 3:
+                time.sleep(0.5)
+    finally:
+        receiver.close()
+    gens = receiver.named("output_rate.generation")
+    assert len(gens) == 3, gens
+    for g in gens:
+        user = g["attributes"]["output_rate.user"]
+        if user == "user-a":  # a child of the traceparent it came with
+            assert parents.get(g["trace_id"]) == g["parent_span_id"], g
+        else:
+            assert g["parent_span_id"] == "" and g["trace_id"] not in parents
+    assert {g["trace_id"] for g in gens} >= set(parents)
+    assert receiver.named("llm_request") == []  # vLLM's own tracing is off
 
 
 def test_an_unreachable_otlp_endpoint_costs_nothing_but_counted_drops(tmp_path):

@@ -228,3 +228,51 @@ def test_sighup_rereads_the_keys_file(tmp_path, monkeypatch):
         limits_watch.forget(watcher)
         watcher.close()
         monkeypatch.setattr(frontend, "_identity", None)
+
+
+@pytest.mark.parametrize("carry", [True, False])
+def test_the_middleware_keeps_the_trace_context_for_the_request_only(monkeypatch, carry):
+    """With the project's traces on, every request's ``traceparent`` and
+    ``tracestate`` are kept for where vLLM builds its sampling parameters,
+    whoever the user is (here an untrusted server: the body names it)."""
+    monkeypatch.setattr(frontend, "_identity", Identity(carry_trace=carry))
+    mw = OutputRateMiddleware(None)
+    seen = {}
+
+    async def app(scope, receive, send):
+        seen["trace"] = frontend.TRACE_CONTEXT.get()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+
+    async def run(headers):
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "root_path": "",
+                 "query_string": b"", "headers": [(k.encode(), v.encode()) for k, v in headers]}
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            pass
+
+        mw.app = app
+        await mw(scope, receive, send)
+
+    asyncio.run(run([("traceparent", parent), ("tracestate", "a=1")]))
+    assert seen["trace"] == ((parent, "a=1") if carry else None)
+    assert frontend.TRACE_CONTEXT.get() is None
+    asyncio.run(run([]))
+    assert seen["trace"] is None
+
+
+def test_configure_carries_traces_exactly_when_they_are_on(monkeypatch):
+    monkeypatch.setattr(frontend, "_identity", None)
+    args = SimpleNamespace(middleware=[], api_key=None, output_rate_user_header=None,
+                           output_rate_require_user=False, output_rate_api_keys=None)
+    for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                 "OTEL_TRACES_EXPORTER", "OUTPUT_RATE_TRACES_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert not frontend.configure_frontend(frontend.settings_from_args(args), True, args).carry_trace
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
+    assert frontend.configure_frontend(frontend.settings_from_args(args), True, args).carry_trace

@@ -254,3 +254,41 @@ def test_only_the_server_says_a_user_is_trusted(monkeypatch):
         frontend.IDENTITY.reset(user)
     assert params.extra_args == {"output_rate_user": "alice", TRUSTED_FIELD: "api_key"}
     assert trusted_source(params.extra_args) == "api_key"
+
+
+def test_the_trace_context_the_middleware_saw_reaches_the_engine(monkeypatch):
+    """With the project's traces on, the API server carries a request's W3C
+    trace context in ``vllm_xargs`` (vLLM passes its own ``trace_headers``
+    only with ``--otlp-traces-endpoint``); the engine's request facts read it
+    there, as a dict of their own."""
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+    from vllm_output_rate import frontend
+    from vllm_output_rate.config import TRACEPARENT_FIELD, TRACESTATE_FIELD
+    from vllm_output_rate.internals import _trace_headers
+
+    plugin.register()
+    monkeypatch.setattr(plugin, "_feature_on", True)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    token = frontend.TRACE_CONTEXT.set((parent, "vendor=1"))
+    try:
+        params = CompletionRequest(model="tiny", prompt="hi",
+                                   vllm_xargs={"output_rate_user": "a"}).to_sampling_params(4)
+    finally:
+        frontend.TRACE_CONTEXT.reset(token)
+    assert params.extra_args == {"output_rate_user": "a", TRACEPARENT_FIELD: parent,
+                                 TRACESTATE_FIELD: "vendor=1"}
+    # no trace context: nothing added
+    plain = CompletionRequest(model="tiny", prompt="hi").to_sampling_params(4)
+    assert not (plain.extra_args or {}).keys() & {TRACEPARENT_FIELD, TRACESTATE_FIELD}
+    # the engine's side: vLLM's own headers win; else the carried ones
+    carried = SimpleNamespace(trace_headers=None, sampling_params=params)
+    assert _trace_headers(carried) == {"traceparent": parent, "tracestate": "vendor=1"}
+    live = {"traceparent": "00-" + "1" * 32 + "-" + "2" * 16 + "-01"}
+    own = SimpleNamespace(trace_headers=live, sampling_params=params)
+    got = _trace_headers(own)
+    assert got == live and got is not live  # a copy
+    assert _trace_headers(SimpleNamespace(trace_headers=None, sampling_params=plain)) is None
+    assert _trace_headers(SimpleNamespace(trace_headers=None, sampling_params=None)) is None

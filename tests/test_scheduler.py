@@ -541,6 +541,40 @@ def test_no_wait_when_nobody_is_refused():
     assert sched.output_rate_idle_wait_s() is None
 
 
+def test_a_requests_kept_state_is_always_its_users_state_in_the_limiter(monkeypatch):
+    # The lean hook charges the state kept on the request; the limiter
+    # drops idle users (here every 3 steps: the never-binding users are
+    # idle at every cleanup) and a request that arrives later must not
+    # start a second state beside the kept one.
+    monkeypatch.setattr(orl_scheduler, "CLEANUP_EVERY_STEPS", 3)
+    sched, drv, _ = setup(limits(10**6, b=30))
+    limiter = sched.output_rate_limiter
+    reqs = [make_request(u, max_tokens=60) for u in "aab"]
+    drv.add(*reqs)
+    dropped = []
+    cleanup = limiter.cleanup_idle_users
+
+    def counted_cleanup(now):
+        users = cleanup(now)
+        dropped.extend(users)
+        return users
+
+    monkeypatch.setattr(limiter, "cleanup_idle_users", counted_cleanup)
+    for step in range(50):
+        if step in (5, 11, 17):
+            later = [make_request("a", max_tokens=30), make_request("b", max_tokens=30)]
+            reqs += later
+            drv.add(*later)
+        drv.step()
+        for request in sched.requests.values():
+            kept = request.output_rate_state
+            assert kept is None or kept is limiter._users.get(request.output_rate_user), step
+    assert "a" in dropped  # (the case above happened)
+    b_tokens = sum(drv.count(r.request_id) for r in reqs if r.output_rate_user == "b")
+    assert b_tokens >= 30 * 0.5 - 2
+    assert b_tokens <= 30 * 0.5 + 3 + 1  # 50 steps of 10 ms at 30 tok/s, + burst + 1
+
+
 def test_cleanup_every_256_steps_changes_nothing():
     def run(every):
         orl_scheduler.CLEANUP_EVERY_STEPS = every

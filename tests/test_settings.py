@@ -86,3 +86,18 @@ def test_old_names_are_reported_once(caplog):
         assert settings.check_legacy_names(env) == ["VLLM_OUTPUT_RATE_TELEMETRY"]
         settings.check_legacy_names(env)
     assert caplog.text.count("not read") == 1 and "OUTPUT_RATE_TELEMETRY" in caplog.text
+
+
+@pytest.mark.parametrize("environ, endpoint, on", [
+    ({}, None, False),
+    ({}, "http://collector:4317", True),  # vLLM's --otlp-traces-endpoint
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, None, True),
+    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://c:4318/v1/traces"}, None, True),
+    ({"OTEL_TRACES_EXPORTER": "console"}, None, True),
+    ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4318"}, None, False),
+    ({"OTEL_TRACES_EXPORTER": "otlp, none"}, "http://c:4317", False),
+    ({"OUTPUT_RATE_TRACES_FILE": "/tmp/spans.jsonl"}, None, True),
+    ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://c:4318"}, None, False),  # metrics only
+])
+def test_traces_are_on_by_one_rule(environ, endpoint, on):
+    assert settings.traces_requested(endpoint, environ) is on

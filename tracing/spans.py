@@ -53,9 +53,11 @@ Spans:
   throttle episodes (every one: count, total and longest).
 
 A request's throttle and generation spans belong to its own trace: when it
-came with a valid W3C ``traceparent`` (vLLM passes the trace headers to the
-engine when tracing is on: ``--otlp-traces-endpoint``), they are children of
-that span, beside vLLM's own ``llm_request`` span, and follow its sampling
+came with a valid W3C ``traceparent`` (carried to the engine by the API
+server's middleware whenever these traces are on, ``OTEL_*`` variables
+alone included; vLLM passes its own ``trace_headers`` only with
+``--otlp-traces-endpoint``, and those win), they are children of that span,
+beside vLLM's own ``llm_request`` span when vLLM traces too, and follow its sampling
 decision (the SDK's default sampler is parent-based; ``OTEL_TRACES_SAMPLER``
 changes that); without one they start a trace of their own.
 
@@ -1036,13 +1038,11 @@ def tracer_provider_from_env(otlp_endpoint: str | None = None,
     """
     import os
 
+    if not settings.traces_requested(otlp_endpoint):
+        return None
     names = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")]
     names = [n for n in names if n]
-    env_endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") \
-        or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     path = settings.get("TRACES_FILE") or ""
-    if "none" in names or (not names and not otlp_endpoint and not env_endpoint and not path):
-        return None
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 

@@ -33,6 +33,12 @@ USER_FIELD = "output_rate_user"
 #: The request field the API server sets to say where a trusted user came
 #: from ("header" or "api_key"); a client's own value is removed.
 TRUSTED_FIELD = "output_rate_identity"
+#: The request fields the API server sets to carry the request's W3C trace
+#: context (its ``traceparent`` / ``tracestate`` headers) to the engine when
+#: the project's traces are on: vLLM passes its own ``trace_headers`` only
+#: with ``--otlp-traces-endpoint``.
+TRACEPARENT_FIELD = "output_rate_traceparent"
+TRACESTATE_FIELD = "output_rate_tracestate"
 #: Longest user id kept; longer ids are cut (they are still one user each).
 MAX_USER_LEN = 256
 
@@ -464,6 +470,25 @@ def trusted_source(extra_args: Any) -> str | None:
     except AttributeError:
         return None
     return value if value in ("header", "api_key") else None
+
+
+def carried_trace_headers(extra_args: Any) -> dict[str, str] | None:
+    """The W3C trace headers the API server carried in a request's
+    ``extra_args`` (``TRACEPARENT_FIELD``, ``TRACESTATE_FIELD``), as vLLM's
+    ``trace_headers`` would hold them; None without a ``traceparent``."""
+    if not extra_args:
+        return None
+    try:
+        parent = extra_args.get(TRACEPARENT_FIELD)
+        state = extra_args.get(TRACESTATE_FIELD)
+    except AttributeError:
+        return None
+    if not isinstance(parent, str) or not parent:
+        return None
+    headers = {"traceparent": parent}
+    if isinstance(state, str) and state:
+        headers["tracestate"] = state
+    return headers
 
 
 def resolve_user(extra_args: Any) -> str:

@@ -46,6 +46,7 @@ from vllm_output_rate.config import (
     MAX_USER_LEN,
     OutputRateConfigError,
 )
+from vllm_output_rate import settings
 from vllm_output_rate.limits_watch import POLL_S, WatchedFile
 
 logger = logging.getLogger("vllm_output_rate")
@@ -66,6 +67,12 @@ IDENTITY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 #: Where that user came from: "header" or "api_key" (None: not trusted).
 IDENTITY_SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "output_rate_identity_source", default=None)
+
+#: The W3C trace context of the request being served, ``(traceparent,
+#: tracestate or None)``, when the project's traces are on (None otherwise):
+#: carried to the engine in the request's ``vllm_xargs``.
+TRACE_CONTEXT: contextvars.ContextVar[tuple[str, str | None] | None] = contextvars.ContextVar(
+    "output_rate_trace_context", default=None)
 
 _TOKEN = re.compile(r"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -153,6 +160,9 @@ class Identity:
     #: whether this middleware checks the service keys itself (vLLM's own
     #: check is off: with a keys file, listed keys must pass too)
     guards: bool = False
+    #: whether the project's traces are on (``settings.traces_requested``):
+    #: then each request's ``traceparent`` / ``tracestate`` go to the engine
+    carry_trace: bool = False
 
     @property
     def trusted(self) -> bool:
@@ -284,6 +294,7 @@ def configure_frontend(options: dict[str, Any], feature_on: bool,
             install_sighup(identity.api_keys)  # SIGHUP re-reads it too
     identity.service_digests = tuple(options.get("service_sha256") or ())
     identity.guards = bool(options.get("guards"))
+    identity.carry_trace = settings.traces_requested()
     _identity, _options = identity, dict(options)
     middleware = getattr(args, "middleware", None)
     if isinstance(middleware, list) and MIDDLEWARE_PATH not in middleware:
@@ -332,6 +343,18 @@ class OutputRateMiddleware:
         if path.startswith(ROUTE_PREFIX):
             await self._route(identity, path[len(ROUTE_PREFIX):], scope, headers, send)
             return
+        parent = headers.get("traceparent") if identity.carry_trace else None
+        if parent:
+            trace = TRACE_CONTEXT.set((parent, headers.get("tracestate")))
+            try:
+                await self._serve(identity, scope, receive, send, path, headers)
+            finally:
+                TRACE_CONTEXT.reset(trace)
+        else:
+            await self._serve(identity, scope, receive, send, path, headers)
+
+    async def _serve(self, identity: Identity, scope: dict, receive: Any, send: Any,
+                     path: str, headers: dict[str, str]) -> None:
         if not identity.trusted or scope.get("method") == "OPTIONS" or not path.startswith(GUARDED_PREFIX):
             await self.app(scope, receive, send)
             return

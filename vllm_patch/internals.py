@@ -121,7 +121,10 @@ a process where the feature is on (engine loop) or to add options (CLI):
   - ``ChatCompletionRequest.to_sampling_params`` /
     ``CompletionRequest.to_sampling_params``: put the trusted user (header or
     API key, ``vllm_output_rate.frontend``) in ``vllm_xargs``, or refuse a
-    user field that is not a string or a number (HTTP 400); then upstream.
+    user field that is not a string or a number (HTTP 400); with the
+    project's traces on, put the request's W3C ``traceparent`` /
+    ``tracestate`` there too (vLLM fills ``Request.trace_headers`` only with
+    ``--otlp-traces-endpoint``); then upstream.
   - the parsed serve arguments (``argparse.Namespace``) seen by
     ``EngineArgs.from_cli_args`` in each API-server process, before vLLM's
     ``build_app`` reads them: ``middleware`` (a list of import paths; the
@@ -169,6 +172,7 @@ from fractions import Fraction
 from importlib import metadata
 from typing import Any
 
+from vllm_output_rate.config import carried_trace_headers
 from vllm_output_rate.observers import EngineView, LimitsStatus, RequestFacts
 
 # The supported versions are one list, in ``versions`` (the Makefile's version
@@ -340,7 +344,7 @@ class SchedulerView(EngineView):
 
     def handle_facts(self, handle: Any) -> RequestFacts | None:
         return RequestFacts(handle.request_id, handle.output_rate_user, handle.priority,
-                            handle.num_output_tokens, handle.trace_headers or None,
+                            handle.num_output_tokens, _trace_headers(handle),
                             getattr(handle, "output_rate_trusted", None),
                             getattr(handle, "output_rate_identity", None))
 
@@ -353,3 +357,14 @@ class SchedulerView(EngineView):
 
     def has_running(self) -> bool:
         return bool(self._scheduler.running)
+
+
+def _trace_headers(request: Any) -> dict[str, str] | None:
+    """A request's W3C trace headers, as a plain dict (a copy): vLLM's own
+    ``trace_headers`` (only with ``--otlp-traces-endpoint``), else those our
+    API server carried in its ``extra_args``."""
+    headers = request.trace_headers
+    if headers:
+        return dict(headers)
+    params = request.sampling_params
+    return carried_trace_headers(params.extra_args) if params is not None else None

@@ -50,6 +50,21 @@ class _UserState:
         self.tat = tat
 
 
+def take_from(st: _UserState, now_ns: int) -> bool:
+    """The GCRA's one step on a user's state (``OutputRateLimiter.state_of``):
+    take one token at ``now_ns`` if ``TAT - now <= burst`` (then ``TAT =
+    max(TAT, now) + 1/rate``); a refusal leaves the state as it was. The
+    only place the arithmetic is written: ``try_take`` looks the state up
+    and calls it, the scheduler's charge point calls it on the state it keeps
+    on the request (no lookup by user: a module function, no method)."""
+    now = now_ns * st.num
+    tat = st.tat
+    if tat - now > st.burst:
+        return False
+    st.tat = (tat if tat > now else now) + st.step
+    return True
+
+
 class OutputRateLimiter:
     """Output tokens per second per user, shared by all of a user's requests.
 
@@ -117,17 +132,21 @@ class OutputRateLimiter:
 
     # -- updates ---------------------------------------------------------
 
+    def state_of(self, user: str, now_ns: int) -> _UserState:
+        """The user's state object, made at ``now_ns`` if it has none (a
+        new state changes nothing observable: it is an idle user's). It is
+        the user's until ``set_limits`` changes its rate or
+        ``cleanup_idle_users`` drops it; the scheduler keeps it on the
+        user's requests (``take_from``) and forgets it then."""
+        st = self._users.get(user)
+        return self._new_state(user, now_ns) if st is None else st
+
     def try_take(self, user: str, now_ns: int) -> bool:
         """Take one token for ``user`` at ``now_ns`` if the budget allows."""
         st = self._users.get(user)
         if st is None:
             st = self._new_state(user, now_ns)
-        now = now_ns * st.num
-        tat = st.tat
-        if tat - now > st.burst:
-            return False
-        st.tat = (tat if tat > now else now) + st.step
-        return True
+        return take_from(st, now_ns)
 
     def take(self, user: str, now_ns: int, n: int) -> None:
         """Take ``n`` tokens at ``now_ns`` at once (``n <= available(...)``).

@@ -147,9 +147,10 @@ class RequestFacts(NamedTuple):
     user: str
     priority: int
     num_output_tokens: int
-    #: the trace context headers the request came with (W3C), if any; read
-    #: only, not a copy
-    trace_headers: Mapping[str, str] | None
+    #: the trace context headers the request came with (W3C ``traceparent``,
+    #: ``tracestate``), if any: a plain dict of its own (a copy), from vLLM's
+    #: ``trace_headers`` or carried by our API server
+    trace_headers: dict[str, str] | None
     #: where the API server took the user from ("header", "api_key"), or
     #: None: the request body named it (not authenticated)
     identity_source: str | None = None

@@ -33,6 +33,8 @@ from vllm_output_rate.config import (
     UNLISTED_OPTION,
     USERS_OPTION,
     OutputRateConfig,
+    TRACEPARENT_FIELD,
+    TRACESTATE_FIELD,
     TRUSTED_FIELD,
     USER_FIELD,
     OutputRateConfigError,
@@ -460,6 +462,14 @@ def _patch_beam_search() -> None:
                             from vllm.exceptions import VLLMValidationError
 
                             raise VLLMValidationError(error, parameter="vllm_xargs")
+                    trace = frontend.TRACE_CONTEXT.get()
+                    if trace is not None:
+                        # the request's W3C trace context, for the engine's
+                        # spans (vLLM carries its own only with its flag)
+                        carried = {TRACEPARENT_FIELD: trace[0]}
+                        if trace[1]:
+                            carried[TRACESTATE_FIELD] = trace[1]
+                        self.vllm_xargs = {**(self.vllm_xargs or {}), **carried}
                 return __up(self, *args, **kw)
 
             to_sampling_params._output_rate = True  # type: ignore[attr-defined]

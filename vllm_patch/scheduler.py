@@ -46,7 +46,7 @@ from vllm_output_rate.config import (
     trusted_source,
 )
 from vllm_output_rate.internals import SchedulerView
-from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock
+from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock, take_from
 from vllm_output_rate.observers import (
     LimitsChange,
     OutputRateObserver,
@@ -183,6 +183,9 @@ class OutputRateSchedulerMixin:
         #: "header" / "api_key" when the API server vouches for the user
         request.output_rate_trusted = trusted_source(extra_args)
         request.output_rate_user = self.output_rate_config.charged_user(identity)
+        # The user's limiter state, once first charged (the plain limiter
+        # only; forgotten when the limiter drops or replaces it).
+        request.output_rate_state = None
         # The last step that throttled it (StepReport.throttled_new).
         request.output_rate_throttled_step = -1
         # When a token was last dispatched for it (rotation, cross-user order).
@@ -257,6 +260,7 @@ class OutputRateSchedulerMixin:
             charged_user = config.charged_user
             for request in self.requests.values():
                 request.output_rate_user = charged_user(request.output_rate_identity)
+        self._orl_forget_states(None)
         added, removed, changed = diff_limits(old, config)
         observer = self.output_rate_observer
         if observer is not None:
@@ -306,7 +310,17 @@ class OutputRateSchedulerMixin:
         if begin is not None:
             begin(now)
         if self._orl_step_no % CLEANUP_EVERY_STEPS == 0:
-            self.output_rate_limiter.cleanup_idle_users(now)
+            dropped = self.output_rate_limiter.cleanup_idle_users(now)
+            if dropped:
+                self._orl_forget_states(set(dropped))
+
+    def _orl_forget_states(self, users: set[str] | None) -> None:
+        """The limiter dropped (``users``) or replaced (None: any) some
+        users' states: their requests look theirs up again when next
+        charged."""
+        for request in self.requests.values():
+            if users is None or request.output_rate_user in users:
+                request.output_rate_state = None
 
     def _orl_order_running(self) -> list[Request] | None:
         """Rotate, move users without budget back, longest-waiting user first.
@@ -447,7 +461,14 @@ class OutputRateSchedulerMixin:
             if req_id not in charged:
                 user = request.output_rate_user
                 if self._orl_direct:
-                    taken = self.output_rate_limiter.try_take(user, self._orl_now)
+                    # the plain limiter's GCRA on the user's state kept on
+                    # the request: no lookup by user (what costs here is
+                    # memory the step has not touched yet; BENCHMARKS.md)
+                    st = request.output_rate_state
+                    if st is None:
+                        st = request.output_rate_state = self.output_rate_limiter.state_of(
+                            user, self._orl_now)
+                    taken = take_from(st, self._orl_now)
                 else:
                     taken = self._orl_take(user)
                 if not taken:

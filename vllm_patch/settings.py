@@ -178,3 +178,22 @@ def check_legacy_names(environ: Mapping[str, str] | None = None) -> list[str]:
                        "named %s* since 0.1.0 (%s)", ", ".join(old), PREFIX,
                        ", ".join(PREFIX + k[len(LEGACY_PREFIX):] for k in old))
     return old
+
+
+def traces_requested(otlp_endpoint: str | None = None,
+                     environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the project's traces are asked for: by the standard ``OTEL_*``
+    variables (an OTLP endpoint, or an ``OTEL_TRACES_EXPORTER`` other than
+    ``none``), vLLM's ``--otlp-traces-endpoint`` (``otlp_endpoint``) or
+    ``OUTPUT_RATE_TRACES_FILE``; ``OTEL_TRACES_EXPORTER=none`` turns them
+    off. The one rule: the engine's tracer provider (``tracing.spans``)
+    follows it, and the API server, which then carries each request's W3C
+    trace context to the engine itself."""
+    env = os.environ if environ is None else environ
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",")]
+    names = [n for n in names if n]
+    if "none" in names:
+        return False
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT")
+    return bool(names or otlp_endpoint or endpoint or get("TRACES_FILE", env))
