@@ -7,8 +7,9 @@ it is idempotent and does nothing costly. It
 1. checks the vLLM version: on one it does not support (``internals.SUPPORTED``)
    it logs a warning and refuses only the limit options (plain ``vllm serve``
    keeps working);
-2. adds ``--default-user-output-tokens-per-second`` and
-   ``--user-output-tokens-per-second`` to vLLM's own argument parser and
+2. adds its options (``--default-user-output-tokens-per-second``,
+   ``--user-output-tokens-per-second``, ``--output-rate-limits-file`` and the
+   rest of the "Output-rate limits" group) to vLLM's own argument parser and
    carries them to the engine in ``additional_config["output_rate"]``;
 3. after vLLM built its ``VllmConfig``, calls ``configure_output_rate()``:
    with the feature on, refuse unsupported configurations and install the
@@ -114,7 +115,8 @@ def _share_vllm_log_handlers() -> None:
 
 
 def add_output_rate_args(parser: Any) -> Any:
-    """Add the two options to a vLLM argument parser (once)."""
+    """Add the output-rate options (the group "Output-rate limits") to a
+    vLLM argument parser (once)."""
     if any(DEFAULT_OPTION in a.option_strings for a in parser._actions):
         return parser
     group = parser.add_argument_group(
