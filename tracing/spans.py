@@ -1036,12 +1036,9 @@ def tracer_provider_from_env(otlp_endpoint: str | None = None,
     console or an OTLP endpoint; ``OTEL_TRACES_EXPORTER=none`` still turns
     traces off).
     """
-    import os
-
     if not settings.traces_requested(otlp_endpoint):
         return None
-    names = [n.strip().lower() for n in os.environ.get("OTEL_TRACES_EXPORTER", "").split(",")]
-    names = [n for n in names if n]
+    names = settings.trace_exporter_names()
     path = settings.get("TRACES_FILE") or ""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter

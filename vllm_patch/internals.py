@@ -160,8 +160,9 @@ Request fields read: ``request_id``, ``status``, ``priority``,
 ``num_output_tokens``, ``is_prefill_chunk``, ``trace_headers``,
 ``sampling_params.extra_args``. Fields set on ``Request`` (ours, all named
 ``output_rate_*``, set in ``add_request``): the identity, whether it is
-trusted, the charged user, when it was last dispatched, the last step that
-throttled it.
+trusted, the charged user, that user's limiter state (kept for the charge
+point, forgotten when the limiter drops or replaces it), when it was last
+dispatched, the last step that throttled it.
 """
 
 from __future__ import annotations

@@ -379,20 +379,12 @@ class OutputRateSchedulerMixin:
         if self._orl_free_blocks() < need:
             return None
         del running[keep:]
-        self._orl_held = len(throttled)
-        record = self._orl_record
+        self._orl_held = self._orl_record.held_back = len(throttled)
         refused = self._orl_refused
-        ids = record.throttled
-        new = record.throttled_new
-        step = self._orl_step_no
+        mark = self._orl_mark_throttled
         for request in throttled:
             refused[request.output_rate_user] = 0  # ready time filled in at the end
-            req_id = request.request_id
-            ids.append(req_id)
-            if request.output_rate_throttled_step != step - 1:
-                new.append(req_id)
-            request.output_rate_throttled_step = step
-        record.held_back = len(throttled)
+            mark(request)
         return throttled
 
     def _orl_rotated(self, running: list[Request]) -> list[Request]:
@@ -489,9 +481,9 @@ class OutputRateSchedulerMixin:
         return left
 
     def _orl_take(self, user: str) -> bool:
-        """Charge ``user`` one token now, if it has one left in this step."""
-        if self._orl_direct:
-            return self.output_rate_limiter.try_take(user, self._orl_now)
+        """Charge ``user`` one token now, if it has one left in this step
+        (limiters settled once per step; the plain one is charged at the
+        charge point, on the state kept on the request)."""
         left = self._orl_left(user)
         if left <= 0:
             return False
@@ -512,13 +504,19 @@ class OutputRateSchedulerMixin:
                 return held
         if running:
             self._orl_throttled_running += 1
-            req_id = request.request_id
-            self._orl_throttled.append(req_id)
-            step = self._orl_step_no
-            if request.output_rate_throttled_step != step - 1:
-                self._orl_throttled_new.append(req_id)
-            request.output_rate_throttled_step = step
+            self._orl_mark_throttled(request)
         return 0
+
+    def _orl_mark_throttled(self, request: Request) -> None:
+        """Record a running request skipped in this step for lack of budget
+        (at the charge point, or held back): in ``throttled``, and in
+        ``throttled_new`` unless the step before throttled it too."""
+        req_id = request.request_id
+        self._orl_throttled.append(req_id)
+        step = self._orl_step_no
+        if request.output_rate_throttled_step != step - 1:
+            self._orl_throttled_new.append(req_id)
+        request.output_rate_throttled_step = step
 
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):

@@ -180,6 +180,13 @@ def check_legacy_names(environ: Mapping[str, str] | None = None) -> list[str]:
     return old
 
 
+def trace_exporter_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``OTEL_TRACES_EXPORTER`` as a list of lower-case names (empty if unset)."""
+    env = os.environ if environ is None else environ
+    names = (n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(","))
+    return [n for n in names if n]
+
+
 def traces_requested(otlp_endpoint: str | None = None,
                      environ: Mapping[str, str] | None = None) -> bool:
     """Whether the project's traces are asked for: by the standard ``OTEL_*``
@@ -190,8 +197,7 @@ def traces_requested(otlp_endpoint: str | None = None,
     follows it, and the API server, which then carries each request's W3C
     trace context to the engine itself."""
     env = os.environ if environ is None else environ
-    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "").split(",")]
-    names = [n for n in names if n]
+    names = trace_exporter_names(env)
     if "none" in names:
         return False
     endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
