@@ -317,6 +317,45 @@ def _digest_of(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 
 
+# -- between processes ------------------------------------------------------------
+
+#: serialised form (``to_dict``, as JSON) -> the object it was made from or
+#: read as, in this process: the front end parses the options once, and
+#: ``config_of`` finds that object again instead of parsing its serialisation
+_KNOWN: dict[str, OutputRateConfig] = {}
+_KNOWN_MAX = 16
+
+
+def _remember(key: str, config: OutputRateConfig) -> OutputRateConfig:
+    if len(_KNOWN) >= _KNOWN_MAX:
+        _KNOWN.clear()
+    _KNOWN[key] = config
+    return config
+
+
+def to_wire(config: OutputRateConfig) -> dict[str, Any]:
+    """What crosses into the engine core (``additional_config``, and the
+    environment of spawned API servers): ``config.to_dict()``, remembered so
+    that ``config_of`` in this process returns ``config`` itself."""
+    data = config.to_dict()
+    _remember(json.dumps(data, sort_keys=True, default=str), config)
+    return data
+
+
+def config_of(vllm_config: Any) -> OutputRateConfig | None:
+    """The limits carried in ``additional_config``, or None (feature off):
+    the one reader of the serialised form. In the process that parsed the
+    options, the object it parsed; elsewhere (the engine core, or the
+    Python API's own ``additional_config``) read once with ``from_dict``."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    data = extra.get(ADDITIONAL_CONFIG_KEY)
+    if data is None:
+        return None
+    key = json.dumps(data, sort_keys=True, default=str)
+    config = _KNOWN.get(key)
+    return config if config is not None else _remember(key, OutputRateConfig.from_dict(data))
+
+
 # -- the limits file ------------------------------------------------------------
 
 #: Top-level keys of a limits file.

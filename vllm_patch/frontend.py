@@ -287,11 +287,8 @@ def configure_frontend(options: dict[str, Any], feature_on: bool,
             (identity.api_keys.path if identity.api_keys else None) != keys_path):
         if identity is not None and identity.api_keys is not None:
             identity.api_keys.close()
+        # (the keys' watcher re-reads the file on SIGHUP too)
         identity = Identity(header, require, ApiKeysWatcher(keys_path) if keys_path else None)
-        if identity.api_keys is not None:
-            from vllm_output_rate.limits_watch import install_sighup
-
-            install_sighup(identity.api_keys)  # SIGHUP re-reads it too
     identity.service_digests = tuple(options.get("service_sha256") or ())
     identity.guards = bool(options.get("guards"))
     identity.carry_trace = settings.traces_requested()

@@ -81,6 +81,7 @@ class WatchedFile:
         if start_thread:
             self._thread = threading.Thread(target=self._run, name=self.thread_name, daemon=True)
             self._thread.start()
+            install_sighup(self)  # a live watcher re-reads its file on SIGHUP too
 
     # -- for subclasses -------------------------------------------------------
 
@@ -104,6 +105,7 @@ class WatchedFile:
         self._wake.set()
 
     def close(self) -> None:
+        forget(self)
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
@@ -216,7 +218,11 @@ def diff_limits(old: OutputRateConfig, new: OutputRateConfig
 
 # -- SIGHUP ---------------------------------------------------------------------
 
-_watchers: list[LimitsWatcher] = []
+# The process's one SIGHUP handler: every live ``WatchedFile`` (the engine
+# core's limits, the API server's keys) registers itself when it starts and
+# leaves when closed; the API server of an engine core that watches a file
+# installs it only to forward the signal (``plugin.configure_output_rate``).
+_watchers: list[WatchedFile] = []
 _hup_installed = False
 
 
@@ -226,7 +232,7 @@ def _on_sighup(signum: int, frame: Any) -> None:
     forward_sighup()
 
 
-def install_sighup(watcher: LimitsWatcher | None = None) -> bool:
+def install_sighup(watcher: WatchedFile | None = None) -> bool:
     """Make SIGHUP reload the limits file in this process (and forward it to
     child processes that reload on it). Only from the main thread and only
     over the default handler: another program's handler is left alone.
@@ -245,7 +251,7 @@ def install_sighup(watcher: LimitsWatcher | None = None) -> bool:
     return True
 
 
-def forget(watcher: LimitsWatcher) -> None:
+def forget(watcher: WatchedFile) -> None:
     if watcher in _watchers:
         _watchers.remove(watcher)
 

@@ -39,6 +39,8 @@ from vllm_output_rate.config import (
     TRUSTED_FIELD,
     USER_FIELD,
     OutputRateConfigError,
+    config_of,
+    to_wire,
     user_field_error,
 )
 from vllm_output_rate import frontend, observers, settings
@@ -230,7 +232,7 @@ def _patch_engine_args() -> None:
         if config is not None:
             engine_args.additional_config = {
                 **(engine_args.additional_config or {}),
-                ADDITIONAL_CONFIG_KEY: config.to_dict(),
+                ADDITIONAL_CONFIG_KEY: to_wire(config),
             }
         return engine_args
 
@@ -384,9 +386,7 @@ def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
     Idempotent. Raises ``OutputRateConfigError`` naming the options at fault.
     """
     global _feature_on
-    from vllm_output_rate.scheduler import output_rate_config_of
-
-    config = output_rate_config_of(vllm_config)
+    config = config_of(vllm_config)
     if config is None:
         return None
     if _unsupported is not None:
@@ -402,10 +402,10 @@ def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
     # Telemetry (or any other observer) gets ready in this process, before
     # the engine core is spawned.
     observers.prepare_observers(vllm_config)
-    # Canonical form, so the engine core parses exactly what we checked.
-    vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = config.to_dict()
+    # Canonical form, so the engine core reads exactly what we checked.
+    wire = vllm_config.additional_config[ADDITIONAL_CONFIG_KEY] = to_wire(config)
     os.environ.update(settings.child_env(
-        ACTIVE_CONFIG=json.dumps({"pid": os.getpid(), "config": config.to_dict(),
+        ACTIVE_CONFIG=json.dumps({"pid": os.getpid(), "config": wire,
                                   "frontend": frontend.current_options()})))
     _feature_on = True
     if config.limits_file is not None:

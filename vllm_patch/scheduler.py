@@ -42,11 +42,13 @@ from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
     OutputRateConfig,
     OutputRateConfigError,
+    config_of,
     resolve_user,
     trusted_source,
 )
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock, take_from
+from vllm_output_rate.ordering import longest_waiting_first, rotated, throttled_victim
 from vllm_output_rate.observers import (
     LimitsChange,
     OutputRateObserver,
@@ -61,13 +63,6 @@ CLEANUP_EVERY_STEPS = 256
 MAX_IDLE_WAIT_S = 0.05
 
 _RUNNING = RequestStatus.RUNNING
-
-
-def output_rate_config_of(vllm_config: Any) -> OutputRateConfig | None:
-    """The limits carried in ``additional_config``, or None (feature off)."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    data = extra.get(ADDITIONAL_CONFIG_KEY)
-    return None if data is None else OutputRateConfig.from_dict(data)
 
 
 class OutputRateSchedulerMixin:
@@ -98,7 +93,7 @@ class OutputRateSchedulerMixin:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        config = output_rate_config_of(self.vllm_config)
+        config = config_of(self.vllm_config)
         if config is None:
             raise OutputRateConfigError(
                 f"{type(self).__name__} needs additional_config"
@@ -110,11 +105,11 @@ class OutputRateSchedulerMixin:
         # Shared-budget mode: leases taken up at every step boundary.
         self._orl_limiter_begin = getattr(self.output_rate_limiter, "begin_step", None)
         if config.limits_file is not None:
-            from vllm_output_rate.limits_watch import LimitsWatcher, install_sighup
+            from vllm_output_rate.limits_watch import LimitsWatcher
 
+            # (a live watcher re-reads the file on SIGHUP too)
             self.output_rate_limits_watcher = LimitsWatcher(
                 config, start_thread=self.output_rate_watch_thread)
-            install_sighup(self.output_rate_limits_watcher)
         self._orl_chunked = bool(self.scheduler_config.enable_chunked_prefill)
         self._orl_prefix_caching = bool(self.cache_config.enable_prefix_caching)
         self._orl_priority = self.policy == SchedulingPolicy.PRIORITY
@@ -271,9 +266,6 @@ class OutputRateSchedulerMixin:
     def shutdown(self) -> None:
         watcher = self.output_rate_limits_watcher
         if watcher is not None:
-            from vllm_output_rate.limits_watch import forget
-
-            forget(watcher)
             watcher.close()
         observer = self.output_rate_observer
         if observer is not None:
@@ -343,7 +335,7 @@ class OutputRateSchedulerMixin:
         if not short and not cap_binds:
             return None
         if short:
-            running = self._orl_rotated(running)
+            running = rotated(running)
         ready: list[Request] = []
         throttled: list[Request] = []
         for request in running:
@@ -356,7 +348,7 @@ class OutputRateSchedulerMixin:
             else:
                 throttled.append(request)
         if len(ready) > self._orl_base_active:
-            ready = self._orl_longest_waiting_first(ready)
+            ready = longest_waiting_first(ready, self.running)
         self.running[:] = ready + throttled
         return throttled if short else None
 
@@ -386,43 +378,6 @@ class OutputRateSchedulerMixin:
             refused[request.output_rate_user] = 0  # ready time filled in at the end
             mark(request)
         return throttled
-
-    def _orl_rotated(self, running: list[Request]) -> list[Request]:
-        """Each (user, priority) group starts after its stream served last."""
-        groups: dict[tuple[str, int], list[Request]] = {}
-        for request in running:
-            groups.setdefault(
-                (request.output_rate_user, request.priority), []
-            ).append(request)
-        turns: dict[tuple[str, int], Any] = {}
-        for key, members in groups.items():
-            if len(members) > 1:
-                # the last, in running order, of those served most recently
-                last, latest = -1, 0
-                for i, request in enumerate(members):
-                    if request.output_rate_served_ns and request.output_rate_served_ns >= latest:
-                        last, latest = i, request.output_rate_served_ns
-                if last >= 0:
-                    members = members[last + 1 :] + members[: last + 1]
-            turns[key] = iter(members)
-        return [next(turns[(r.output_rate_user, r.priority)]) for r in running]
-
-    def _orl_longest_waiting_first(self, ready: list[Request]) -> list[Request]:
-        """Interleave users, the one served longest ago first."""
-        served: dict[str, int] = {}
-        for request in self.running:
-            user = request.output_rate_user
-            if request.output_rate_served_ns > served.get(user, 0):
-                served[user] = request.output_rate_served_ns
-        rank: dict[str, int] = {}
-        keyed = []
-        for position, request in enumerate(ready):
-            user = request.output_rate_user
-            turn = rank.get(user, 0)
-            rank[user] = turn + 1
-            keyed.append((turn, served.get(user, 0), position, request))
-        keyed.sort(key=lambda item: item[:3])
-        return [item[3] for item in keyed]
 
     # -- the charge point ------------------------------------------------
 
@@ -554,7 +509,8 @@ class OutputRateSchedulerMixin:
         if blocks is not None or request.status != _RUNNING:
             return blocks
         while blocks is None:
-            victim = self._orl_throttled_victim(request)
+            victim = throttled_victim(self.running, request, self._orl_charged,
+                                      self._request_blocks_can_be_freed, self._orl_left)
             if victim is None:
                 break
             self.running.remove(victim)
@@ -563,35 +519,6 @@ class OutputRateSchedulerMixin:
             self._orl_record.preempted_throttled.append(victim.request_id)
             blocks = allocate(request, *args, **kwargs)
         return blocks
-
-    def _orl_throttled_victim(self, request: Request) -> Request | None:
-        """A throttled running request to preempt instead of vLLM's choice.
-
-        Only requests after ``request`` in ``running`` (vLLM's loop index
-        stays valid); with the PRIORITY policy only within the priority vLLM
-        would preempt from.
-        """
-        running = self.running
-        try:
-            start = running.index(request) + 1
-        except ValueError:
-            return None
-        charged = self._orl_charged
-        candidates = []
-        for r in running[start:]:
-            if r.request_id in charged or not self._request_blocks_can_be_freed(r):
-                continue
-            if self._orl_left(r.output_rate_user) <= 0:
-                candidates.append(r)
-        if not candidates:
-            return None
-        if self._orl_priority:
-            lowest = max(r.priority for r in running)
-            candidates = [r for r in candidates if r.priority == lowest]
-            if not candidates:
-                return None
-            return max(candidates, key=lambda r: r.arrival_time)
-        return candidates[-1]
 
     # -- the refund point and the step record -------------------------------
 

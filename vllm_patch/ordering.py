@@ -1,0 +1,76 @@
+"""The order the scheduler puts requests in: pure functions over requests.
+
+Read by ``scheduler`` before vLLM's ``schedule()`` runs (rotation, and the
+user served longest ago first when the active cap binds) and, with
+``--scheduling-policy priority``, when vLLM needs KV blocks (which throttled
+request to preempt). They read the attributes the scheduler keeps on each
+request (``output_rate_user``, ``output_rate_served_ns``) and vLLM's own
+(``priority``, ``arrival_time``, ``request_id``); they change nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container
+from typing import Any
+
+
+def rotated(running: list[Any]) -> list[Any]:
+    """``running`` with each (user, priority) group's streams rotated so the
+    one after the stream served last goes first; the groups keep their
+    places."""
+    groups: dict[tuple[str, int], list[Any]] = {}
+    for request in running:
+        groups.setdefault((request.output_rate_user, request.priority), []).append(request)
+    turns: dict[tuple[str, int], Any] = {}
+    for key, members in groups.items():
+        if len(members) > 1:
+            # the last, in running order, of those served most recently
+            last, latest = -1, 0
+            for i, request in enumerate(members):
+                if request.output_rate_served_ns and request.output_rate_served_ns >= latest:
+                    last, latest = i, request.output_rate_served_ns
+            if last >= 0:
+                members = members[last + 1 :] + members[: last + 1]
+        turns[key] = iter(members)
+    return [next(turns[(r.output_rate_user, r.priority)]) for r in running]
+
+
+def longest_waiting_first(ready: list[Any], running: list[Any]) -> list[Any]:
+    """``ready`` with users interleaved, the one served longest ago (among
+    all of ``running``) first; a user's streams keep their order."""
+    served: dict[str, int] = {}
+    for request in running:
+        user = request.output_rate_user
+        if request.output_rate_served_ns > served.get(user, 0):
+            served[user] = request.output_rate_served_ns
+    rank: dict[str, int] = {}
+    keyed = []
+    for position, request in enumerate(ready):
+        user = request.output_rate_user
+        turn = rank.get(user, 0)
+        rank[user] = turn + 1
+        keyed.append((turn, served.get(user, 0), position, request))
+    keyed.sort(key=lambda item: item[:3])
+    return [item[3] for item in keyed]
+
+
+def throttled_victim(running: list[Any], request: Any, charged: Container[str],
+                     can_be_freed: Callable[[Any], bool],
+                     left: Callable[[str], int]) -> Any | None:
+    """A throttled running request to preempt instead of vLLM's PRIORITY
+    choice, for ``request`` that found no KV blocks: of those after it in
+    ``running`` (vLLM's loop index stays valid), not charged in this step,
+    whose blocks can be freed and whose user has no budget left, within the
+    lowest priority (the one vLLM would preempt from), the latest arrival.
+    None: leave the choice to vLLM."""
+    try:
+        start = running.index(request) + 1
+    except ValueError:
+        return None
+    lowest = max(r.priority for r in running)
+    candidates = [
+        r for r in running[start:]
+        if r.priority == lowest and r.request_id not in charged
+        and can_be_freed(r) and left(r.output_rate_user) <= 0
+    ]
+    return max(candidates, key=lambda r: r.arrival_time) if candidates else None
