@@ -29,22 +29,42 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from fractions import Fraction
+from typing import Any, Protocol
 
 from vllm_output_rate.fleet_math import LeaseSizer
+from vllm_output_rate.lease_book import LeaseBook
 from vllm_output_rate.lease_store import RedisStore, new_engine_id
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_settings import SharedStateSettings
-
-if TYPE_CHECKING:
-    from vllm_output_rate.shared_limiter import SharedBudgetLimiter
 
 logger = logging.getLogger("vllm_output_rate")
 
 #: Failed calls in a row that put an engine in fallback.
 FAILURES_TO_FALLBACK = 2
+
+
+class LeasingLimiter(Protocol):
+    """What the lease thread uses of its engine's limiter
+    (``shared_limiter.SharedBudgetLimiter``, which starts the thread)."""
+
+    #: scheduler -> thread: (now_ns, {user: tokens}, fallback?) per step
+    #: that charged, and the users short of leases
+    usage: deque[tuple[int, Mapping[str, int], bool]]
+    starved: deque[str]
+    #: thread -> scheduler: (user, tokens, deadline_ns), and a count bumped
+    #: to have every lease dropped
+    grants: deque[tuple[str, int, int]]
+    clear_requests: int
+    book: LeaseBook
+
+    def rate_of(self, user: str) -> Fraction: ...
+
+    def begin_fallback(self, sharing: Mapping[str, int], live: int) -> None: ...
+
+    def end_fallback(self) -> None: ...
 
 
 @dataclass(slots=True)
@@ -77,7 +97,7 @@ class LeaseStats:
 class LeaseThread:
     """The engine core's background thread that leases from the store."""
 
-    def __init__(self, limiter: SharedBudgetLimiter, settings: SharedStateSettings,
+    def __init__(self, limiter: LeasingLimiter, settings: SharedStateSettings,
                  store: Any | None = None, clock: Callable[[], int] = time.monotonic_ns,
                  engine_id: str | None = None) -> None:
         self.limiter = limiter
@@ -273,7 +293,7 @@ class LeaseThread:
                 self.settings.redacted_url, why[:200], self.live_engines)
             limiter.grants.clear()
             self.retry_at = {}
-            limiter.fallback_next = limiter.fallback_limiter(self.sharing, self.live_engines)
+            limiter.begin_fallback(self.sharing, self.live_engines)
         self._report_usage = True
 
     def _leave_fallback(self) -> None:
@@ -283,6 +303,6 @@ class LeaseThread:
             stats.fallback_total += time.monotonic() - since
         stats.fallback_since = None
         self.in_fallback = False
-        self.limiter.fallback_next = None
+        self.limiter.end_fallback()
         logger.warning("output-rate shared state: the store at %s answers again; shared "
                        "budgets resumed", self.settings.redacted_url)

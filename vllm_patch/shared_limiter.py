@@ -103,11 +103,14 @@ class SharedBudgetLimiter(OutputRateLimiter):
     def in_fallback(self) -> bool:
         return self._fallback is not None
 
-    def fallback_limiter(self, sharing: Mapping[str, int], live: int) -> _FallbackLimiter:
-        """(Lease thread) The limiter of a fallback: each user's limit
-        divided by the engines last seen sharing it (``live`` for users
-        never seen)."""
-        return _FallbackLimiter(self, sharing, live)
+    def begin_fallback(self, sharing: Mapping[str, int], live: int) -> None:
+        """(Lease thread) From the next step on: each user's limit divided
+        by the engines last seen sharing it (``live`` for users never seen)."""
+        self.fallback_next = _FallbackLimiter(self, sharing, live)
+
+    def end_fallback(self) -> None:
+        """(Lease thread) From the next step on: shared budgets again."""
+        self.fallback_next = None
 
     def begin_step(self, now_ns: int) -> None:
         """Take up grants and a mode change, drop expired leases."""
