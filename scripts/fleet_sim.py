@@ -24,13 +24,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from vllm_output_rate.fleet_math import fleet_bound
+from vllm_output_rate.lease_store import RedisStore
 from vllm_output_rate.limiter import NS_PER_S
-from vllm_output_rate.shared_state import (
-    RedisStore,
-    SharedBudgetLimiter,
-    SharedStateSettings,
-    fleet_bound,
-)
+from vllm_output_rate.shared_limiter import SharedBudgetLimiter
+from vllm_output_rate.shared_settings import SharedStateSettings
 
 #: The fake clock starts here (ns): far from 0, like a real monotonic clock.
 T0_NS = 1_000_000 * NS_PER_S

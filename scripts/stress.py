@@ -80,7 +80,7 @@ from vllm_output_rate.config import (
     USERS_OPTION,
 )
 from vllm_output_rate.frontend import API_KEYS_OPTION, HEADER_OPTION, REQUIRE_OPTION
-from vllm_output_rate.shared_state import SHARED_STATE_OPTION
+from vllm_output_rate.shared_settings import SHARED_STATE_OPTION
 from vllm_output_rate.telemetry.metrics import series_name
 
 MODEL_NAME = "tiny"

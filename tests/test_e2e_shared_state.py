@@ -16,8 +16,9 @@ import httpx
 import pytest
 
 from harness import REPO, spend_rate, tiny_model
+from vllm_output_rate.fleet_math import fleet_bound
 from vllm_output_rate.limiter import NS_PER_S
-from vllm_output_rate.shared_state import HORIZON_S, LOOKAHEAD_S, fleet_bound
+from vllm_output_rate.shared_settings import HORIZON_S, LOOKAHEAD_S
 from vllm_output_rate.telemetry.events import EngineLog, fleet_spends
 from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics, stream_chat
 from vllm_output_rate.tools.fleet_sim import worst_window_excess

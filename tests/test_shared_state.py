@@ -15,17 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_output_rate.config import OutputRateConfig, OutputRateConfigError
+from vllm_output_rate.fleet_math import fleet_bound
 from vllm_output_rate.lease_book import LeaseBook
+from vllm_output_rate.lease_store import LeaseAsk, RedisStore
 from vllm_output_rate.limiter import NS_PER_S
-from vllm_output_rate.shared_state import (
-    LeaseAsk,
-    RedisStore,
-    SharedBudgetLimiter,
-    SharedStateError,
-    SharedStateSettings,
-    fleet_bound,
-    parse_shared_state,
-)
+from vllm_output_rate.shared_limiter import SharedBudgetLimiter
+from vllm_output_rate.shared_settings import SharedStateError, SharedStateSettings, parse_shared_state
 from vllm_output_rate.tools.fleet_sim import T0_NS, Fleet, worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisServer, redis_server_binary
 
@@ -361,7 +356,7 @@ def test_the_lease_thread_keeps_the_scheduler_off_the_network(store_url):
 
 def test_fallback_share_divides_by_the_engines_last_seen():
     from vllm_output_rate.limiter import OutputRateLimiter
-    from vllm_output_rate.shared_state import _FallbackLimiter
+    from vllm_output_rate.shared_limiter import _FallbackLimiter
 
     base = OutputRateLimiter(Fraction(20), {"big": Fraction(90)})
     fb = _FallbackLimiter(base, {"big": 3}, live=4)

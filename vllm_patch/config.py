@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
-from vllm_output_rate.shared_state import SHARED_STATE_OPTION, SharedStateError, parse_shared_state
+from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, parse_shared_state
 
 DEFAULT_OPTION = "--default-user-output-tokens-per-second"
 USERS_OPTION = "--user-output-tokens-per-second"
@@ -153,7 +153,7 @@ class OutputRateConfig:
     came from (introspection). ``limits_file`` is the file the engine core
     keeps reloading (None: the command-line options, fixed). ``digest`` is
     the SHA-256 of what the limits were read from. ``shared_state``: the
-    store URL of shared-budget mode (``vllm_output_rate.shared_state``), or
+    store URL of shared-budget mode (``vllm_output_rate.shared_limiter``), or
     None (each engine its own budgets).
     """
 

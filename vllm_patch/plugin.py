@@ -44,7 +44,7 @@ from vllm_output_rate.config import (
     user_field_error,
 )
 from vllm_output_rate import frontend, observers, settings
-from vllm_output_rate.shared_state import parse_shared_state
+from vllm_output_rate.shared_settings import parse_shared_state
 from vllm_output_rate.internals import UnsupportedVllmVersion, check_vllm_version
 
 logger = logging.getLogger("vllm_output_rate")

@@ -139,11 +139,9 @@ class OutputRateSchedulerMixin:
     def _orl_new_limiter(self, config: OutputRateConfig) -> OutputRateLimiter:
         if config.shared_state is None:
             return OutputRateLimiter(config.default_rate, config.user_rates)
-        from vllm_output_rate.shared_state import (
-            SharedBudgetLimiter,
-            new_engine_id,
-            parse_shared_state,
-        )
+        from vllm_output_rate.lease_store import new_engine_id
+        from vllm_output_rate.shared_limiter import SharedBudgetLimiter
+        from vllm_output_rate.shared_settings import parse_shared_state
 
         rank = self.vllm_config.parallel_config.data_parallel_index
         return SharedBudgetLimiter(

@@ -1,0 +1,230 @@
+"""The shared store of shared-budget mode: its Lua script and the one call an engine makes.
+
+Every user's budget lives in the store (Redis, or Valkey) as one GCRA state,
+its TAT in the store's own clock; ``LEASE_SCRIPT`` grants an engine slices
+of it atomically, all of an engine's users in one call per tick. Only the
+lease thread (``lease_thread``) calls the store, through ``RedisStore``; it
+sends ``LeaseAsk`` entries sized by ``fleet_math`` and reads a
+``LeaseReply``. The Redis client is imported only when a store is built.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, SharedStateSettings
+
+#: An engine counts as live (heartbeat) and as sharing a user (lease) for
+#: this long after its last call that said so.
+LIVE_S = 2.0
+#: Store key prefix.
+KEY_PREFIX = "output_rate:"
+
+#: One call per engine per tick. KEYS: the engines' heartbeat set, the epoch
+#: key, then one hash per user (field ``tat``: its TAT in us of the store's
+#: clock; ``slot``: 1/limit in us when it was last leased; ``e:<engine>``: when that engine last leased the user; ``s:<engine>``:
+#: the TAT of that engine's share; ``w:<engine>``: when the store last gave it
+#: less than it asked: while another engine waits, each gets its share).
+#: ARGV: engine id, now in us ('' = the store's clock), live window (us),
+#: lookahead (us), report window (us), the epoch the engine knows ('' =
+#: none), a fresh epoch to set if the store has none, then per user: slot
+#: length 1/limit (us), tokens wanted, tokens spent to report (after a
+#: fallback or a reset). Returns {now, epoch, live engines, reset, then per
+#: user: granted, engines sharing the user}. On ``reset`` (the engine's epoch
+#: is not the store's) nothing is granted: the engine reports what it spent
+#: and asks again. Three commands per user (HGETALL, HSET, PEXPIRE).
+LEASE_SCRIPT = """
+local now
+if ARGV[2] ~= '' then
+  now = tonumber(ARGV[2])
+else
+  local t = redis.call('TIME')
+  now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local live_us = tonumber(ARGV[3])
+local lookahead = tonumber(ARGV[4])
+local window = tonumber(ARGV[5])
+local epoch = redis.call('GET', KEYS[2])
+if not epoch then
+  epoch = ARGV[7]
+  redis.call('SET', KEYS[2], epoch)
+end
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - live_us)
+redis.call('PEXPIRE', KEYS[1], math.ceil(live_us / 1000) * 2)
+local live = redis.call('ZCARD', KEYS[1])
+local reset = 0
+if ARGV[6] ~= '' and ARGV[6] ~= epoch then reset = 1 end
+local out = {string.format('%.0f', now), epoch, live, reset}
+local me = 'e:' .. ARGV[1]
+local my_share = 's:' .. ARGV[1]
+local my_wait = 'w:' .. ARGV[1]
+local stamp = string.format('%.0f', now)
+local keep_ms = math.ceil(live_us / 1000) * 2
+for i = 1, #KEYS - 2 do
+  local key = KEYS[2 + i]
+  local slot = tonumber(ARGV[5 + 3 * i])
+  local want = tonumber(ARGV[6 + 3 * i])
+  local used = tonumber(ARGV[7 + 3 * i])
+  local fields = redis.call('HGETALL', key)
+  local tat = 0
+  local old_slot = slot
+  local share_tat = 0
+  local sharing = 1
+  local others_waiting = false
+  local stale = {}
+  for j = 1, #fields, 2 do
+    local f = fields[j]
+    local kind = string.sub(f, 1, 2)
+    if f == 'tat' then
+      tat = tonumber(fields[j + 1])
+    elseif f == 'slot' then
+      old_slot = tonumber(fields[j + 1])
+    elseif f == my_share then
+      share_tat = tonumber(fields[j + 1])
+    elseif kind == 'w:' and f ~= my_wait then
+      if tonumber(fields[j + 1]) >= now - lookahead then
+        others_waiting = true
+      end
+    elseif kind == 'e:' and f ~= me then
+      if tonumber(fields[j + 1]) >= now - live_us then
+        sharing = sharing + 1
+      else
+        local engine = string.sub(f, 3)
+        stale[#stale + 1] = f
+        stale[#stale + 1] = 's:' .. engine
+        stale[#stale + 1] = 'w:' .. engine
+      end
+    end
+  end
+  if old_slot ~= slot then
+    -- The limit changed (a reloaded limits file): the debt is kept in
+    -- tokens, as the engines' own limiters keep it; shares start afresh.
+    if tat > now then
+      tat = now + (tat - now) * slot / old_slot
+    end
+    share_tat = 0
+  end
+  local granted = 0
+  if reset == 0 then
+    if used > 0 then
+      tat = math.max(tat, now - window) + used * slot
+    end
+    local base = math.max(tat, now)
+    if want > 0 and base - now <= lookahead then
+      granted = math.min(want, math.floor((now + lookahead - base) / slot) + 1)
+      -- Contended (another engine sharing the user was refused within the
+      -- lookahead): each engine gets at most its share, limit / sharing,
+      -- kept as a GCRA of its own. Otherwise an engine may take more (its
+      -- share's TAT still advances: it pays that back under contention).
+      local share_slot = slot * sharing
+      local share_base = math.max(share_tat, now)
+      if others_waiting then
+        local fair = 0
+        if share_base - now <= lookahead then
+          fair = math.floor((now + lookahead - share_base) / share_slot) + 1
+        end
+        granted = math.min(granted, fair)
+      end
+      tat = base + granted * slot
+      share_tat = share_base + granted * share_slot
+    end
+  end
+  redis.call('HSET', key, 'tat', string.format('%.3f', tat), 'slot', ARGV[5 + 3 * i],
+             me, stamp, my_share, string.format('%.3f', share_tat))
+  if granted < want then
+    redis.call('HSET', key, my_wait, stamp)
+  end
+  if #stale > 0 then
+    redis.call('HDEL', key, unpack(stale))
+  end
+  redis.call('PEXPIRE', key, math.max(0, math.ceil((tat - now) / 1000)) + keep_ms)
+  out[#out + 1] = granted
+  out[#out + 1] = sharing
+end
+return out
+"""
+
+
+@dataclass(frozen=True)
+class LeaseAsk:
+    """What an engine asks of the store for one user in one call."""
+
+    user: str
+    rate: Fraction
+    want: int
+    used: int = 0
+
+
+@dataclass(frozen=True)
+class LeaseReply:
+    """The store's answer to one call."""
+
+    now_us: float
+    epoch: str
+    live_engines: int
+    reset: bool
+    #: user -> (tokens granted, engines sharing the user)
+    granted: dict[str, tuple[int, int]]
+
+
+class RedisStore:
+    """The shared store: one script call per engine per tick."""
+
+    def __init__(self, settings: SharedStateSettings, client: Any | None = None) -> None:
+        if client is None:
+            try:
+                import redis
+            except ImportError:
+                raise SharedStateError(
+                    f"{SHARED_STATE_OPTION} needs the 'redis' Python client: "
+                    f"pip install 'vllm-output-rate[shared]'") from None
+            url = settings.url.replace("valkey", "redis", 1) if settings.url.startswith("valkey") else settings.url
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
+            # No retries inside the client (its default retries with a
+            # backoff of seconds): the lease thread asks again next tick.
+            client = redis.Redis.from_url(
+                url.split("?", 1)[0], socket_timeout=settings.timeout_s,
+                socket_connect_timeout=settings.timeout_s, retry=Retry(NoBackoff(), 0),
+                health_check_interval=0)
+        self.client = client
+        self.settings = settings
+        self._script = client.register_script(LEASE_SCRIPT)
+        #: script calls made, and user entries sent in them
+        self.calls = 0
+        self.entries = 0
+
+    def lease(self, engine: str, asks: list[LeaseAsk], known_epoch: str,
+              now_us: float | None = None) -> LeaseReply:
+        s = self.settings
+        keys = [KEY_PREFIX + "engines", KEY_PREFIX + "epoch"]
+        args: list[Any] = [engine, "" if now_us is None else repr(float(now_us)),
+                           int(LIVE_S * 1e6), int(s.lookahead_s * 1e6),
+                           int((s.horizon_s + s.lookahead_s) * 1e6), known_epoch,
+                           secrets.token_hex(8)]
+        for ask in asks:
+            keys.append(KEY_PREFIX + "user:" + ask.user)
+            args.append(repr(float(ask.rate.denominator * 1e6 / ask.rate.numerator)))
+            args.append(ask.want)
+            args.append(ask.used)
+        self.calls += 1
+        self.entries += len(asks)
+        out = self._script(keys=keys, args=args)
+        granted = {}
+        for i, ask in enumerate(asks):
+            granted[ask.user] = (int(out[4 + 2 * i]), int(out[5 + 2 * i]))
+        epoch = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
+        return LeaseReply(float(out[0]), epoch, int(out[2]), bool(int(out[3])), granted)
+
+
+def new_engine_id(rank: int | str = 0) -> str:
+    """A fleet-unique name for one engine core: host, process, rank, random."""
+    return f"{socket.gethostname()}:{os.getpid()}:{rank}:{secrets.token_hex(3)}"
+

@@ -1,0 +1,308 @@
+"""The lease thread of shared-budget mode: one per engine core, the only one on the network.
+
+Every tick (or at once when the scheduler ran short of leases) it reads
+what the scheduler's thread spent (``SharedBudgetLimiter.usage``), asks the
+store (``lease_store``) for what ``fleet_math.LeaseSizer`` sizes, and posts
+the grants back (``SharedBudgetLimiter.grants``); the scheduler's thread
+takes them up at its next step (``shared_limiter``). Its counters are one
+``LeaseStats``, read from any thread for the metrics.
+
+**Faults.** Two calls in a row that fail or time out (``socket_timeout``,
+250 ms; the thread waits, not the scheduler) put the engine in *fallback*: its
+leases are dropped and each user gets ``limit / n`` on this engine alone,
+``n`` being the number of engines the store last said were sharing that
+user (users it never saw: the live engines it last saw), one log line per
+episode, time and failed calls counted. The thread keeps trying every tick.
+One failed call alone (a blip) changes nothing: the leases held stay
+valid until their deadlines. When a call succeeds again, the engine first
+charges the store with what it spent within the last ``H + B`` (so the
+fleet does not get a fresh burst on top of what it spent; the leased part
+of it is charged twice, which over-charges briefly), then leases as
+before. A store that
+lost its data (restarted empty) is told apart by an epoch key: every engine
+that sees a new epoch does the same before leasing again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Protocol
+
+from vllm_output_rate.fleet_math import LeaseSizer
+from vllm_output_rate.lease_book import LeaseBook
+from vllm_output_rate.lease_store import RedisStore, new_engine_id
+from vllm_output_rate.limiter import NS_PER_S
+from vllm_output_rate.shared_settings import SharedStateSettings
+
+logger = logging.getLogger("vllm_output_rate")
+
+#: Failed calls in a row that put an engine in fallback.
+FAILURES_TO_FALLBACK = 2
+
+
+class LeasingLimiter(Protocol):
+    """What the lease thread uses of its engine's limiter
+    (``shared_limiter.SharedBudgetLimiter``, which starts the thread)."""
+
+    #: scheduler -> thread: (now_ns, {user: tokens}, fallback?) per step
+    #: that charged, and the users short of leases
+    usage: deque[tuple[int, Mapping[str, int], bool]]
+    starved: deque[str]
+    #: thread -> scheduler: (user, tokens, deadline_ns), and a count bumped
+    #: to have every lease dropped
+    grants: deque[tuple[str, int, int]]
+    clear_requests: int
+    book: LeaseBook
+
+    def rate_of(self, user: str) -> Fraction: ...
+
+    def begin_fallback(self, sharing: Mapping[str, int], live: int) -> None: ...
+
+    def end_fallback(self) -> None: ...
+
+
+@dataclass(slots=True)
+class LeaseStats:
+    """The lease thread's counters: written by that thread alone, read
+    (plain numbers) from any thread."""
+
+    #: store calls made, and those that failed
+    calls: int = 0
+    failed_calls: int = 0
+    #: failed calls in a row (two make an outage)
+    failures_in_row: int = 0
+    fallback_episodes: int = 0
+    #: times the store was found to have lost its data
+    resets: int = 0
+    #: tokens spent in fallback, without a lease
+    unleased_spent: int = 0
+    #: when the current fallback began (time.monotonic), and the seconds
+    #: of the fallbacks that ended
+    fallback_since: float | None = None
+    fallback_total: float = 0.0
+    #: latencies (seconds) of the calls that succeeded, not drained yet
+    latencies: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+
+    def fallback_seconds(self) -> float:
+        since = self.fallback_since
+        return self.fallback_total + (0.0 if since is None else time.monotonic() - since)
+
+
+class LeaseThread:
+    """The engine core's background thread that leases from the store."""
+
+    def __init__(self, limiter: LeasingLimiter, settings: SharedStateSettings,
+                 store: Any | None = None, clock: Callable[[], int] = time.monotonic_ns,
+                 engine_id: str | None = None) -> None:
+        self.limiter = limiter
+        self.settings = settings
+        self._store = store
+        self.clock = clock
+        self.engine_id = engine_id or new_engine_id()
+        self.epoch = ""
+        self.live_engines = 1
+        self.sharing: dict[str, int] = {}
+        self.in_fallback = False
+        self.stats = LeaseStats()
+        self.sizer = LeaseSizer(settings)
+        self._report_usage = False
+        # The spends of the last horizon + lookahead per call, (monotonic
+        # ns, {user: tokens}), for the report after a fallback or a reset.
+        self._spends: deque[tuple[int, dict[str, int]]] = deque()
+        #: user -> when to ask the store again (ns), for users the store
+        #: granted less than asked: the fleet's budget is spent for now.
+        #: Replaced whole after each call (the scheduler's thread reads it).
+        self.retry_at: dict[str, int] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        #: shortest time between two calls (a user short of budget wakes
+        #: the thread at once, but not more often than this)
+        self.min_gap_ns = int(settings.tick_s * NS_PER_S) // 5
+        #: how long after its call a grant is taken to be there (the engine
+        #: loop looks again then)
+        self.round_trip_ns = 2_000_000
+        self._thread: threading.Thread | None = None
+
+    # -- scheduler's side (cheap, lock-free reads) ---------------------------
+
+    def wake(self) -> None:
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def drain_latencies(self) -> list[float]:
+        """Call latencies (seconds) since the last drain (one reader)."""
+        out, latencies = [], self.stats.latencies
+        while latencies:
+            out.append(latencies.popleft())
+        return out
+
+    # -- the thread --------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="output-rate-leases", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.settings.timeout_s + 1)
+
+    @property
+    def store(self) -> Any:
+        if self._store is None:
+            self._store = RedisStore(self.settings)
+        return self._store
+
+    def _run(self) -> None:
+        tick = self.settings.tick_s
+        gap = self.min_gap_ns / NS_PER_S
+        while not self._stop.is_set():
+            started = time.monotonic()
+            # At the next tick, or when the first retry falls due.
+            retry_at = self.retry_at
+            wait = tick
+            if retry_at:
+                wait = min(tick, max(0.0, (min(retry_at.values()) - self.clock()) / NS_PER_S))
+            self._wake.wait(wait)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            rest = gap - (time.monotonic() - started)
+            if rest > 0 and self._stop.wait(rest):
+                break
+            try:
+                self.tick()
+            except Exception:  # never let the thread die: log, count, go on
+                logger.exception("output-rate shared state: lease thread error")
+                self._enter_fallback("internal error")
+
+    def tick(self, now_us: float | None = None) -> None:
+        """One round: read what the scheduler spent, ask the store, post
+        the grants (tests call it directly, with the store's time)."""
+        limiter = self.limiter
+        stats = self.stats
+        now_ns = self.clock()
+        recent, short = self._drain(now_ns)
+        asks = self.sizer.asks(now_ns, recent, short, self._usage_to_report(),
+                               limiter.book.balance, self.sharing, self.retry_at,
+                               limiter.rate_of)
+        sent_ns = self.clock()
+        t0 = time.perf_counter()
+        try:
+            reply = self.store.lease(self.engine_id, asks, self.epoch, now_us=now_us)
+        except Exception as exc:  # the store is down, slow or refuses
+            stats.calls += 1
+            stats.failed_calls += 1
+            stats.failures_in_row += 1
+            # One failed call (a blip: a call slower than the timeout on a
+            # loaded machine) keeps the leases held; two in a row is an outage.
+            if stats.failures_in_row >= FAILURES_TO_FALLBACK:
+                self._enter_fallback(f"{type(exc).__name__}: {exc}")
+            return
+        stats.calls += 1
+        stats.failures_in_row = 0
+        stats.latencies.append(time.perf_counter() - t0)
+        self.live_engines = reply.live_engines
+        if reply.reset or (self.epoch and reply.epoch != self.epoch):
+            # The store lost its data (or this engine first met it after a
+            # fallback): report what was spent, then lease again.
+            if self.epoch:
+                stats.resets += 1
+                logger.warning("output-rate shared state: the store at %s lost its data "
+                               "(new epoch); reporting recent spends before leasing again",
+                               self.settings.redacted_url)
+            self.epoch = reply.epoch
+            self._report_usage = True
+            # The store forgot the slots of the leases held: drop them.
+            limiter.grants.clear()
+            limiter.clear_requests += 1
+            self._wake.set()
+            return
+        self.epoch = reply.epoch
+        deadline = sent_ns + int(self.settings.horizon_s * NS_PER_S)
+        retry_at = {u: t for u, t in self.retry_at.items() if t > now_ns}
+        retry = now_ns + self.sizer.retry_ns
+        for ask in asks:
+            tokens, sharing = reply.granted[ask.user]
+            self.sharing[ask.user] = sharing
+            if tokens > 0:
+                limiter.grants.append((ask.user, tokens, deadline))
+            if tokens < ask.want:
+                retry_at[ask.user] = retry
+            else:
+                retry_at.pop(ask.user, None)
+        self.retry_at = retry_at
+        if self._report_usage:
+            self._report_usage = False
+            self._spends.clear()
+        if self.in_fallback:
+            self._leave_fallback()
+
+    def _drain(self, now_ns: int) -> tuple[dict[str, int], set[str]]:
+        """What the scheduler's thread posted since the last round: tokens
+        spent per user, and the users it ran short of leases for."""
+        limiter = self.limiter
+        usage = limiter.usage
+        recent: dict[str, int] = {}
+        while usage:
+            _, taken, unleased = usage.popleft()
+            for user, n in taken.items():
+                if n > 0:
+                    recent[user] = recent.get(user, 0) + n
+                    if unleased:
+                        self.stats.unleased_spent += n
+        short: set[str] = set()
+        while limiter.starved:
+            short.add(limiter.starved.popleft())
+        spends = self._spends
+        if recent:
+            spends.append((now_ns, recent))
+        window_ns = int((self.settings.horizon_s + self.settings.lookahead_s) * NS_PER_S)
+        while spends and spends[0][0] < now_ns - window_ns:
+            spends.popleft()
+        return recent, short
+
+    def _usage_to_report(self) -> dict[str, int]:
+        """After a fallback or a reset: everything spent within the window
+        the store must know of (over-charges the leased part the store
+        still knows after a plain fallback: allowed, and brief)."""
+        used: dict[str, int] = {}
+        if self._report_usage:
+            for _, spent in self._spends:
+                for user, n in spent.items():
+                    used[user] = used.get(user, 0) + n
+        return used
+
+    def _enter_fallback(self, why: str) -> None:
+        limiter = self.limiter
+        if not self.in_fallback:
+            self.in_fallback = True
+            self.stats.fallback_episodes += 1
+            self.stats.fallback_since = time.monotonic()
+            logger.warning(
+                "output-rate shared state: the store at %s is unreachable (%s); each user "
+                "gets its limit divided by the engines last seen sharing it (%d live "
+                "engines last seen) until it answers again",
+                self.settings.redacted_url, why[:200], self.live_engines)
+            limiter.grants.clear()
+            self.retry_at = {}
+            limiter.begin_fallback(self.sharing, self.live_engines)
+        self._report_usage = True
+
+    def _leave_fallback(self) -> None:
+        stats = self.stats
+        since = stats.fallback_since
+        if since is not None:
+            stats.fallback_total += time.monotonic() - since
+        stats.fallback_since = None
+        self.in_fallback = False
+        self.limiter.end_fallback()
+        logger.warning("output-rate shared state: the store at %s answers again; shared "
+                       "budgets resumed", self.settings.redacted_url)

@@ -1,0 +1,229 @@
+"""Shared-budget mode: one user's limit held across engines through Redis.
+
+``--output-rate-shared-state redis://HOST:PORT[/DB]`` (parsed by
+``shared_settings``). Each user's budget lives in the store as one GCRA
+state (its TAT, in the store's own clock), shared by every engine that
+names the same store. No engine's scheduler thread ever waits on the
+network:
+
+* a lease thread of each engine core (``lease_thread.LeaseThread``) asks the
+  store every tick (``tick_s``, 50 ms) for slices of the budgets its users
+  need, all in one call of an atomic server-side script
+  (``lease_store.LEASE_SCRIPT``). The store
+  grants a slice only from slots that start no later than ``lookahead_s``
+  ahead of its clock (a GCRA with that burst). Each engine asks for what
+  its users spent lately, or, for a user it ran short of, at least its
+  share (limit / engines sharing the user) until its next ask
+  (``fleet_math.LeaseSizer``); while
+  another engine sharing a user waits (was given less than it asked), the
+  store gives each engine at most that share, so no engine takes every slot
+  by asking first. A user the store had nothing for is asked for again
+  after ``max(tick, lookahead / 2)``;
+* the scheduler's thread spends only what it holds (``LeaseBook``): the
+  engine's own limiter still paces each user at its full limit on this
+  engine, and a token also needs a leased one. A lease is spendable for
+  ``horizon_s`` from the moment its request was sent; what is left then
+  expires (an engine that dies holds nothing hostage past that).
+
+This module is that limiter, ``SharedBudgetLimiter``, the one the scheduler
+holds in this mode, and the limiter it switches to in fallback. The bound
+the fleet keeps is stated in ``fleet_math``; faults and fallback are the
+lease thread's (``lease_thread``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from fractions import Fraction
+from typing import Any
+
+from vllm_output_rate.lease_book import LeaseBook
+from vllm_output_rate.lease_thread import LeaseThread
+from vllm_output_rate.limiter import BURST_NS, OutputRateLimiter
+from vllm_output_rate.shared_settings import SharedStateSettings
+
+
+class _FallbackLimiter(OutputRateLimiter):
+    """Each user's limit divided by the engines last seen sharing it."""
+
+    def __init__(self, base: OutputRateLimiter, sharing: Mapping[str, int], live: int) -> None:
+        super().__init__(base.default_rate, base.user_rates, base.burst_ns)
+        self._base_rate = base.rate_of
+        self._sharing = dict(sharing)
+        self._live = max(1, live)
+
+    def rate_of(self, user: str) -> Fraction:
+        return self._base_rate(user) / max(1, self._sharing.get(user, self._live))
+
+
+_plain_available = OutputRateLimiter.available
+_plain_ready_at = OutputRateLimiter.ready_at_ns
+
+
+class SharedBudgetLimiter(OutputRateLimiter):
+    """The engine's limiter in shared-budget mode.
+
+    A token needs the engine's own GCRA at the user's full limit (even
+    spacing on this engine) and a leased token (the fleet's share). In
+    fallback, the engine's GCRA at the user's fallback share alone. The
+    scheduler calls ``begin_step`` once per step; every other method is the
+    plain limiter's interface.
+    """
+
+    def __init__(self, default_rate: Fraction, user_rates: Mapping[str, Fraction] | None,
+                 settings: SharedStateSettings, burst_ns: int = BURST_NS,
+                 store: Any | None = None, clock: Callable[[], int] = time.monotonic_ns,
+                 engine_id: str | None = None, start_thread: bool = True) -> None:
+        super().__init__(default_rate, user_rates, burst_ns)
+        self.settings = settings
+        self.book = LeaseBook()
+        self._balance = self.book.balance  # (the same dict, for the hot path)
+        #: scheduler -> lease thread: (now_ns, {user: tokens}, fallback?)
+        #: per step that charged, and users short of leases (one append each)
+        self.usage: deque[tuple[int, Mapping[str, int], bool]] = deque()
+        self.starved: deque[str] = deque()
+        #: lease thread -> scheduler: (user, tokens, deadline_ns)
+        self.grants: deque[tuple[str, int, int]] = deque()
+        #: set by the lease thread; taken up at the next step boundary
+        self.fallback_next: _FallbackLimiter | None = None
+        self._fallback: _FallbackLimiter | None = None
+        #: bumped by the lease thread to have every lease dropped (a store
+        #: that lost its data); seen at the next step boundary
+        self.clear_requests = 0
+        self._clears_seen = 0
+        self._starved_step: set[str] = set()
+        self.thread = LeaseThread(self, settings, store=store, clock=clock,
+                                  engine_id=engine_id)
+        if start_thread:
+            self.thread.start()
+
+    @property
+    def in_fallback(self) -> bool:
+        return self._fallback is not None
+
+    def begin_fallback(self, sharing: Mapping[str, int], live: int) -> None:
+        """(Lease thread) From the next step on: each user's limit divided
+        by the engines last seen sharing it (``live`` for users never seen)."""
+        self.fallback_next = _FallbackLimiter(self, sharing, live)
+
+    def end_fallback(self) -> None:
+        """(Lease thread) From the next step on: shared budgets again."""
+        self.fallback_next = None
+
+    def begin_step(self, now_ns: int) -> None:
+        """Take up grants and a mode change, drop expired leases."""
+        grants = self.grants
+        book = self.book
+        while grants:
+            user, tokens, deadline = grants.popleft()
+            book.add_grant(user, tokens, deadline)
+        fallback = self.fallback_next
+        if fallback is not self._fallback:
+            self._fallback = fallback
+            if fallback is not None:
+                book.clear()
+        if self.clear_requests != self._clears_seen:
+            self._clears_seen = self.clear_requests
+            book.clear()
+        book.expire(now_ns)
+        self._starved_step.clear()
+
+    def available(self, user: str, now_ns: int) -> int:
+        fallback = self._fallback
+        if fallback is not None:
+            return fallback.available(user, now_ns)
+        held = self._balance.get(user, 0)
+        if held <= 0:
+            return 0
+        local = _plain_available(self, user, now_ns)
+        return local if local < held else held
+
+    def try_take(self, user: str, now_ns: int) -> bool:
+        if self.available(user, now_ns) <= 0:
+            return False
+        self.settle(now_ns, {user: 1})
+        return True
+
+    def take(self, user: str, now_ns: int, n: int) -> None:
+        self.settle(now_ns, {user: n})
+
+    def settle(self, now_ns: int, taken: Mapping[str, int]) -> None:
+        fallback = self._fallback
+        if fallback is not None:
+            fallback.settle(now_ns, taken)
+        else:
+            super().settle(now_ns, taken)
+            spend = self.book.spend
+            for user, n in taken.items():
+                if n > 0:
+                    spend(user, n)
+        if taken:
+            self.usage.append((now_ns, taken, fallback is not None))
+
+    def refund(self, user: str) -> None:
+        # Only the plain limiter's try_take callers refund; the scheduler
+        # settles net charges. A refunded token is not handed back to the
+        # store (over-charging is allowed).
+        if self._fallback is not None:
+            self._fallback.refund(user)
+        else:
+            super().refund(user)
+
+    def ready_at_ns(self, user: str) -> int:
+        fallback = self._fallback
+        if fallback is not None:
+            return fallback.ready_at_ns(user)
+        local = _plain_ready_at(self, user)
+        if self._balance.get(user, 0) > 0:
+            return local
+        thread = self.thread
+        now = thread.clock()
+        if local > now + thread.min_gap_ns:
+            # The engine's own pacing binds (a user throttled at its limit
+            # on this engine): no lease is needed before then.
+            return local
+        retry = thread.retry_at.get(user)
+        if retry is not None:
+            # The store said the fleet's budget of this user is spent for
+            # now: the thread asks again then (and wakes for it), the grant
+            # is here a round trip later; never in the past (the engine loop
+            # would spin until the thread's next round).
+            return max(retry, now) + thread.round_trip_ns
+        # Short of leases: the lease thread is asked at once, and the
+        # engine loop looks again soon (a round trip to the store).
+        if user not in self._starved_step:
+            self._starved_step.add(user)
+            self.starved.append(user)
+            thread.wake()
+        return now + thread.min_gap_ns
+
+    def set_limits(self, default_rate: Fraction, user_rates: Mapping[str, Fraction] | None,
+                   now_ns: int) -> list[str]:
+        changed = super().set_limits(default_rate, user_rates, now_ns)
+        fallback = self._fallback
+        if fallback is not None:
+            fallback.set_limits(default_rate, user_rates, now_ns)
+        return changed
+
+    def cleanup_idle_users(self, now_ns: int) -> list[str]:
+        if self._fallback is not None:
+            self._fallback.cleanup_idle_users(now_ns)
+        return super().cleanup_idle_users(now_ns)
+
+    def close(self) -> None:
+        self.thread.stop()
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges of the lease machinery (plain numbers, read
+        from any thread)."""
+        t, book = self.thread, self.book
+        c = t.stats
+        return {
+            "leased": book.granted, "spent": book.spent, "expired": book.expired,
+            "unleased": c.unleased_spent, "calls": c.calls, "failed_calls": c.failed_calls,
+            "fallback": 1.0 if t.in_fallback else 0.0, "fallback_seconds": c.fallback_seconds(),
+            "fallback_episodes": c.fallback_episodes, "resets": c.resets,
+            "live_engines": t.live_engines,
+        }

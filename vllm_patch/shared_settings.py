@@ -1,0 +1,101 @@
+"""The option of shared-budget mode: its store URL and the lease protocol's times.
+
+``--output-rate-shared-state redis://HOST:PORT[/DB]`` puts each user's
+budget in a shared store (``shared_limiter`` has the mode's overview). This
+module is the light part every process reads: the option's name, its URL
+parser and ``SharedStateSettings``. It imports no Redis client, no threads
+and nothing from vLLM, so ``config`` checks the option with it at start-up;
+the store (``lease_store``), the lease thread (``lease_thread``) and the
+limiter (``shared_limiter``) are built from the settings it returns.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+SHARED_STATE_OPTION = "--output-rate-shared-state"
+
+#: Defaults of the lease protocol (each can be set in the URL's query:
+#: ``?tick_ms=50&horizon_ms=500&lookahead_ms=250&timeout_ms=250``).
+TICK_S = 0.05
+HORIZON_S = 0.5
+LOOKAHEAD_S = 0.25
+TIMEOUT_S = 0.25
+
+
+class SharedStateError(ValueError):
+    """The shared-state option has a value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class SharedStateSettings:
+    """Where the shared budgets live and the protocol's times."""
+
+    url: str
+    tick_s: float = TICK_S
+    horizon_s: float = HORIZON_S
+    lookahead_s: float = LOOKAHEAD_S
+    timeout_s: float = TIMEOUT_S
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL without a password (for logs and metrics)."""
+        parts = urlsplit(self.url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        return f"{parts.scheme}://{host}{port}{parts.path}"
+
+
+_QUERY_KEYS = {"tick_ms": "tick_s", "horizon_ms": "horizon_s",
+               "lookahead_ms": "lookahead_s", "timeout_ms": "timeout_s"}
+
+
+def parse_shared_state(value: Any) -> SharedStateSettings:
+    """``redis://[:PASSWORD@]HOST:PORT[/DB][?tick_ms=..&horizon_ms=..&
+    lookahead_ms=..&timeout_ms=..]`` (or ``rediss://``, ``valkey://``)."""
+    if not isinstance(value, str) or not value.strip():
+        raise SharedStateError(f"{SHARED_STATE_OPTION}: expected redis://HOST:PORT[/DB], got {value!r}")
+    text = value.strip()
+    parts = urlsplit(text)
+    if parts.scheme not in ("redis", "rediss", "valkey", "valkeys"):
+        raise SharedStateError(
+            f"{SHARED_STATE_OPTION}: expected a redis:// (or rediss://, valkey://) URL, got {_safe(text)!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        raise SharedStateError(f"{SHARED_STATE_OPTION}: bad port in {_safe(text)!r}") from None
+    if not parts.hostname or port is None:
+        raise SharedStateError(
+            f"{SHARED_STATE_OPTION}: the URL needs a host and a port (redis://HOST:PORT[/DB]), got {_safe(text)!r}")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise SharedStateError(f"{SHARED_STATE_OPTION}: the database must be a number, got {db!r}")
+    times: dict[str, float] = {}
+    for key, values in parse_qs(parts.query, keep_blank_values=True).items():
+        if key not in _QUERY_KEYS:
+            raise SharedStateError(
+                f"{SHARED_STATE_OPTION}: unknown setting {key!r} (known: {', '.join(_QUERY_KEYS)})")
+        try:
+            ms = float(values[-1])
+        except ValueError:
+            ms = float("nan")
+        if not (ms > 0 and math.isfinite(ms)):
+            raise SharedStateError(
+                f"{SHARED_STATE_OPTION}: {key} must be a positive number of milliseconds, got {values[-1]!r}")
+        times[_QUERY_KEYS[key]] = ms / 1000
+    settings = SharedStateSettings(text, **times)
+    if settings.horizon_s < 2 * settings.tick_s:
+        raise SharedStateError(
+            f"{SHARED_STATE_OPTION}: horizon_ms ({settings.horizon_s * 1000:g}) must be at least "
+            f"two ticks (tick_ms {settings.tick_s * 1000:g}), or leases expire before they are renewed")
+    return settings
+
+
+def _safe(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password:
+        return url.replace(parts.password, "***")
+    return url
