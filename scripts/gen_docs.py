@@ -103,10 +103,10 @@ def settings_page() -> str:
             takes = "value"
         opt_rows.append((" ".join(f"`{o}`" for o in a.option_strings), takes,
                          f"`{a.dest}`", a.help))
-    cmd_rows = [("`serve <model> [vllm serve flags]`", "vLLM's OpenAI server with the options "
-                 "below (works with both vLLM builds)")]
-    cmd_rows += [(f"`{name}`", text) for name, (_module, text) in cli.COMMANDS.items()]
-    cmd_rows += [("`--version`", "this package's version and the vLLM beside it")]
+    cmd_rows = [("`vllm-output-rate serve <model> [vllm serve flags]`", "vLLM's OpenAI server with the options "
+                 "above (works with both vLLM builds)")]
+    cmd_rows += [(f"`vllm-output-rate {name}`", text) for name, (_module, text) in cli.COMMANDS.items()]
+    cmd_rows += [("`vllm-output-rate --version`", "this package's version and the vLLM beside it")]
     lines = [
         "# Settings",
         "",
@@ -132,6 +132,8 @@ def settings_page() -> str:
         + f": drop the leading `{settings.LEGACY_PREFIX[:-len(settings.PREFIX)]}`.",
         "",
         "## Commands of `vllm-output-rate`",
+        "",
+        "Each takes `--help`; the tools also run as `python -m vllm_output_rate.tools.<module>`.",
         "",
         *_table(("command", "what"), cmd_rows),
     ]
