@@ -9,7 +9,7 @@ SCHEDULER_SUITES := tests/test_scheduler.py tests/test_live_limits.py tests/test
                     tests/test_tracing.py tests/test_plugin.py tests/test_layers.py \
                     tests/test_frontend.py tests/test_shared_state.py tests/test_engine_loop.py
 
-.PHONY: venv tools demo test test-versions bench clean
+.PHONY: venv tools demo test test-versions bench pictures docs clean
 
 venv:
 	@scripts/bootstrap.sh
@@ -42,6 +42,17 @@ test-vllm-%: venv
 
 bench: venv
 	$(PY) -m vllm_output_rate.tools.bench_scheduler
+
+# The README's pictures (docs/img/*.png) from a real run: verify's built-in
+# scenario on the tiny model, a Prometheus on loopback scraping the engine
+# (a few minutes on a 2-core CPU)
+pictures: venv tools
+	$(PY) -m vllm_output_rate.tools.verify --no-progress --report .cache/pictures \
+	    --model "$$($(PY) -m vllm_output_rate.tools.tiny_model)" --pictures docs/img
+
+# The reference pages generated from the code's tables (docs/metrics.md, ...)
+docs: venv
+	$(PY) -m vllm_output_rate.tools.gen_docs
 
 clean:
 	rm -rf .cache .pytest_cache .hypothesis

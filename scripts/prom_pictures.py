@@ -12,6 +12,11 @@ a short Markdown summary:
 
 Writes ``spacing.png``, ``rate_vs_limit.png``, ``throttled_kv.png`` and
 ``summary.md`` into ``--out``.
+
+For a run that no Prometheus watched, ``LocalPrometheus`` starts one on
+loopback that scrapes one server every second; ``vllm-output-rate verify
+--model DIR --pictures OUT`` uses it (``make pictures`` regenerates the
+README's pictures, ``docs/img/``, that way).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -31,6 +37,9 @@ from vllm_output_rate.dashboards import generate
 from vllm_output_rate.dashboards.promql import render
 
 Series = dict[str, list[tuple[float, float]]]
+
+#: The charts ``draw`` writes.
+PICTURES = ("spacing.png", "rate_vs_limit.png", "throttled_kv.png")
 
 
 def parse_time(text: str) -> float:
@@ -242,6 +251,80 @@ def summary(prom: Prom, start: float, end: float, data: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+class LocalPrometheus:
+    """A Prometheus on loopback (``prometheus`` on PATH: ``make tools``)
+    scraping one target (``host:port``) every second, its data in
+    ``workdir``; a context manager."""
+
+    def __init__(self, workdir: Path, target: str) -> None:
+        from vllm_output_rate.tools.client import free_port
+
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.config = self.workdir / "prometheus.yml"
+        self.config.write_text(
+            "global: {scrape_interval: 1s, scrape_timeout: 1s, evaluation_interval: 1s}\n"
+            f"scrape_configs: [{{job_name: vllm, static_configs: [{{targets: ['{target}']}}]}}]\n")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> LocalPrometheus:
+        log = open(self.workdir / "prometheus.log", "wb")
+        self.proc = subprocess.Popen(
+            ["prometheus", f"--config.file={self.config}",
+             f"--storage.tsdb.path={self.workdir / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited; log: {self.workdir / 'prometheus.log'}")
+            try:
+                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError("prometheus not ready")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> LocalPrometheus:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def pictures(prometheus: str, start: float, end: float, out: Path, rate_interval: str = "15s",
+             user: str = ".*") -> str:
+    """Draw the key panels and write ``summary.md`` into ``out``; the summary."""
+    out.mkdir(parents=True, exist_ok=True)
+    step = f"{max((end - start) / 300, 1):.0f}s"
+    prom = Prom(prometheus, {"model_name": ".*", "engine": ".*", "user": user}, rate_interval)
+    text = summary(prom, start, end, draw(prom, start, end, step, out))
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def shrink_png(path: Path, colors: int = 64) -> None:
+    """Rewrite a chart as a palette PNG (a few times smaller, same look)."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        small = image.convert("RGB").quantize(colors=colors, method=Image.Quantize.MEDIANCUT)
+    small.save(path, optimize=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1038,7 +1038,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--scenario", help="scenario file (YAML or JSON); default: built-in")
     parser.add_argument("--report", default="verify-report", help="report directory")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--pictures", metavar="DIR",
+                        help="with --model: also let a Prometheus on loopback scrape the server "
+                             "every second (`prometheus` on PATH: make tools) and write what an "
+                             "operator sees into DIR: the key dashboard panels (spacing.png, "
+                             "rate_vs_limit.png, throttled_kv.png, summary.md, as "
+                             "vllm_output_rate.tools.prom_pictures draws them) and the report's "
+                             "timeline.png, as small palette PNGs (make pictures: docs/img)")
     args = parser.parse_args(argv)
+    if args.pictures and not args.model:
+        parser.error("--pictures needs --model (with --server, point "
+                     "vllm_output_rate.tools.prom_pictures at the Prometheus that scrapes it)")
     try:
         scenario = load_scenario(args.scenario)
     except ScenarioError as exc:
@@ -1066,11 +1076,43 @@ def main(argv: list[str]) -> int:
     except (RuntimeError, TimeoutError) as exc:
         print(f"vllm-output-rate verify: {exc}", file=sys.stderr)
         return 2
+    prometheus = None
     try:
-        return verify_run(scenario, server.base_url, events, report, not args.no_progress,
+        if args.pictures:
+            from vllm_output_rate.tools.prom_pictures import LocalPrometheus
+
+            prometheus = LocalPrometheus(report / "prometheus",
+                                         server.base_url.split("://", 1)[1]).start()
+        started = time.time()
+        code = verify_run(scenario, server.base_url, events, report, not args.no_progress,
                           [f"server started by verify: `{' '.join(server_args)}`"])
+        if prometheus is not None:
+            time.sleep(3)  # the last scrapes
+            write_pictures(prometheus.url, started, time.time(), report, Path(args.pictures))
+        return code
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"vllm-output-rate verify: {exc}", file=sys.stderr)
+        return 2
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         server.stop()
+
+
+def write_pictures(prometheus: str, start: float, end: float, report: Path, out: Path) -> None:
+    """The key dashboard panels from ``prometheus`` over the run, and the
+    report's timeline, into ``out`` as small PNGs."""
+    import shutil
+
+    from vllm_output_rate.tools import prom_pictures
+
+    prom_pictures.pictures(prometheus, start, end, out)
+    if (report / "timeline.png").exists():
+        shutil.copyfile(report / "timeline.png", out / "timeline.png")
+    for name in ("timeline.png", *prom_pictures.PICTURES):
+        if (out / name).exists():
+            prom_pictures.shrink_png(out / name)
+    print(f"verify: pictures in {out}: {', '.join(sorted(p.name for p in out.iterdir()))}")
 
 
 if __name__ == "__main__":
