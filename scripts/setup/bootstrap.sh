@@ -3,7 +3,7 @@
 # project with its vLLM build and dev tools. Re-installs only when
 # pyproject.toml changed. OUTPUT_RATE_EXTRA=cuda picks the CUDA build.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 
 extra="${OUTPUT_RATE_EXTRA:-cpu}"
 python="${PYTHON:-}"

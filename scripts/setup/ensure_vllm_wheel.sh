@@ -5,9 +5,9 @@
 # first on PYTHONPATH by `make test-vllm-VERSION`, imported with
 # VLLM_TARGET_DEVICE=cpu over the CPU build's torch. Its CUDA kernels are
 # absent: no engine runs there, only the scheduler.
-#   scripts/ensure_vllm_wheel.sh 0.34.0
+#   scripts/setup/ensure_vllm_wheel.sh 0.34.0
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 version="${1:?usage: ensure_vllm_wheel.sh VERSION}"
 target=".cache/vllm-$version"
 if [ -f "$target/.ready" ]; then exit 0; fi
