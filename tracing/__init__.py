@@ -58,6 +58,10 @@ Spans:
   per refund with its reason.
 - ``output_rate.idle_wait``: every idle wait of the engine loop: planned
   timeout, ready time waited for, lateness, what woke it.
+- ``output_rate.limits_reload``: new limits in force, at the step boundary
+  where they took effect: the limits file's digest before and after, the
+  default rate before and after, and the users added, removed and changed
+  (counted, and the first 64 of each listed).
 - ``output_rate.generation``: one per finished request: token count,
   engine-side spacing p50 / p90 / p99 / max, the spacing series itself,
   ``output_rate.spacing_series_us``: an integer array of whole microseconds,

@@ -309,7 +309,7 @@ class ThrottleSpans:
         """The span of a request's longest throttle episode (at least
         ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S``), in the request's trace;
         ``blocks``: the KV blocks it held when the episode ended; ``facts``:
-        those read when it ended."""
+        those kept with the episode."""
         emitter = self.emitter
         attributes = {
             GEN_AI_REQUEST_ID: external_request_id(req_id, emitter.randomized_ids),
