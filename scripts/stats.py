@@ -1,7 +1,7 @@
 """Sample statistics of the tools' reports (``verify``, ``compare_upstream``).
 
 The engine's spans compute their spacing quantiles differently on purpose:
-see ``vllm_output_rate.tracing.spans._quantile``.
+see ``vllm_output_rate.tracing.attributes.quantile``.
 """
 
 from __future__ import annotations

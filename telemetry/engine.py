@@ -1380,13 +1380,9 @@ def attach(view: EngineView) -> EngineTelemetry | None:
 def _span_recorder(view: EngineView) -> Any:
     """Traces when asked for (``OTEL_*`` or ``--otlp-traces-endpoint``)."""
     try:
-        from vllm_output_rate.tracing.spans import (
-            SpanRecorder,
-            TraceDrops,
-            max_queue_from_env,
-            tracer_from,
-            tracer_provider_from_env,
-        )
+        from vllm_output_rate.tracing.drops import TraceDrops, max_queue_from_env
+        from vllm_output_rate.tracing.provider import tracer_from, tracer_provider_from_env
+        from vllm_output_rate.tracing.recorder import SpanRecorder
 
         drops = TraceDrops(max_queue_from_env())
         provider = tracer_provider_from_env(view.otlp_traces_endpoint, drops)

@@ -13,7 +13,8 @@ from harness import (Driver, FakeClock, OtlpHttpReceiver, attach_telemetry, make
                      observe_steps)
 
 from vllm_output_rate.internals import SchedulerView
-from vllm_output_rate.tracing.spans import THROTTLE_MIN_ENV, SpanRecorder, tracer_provider_from_env
+from vllm_output_rate.tracing.provider import tracer_provider_from_env
+from vllm_output_rate.tracing.recorder import THROTTLE_MIN_ENV, SpanRecorder
 from vllm_output_rate import engine_loop
 
 
@@ -180,12 +181,12 @@ def test_a_user_pacing_at_its_limit_gets_one_over_limit_period(tmp_path, exporte
     request past 4, at every sweep) the counts, totals and longest are the
     same."""
     import vllm_output_rate.telemetry.engine as engine_mod
-    from vllm_output_rate.tracing import spans as spans_mod
+    from vllm_output_rate.tracing import series as series_mod, throttle as throttle_mod
 
     if small_books:
-        monkeypatch.setattr(spans_mod, "MAX_SERIES", 8)
-        monkeypatch.setattr(spans_mod, "THROTTLE_FOLD_AT", 4)
-        monkeypatch.setattr(spans_mod, "BOOKS_EVERY", 1)
+        _cap_series(monkeypatch, series_mod, throttle_mod, 8)
+        monkeypatch.setattr(throttle_mod, "THROTTLE_FOLD_AT", 4)
+        monkeypatch.setattr(throttle_mod, "BOOKS_EVERY", 1)
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=20), throttle_min_s=None,
                                  max_num_seqs=5)
     assert rec.throttle_min_ns == 1_000_000_000  # the default: 1 s
@@ -364,7 +365,8 @@ def test_spans_of_a_request_with_a_traceparent_are_children_of_its_trace(tmp_pat
     broken.trace_headers = {"traceparent": "00-not-a-trace-01"}
     drv.add(child, plain, broken)
     drv.run_until_done()
-    assert not exporter.get_finished_spans() and not rec._contexts  # nothing parsed yet
+    contexts = rec.generation.emitter._contexts
+    assert not exporter.get_finished_spans() and not contexts  # nothing parsed yet
     throttles = by_request(spans(exporter, "output_rate.throttle"))
     gens = by_request(spans(exporter, "output_rate.generation"))
     for req in (child, plain, broken):
@@ -380,7 +382,7 @@ def test_spans_of_a_request_with_a_traceparent_are_children_of_its_trace(tmp_pat
     assert all(s.parent is None and not s.links for s in others)
     assert all(format(s.context.trace_id, "032x") != TRACE_ID for s in others)
     assert len({s.context.trace_id for s in others}) == len(others)  # each its own trace
-    assert len(rec._contexts) == 2  # parsed once per distinct header
+    assert len(contexts) == 2  # parsed once per distinct header
 
 
 @pytest.mark.parametrize("sampler", [None, "always_on"])
@@ -480,7 +482,7 @@ def test_a_shared_budget_keeps_the_callers_user_id(tmp_path, exporter):
 
 
 def test_external_request_id_is_vllms_client_facing_id(monkeypatch):
-    from vllm_output_rate.tracing.spans import external_request_id
+    from vllm_output_rate.tracing.attributes import external_request_id
 
     assert external_request_id("chatcmpl-abc-0123abcd") == "chatcmpl-abc"
     assert external_request_id("cmpl-9f2e4c1a7b3d4e5f-deadbeef") == "cmpl-9f2e4c1a7b3d4e5f"
@@ -488,7 +490,7 @@ def test_external_request_id_is_vllms_client_facing_id(monkeypatch):
     assert external_request_id("chatcmpl-abc-0123abcd", randomized=False) == "chatcmpl-abc-0123abcd"
     monkeypatch.setenv("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "1")
     rec = SpanRecorder(None, None, clock_offset_ns=0, background=False)
-    assert rec._randomized_ids is False
+    assert rec.generation.emitter.randomized_ids is False
 
 
 @pytest.mark.usefixtures("telemetry_mode")
@@ -501,7 +503,7 @@ def test_the_spacing_series_survives_the_attribute_value_length_limit(tmp_path, 
 
     monkeypatch.setenv("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "16")
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(20))
-    assert rec.tracer._span_limits.max_attribute_length == 16
+    assert rec.generation.emitter.tracer._span_limits.max_attribute_length == 16
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
     user = "a-user-with-a-rather-long-id"
     req = make_request(user, max_tokens=40)
@@ -543,7 +545,8 @@ def test_client_abort_mid_throttle_ends_the_episode_and_the_generation(tmp_path,
                for s in throttles)
     assert all(g.attributes["output_rate.throttle_episodes"] == 1 for g in gens)
     assert not tel._open_held and not tel._episodes
-    assert not rec._throttle_ns and not rec._throttle_books and not rec._series and not rec._overflow
+    assert not rec.throttle._throttle_ns and not rec.throttle._throttle_books
+    assert not rec.generation.series._series and not rec.generation.series._overflow
 
 
 class _FailingExporter:
@@ -569,11 +572,11 @@ class _FailingExporter:
 
 
 def _counting_provider(exporter, max_queue=2048):
-    from vllm_output_rate.tracing.spans import TraceDrops, _counting_processor
+    from vllm_output_rate.tracing.drops import TraceDrops, counting_processor
 
     drops = TraceDrops(max_queue)
     provider = TracerProvider()
-    provider.add_span_processor(_counting_processor(exporter, drops))
+    provider.add_span_processor(counting_processor(exporter, drops))
     return provider, drops
 
 
@@ -632,7 +635,8 @@ def _three_requests_with_env_traces(tmp_path, also_to=None):
     say, as the engine core builds them, and to the exporter ``also_to``
     if given; the recorder shut down (everything exported). (drops, driver,
     requests)."""
-    from vllm_output_rate.tracing.spans import TraceDrops, tracer_from
+    from vllm_output_rate.tracing.drops import TraceDrops
+    from vllm_output_rate.tracing.provider import tracer_from
 
     drops = TraceDrops(2048)
     provider = tracer_provider_from_env(None, drops)
@@ -728,7 +732,7 @@ def test_a_comma_separated_exporter_list_exports_to_each(monkeypatch):
     env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp, console",
            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": receiver.url,
            "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
-    script = ("from vllm_output_rate.tracing.spans import tracer_from, tracer_provider_from_env\n"
+    script = ("from vllm_output_rate.tracing.provider import tracer_from, tracer_provider_from_env\n"
               "p = tracer_provider_from_env(None)\n"
               "t = tracer_from(p)\n"
               "for i in range(3):\n"
@@ -748,9 +752,9 @@ def test_a_comma_separated_exporter_list_exports_to_each(monkeypatch):
 
 @pytest.mark.usefixtures("telemetry_mode")
 def test_refusal_only_steps_are_sampled_refund_steps_are_not(tmp_path, exporter, monkeypatch):
-    from vllm_output_rate.tracing import spans as spans_mod
+    from vllm_output_rate.tracing import recorder as recorder_mod
 
-    monkeypatch.setenv(spans_mod.STEP_SAMPLE_ENV, "10")
+    monkeypatch.setenv(recorder_mod.STEP_SAMPLE_ENV, "10")
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=1))
     assert rec.step_sample_every == 10
     drv.add(*[make_request("a", max_tokens=3) for _ in range(2)])
@@ -762,12 +766,19 @@ def test_refusal_only_steps_are_sampled_refund_steps_are_not(tmp_path, exporter,
     assert all(s.attributes["output_rate.refusal_steps_per_span"] == 10 for s in steps)
 
 
+def _cap_series(monkeypatch, series_mod, throttle_mod, cap):
+    """The spacing series, and the episode durations kept per over-limit
+    period, cut past ``cap``."""
+    monkeypatch.setattr(series_mod, "MAX_SERIES", cap)
+    monkeypatch.setattr(throttle_mod, "MAX_SERIES", cap)
+
+
 @pytest.mark.usefixtures("telemetry_mode")
 def test_generation_series_is_capped_and_the_token_count_is_not(tmp_path, exporter, monkeypatch):
     import vllm_output_rate.telemetry.engine as engine_mod
-    from vllm_output_rate.tracing import spans as spans_mod
+    from vllm_output_rate.tracing import series as series_mod, throttle as throttle_mod
 
-    monkeypatch.setattr(spans_mod, "MAX_SERIES", 16)
+    _cap_series(monkeypatch, series_mod, throttle_mod, 16)
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(100_000))
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
     drv.add(make_request("a", max_tokens=40))
@@ -776,7 +787,7 @@ def test_generation_series_is_capped_and_the_token_count_is_not(tmp_path, export
     assert gen.attributes[TOKENS] == 40
     assert gen.attributes["output_rate.spacing_series_truncated"] is True
     assert len(series(gen)) == 16
-    assert not rec._overflow
+    assert not rec.generation.series._overflow
 
 
 @pytest.mark.usefixtures("telemetry_mode")
@@ -786,11 +797,12 @@ def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter
     series past the cap are cut and the timeline is cut to the oldest open
     run; both stay bounded while the request runs, and the count is exact."""
     import vllm_output_rate.telemetry.engine as engine_mod
-    from vllm_output_rate.tracing import spans as spans_mod
+    from vllm_output_rate.tracing import series as series_mod, throttle as throttle_mod
 
-    monkeypatch.setattr(spans_mod, "MAX_SERIES", 16)
-    monkeypatch.setattr(spans_mod, "TRIM_EVERY", 8)
+    _cap_series(monkeypatch, series_mod, throttle_mod, 16)
+    monkeypatch.setattr(series_mod, "TRIM_EVERY", 8)
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(100_000))
+    book = rec.generation.series
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
     req = make_request("a", max_tokens=120)
     drv.add(req)
@@ -799,22 +811,22 @@ def test_a_long_generation_series_stays_bounded_while_it_runs(tmp_path, exporter
         drv.step()
         tel.drain()  # (deferred: the telemetry's worker folds the step)
         rec.flush()  # (the builder keeps the series)
-        longest = max(longest, len(rec._series.get(req.request_id, ())))
-        timeline = max(timeline, len(rec._gaps))
-        if req.request_id in rec._series:  # every token so far, kept or not
-            assert rec._spacings(req.request_id) == drv.count(req.request_id) - 1
+        longest = max(longest, len(book._series.get(req.request_id, ())))
+        timeline = max(timeline, len(book._gaps))
+        if req.request_id in book._series:  # every token so far, kept or not
+            assert book.spacings(req.request_id) == drv.count(req.request_id) - 1
     assert longest == 16  # cut back to the cap while running
     assert 16 < timeline <= 16 + 2 * 8  # the timeline was cut too
     drv.run_until_done()
     (gen,) = spans(exporter, "output_rate.generation")
     assert gen.attributes[TOKENS] == 120
     assert len(series(gen)) == 16
-    assert not rec._overflow and not rec._series and not rec._runs
+    assert not book._overflow and not book._series and not book._runs
     # a request that is never steady (its tokens come one by one after pauses)
     for i in range(100):
-        rec.on_tokens("paused", 1, None if i == 0 else i * 1000, i * 1000 + 500)
-        rec.on_zeros("paused", 2)
-        assert len(rec._series["paused"]) <= 16 + 8 + 2
+        book.on_tokens("paused", 1, None if i == 0 else i * 1000, i * 1000 + 500)
+        book.on_zeros("paused", 2)
+        assert len(book._series["paused"]) <= 16 + 8 + 2
     rec.on_aborted([("paused", "a")], 200_000)
     gen = [s for s in spans(exporter, "output_rate.generation")
            if s.attributes["output_rate.request_id"] == "paused"]
@@ -834,11 +846,11 @@ def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monk
     import vllm_output_rate.telemetry.engine as engine_mod
     from vllm_output_rate.tools import scheduler_driver
 
-    from vllm_output_rate.tracing import spans as spans_mod
+    from vllm_output_rate.tracing import series as series_mod, throttle as throttle_mod
     from vllm.v1.request import RequestStatus
 
-    monkeypatch.setattr(spans_mod, "MAX_SERIES", cap)
-    monkeypatch.setattr(spans_mod, "TRIM_EVERY", 3)
+    _cap_series(monkeypatch, series_mod, throttle_mod, cap)
+    monkeypatch.setattr(series_mod, "TRIM_EVERY", 3)
     plain = scheduler_driver.model_output_for
 
     calls = itertools.count()
@@ -853,6 +865,7 @@ def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monk
 
     monkeypatch.setattr(scheduler_driver, "model_output_for", sometimes_two)
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=30, b=70))
+    book = rec.generation.series
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
     users = ["a", "a", "a", "b", "b", "c", "c", "d"]
     reqs = [make_request(u, max_tokens=20 + 7 * i) for i, u in enumerate(users)]
@@ -862,7 +875,7 @@ def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monk
         if not sched.has_requests():
             break
         rec.flush()  # (its builder thread may be mid-replay: build here, then read)
-        open_runs = list(rec._runs.values())
+        open_runs = list(book._runs.values())
         drv.step()
         if step == 30:
             sched.finish_requests([reqs[1].request_id, reqs[5].request_id],
@@ -870,8 +883,8 @@ def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monk
         rec.flush()
         # the timeline holds no more than the runs open in the last 3
         # updates (it is cut every 3) need
-        recent.append(min(open_runs + list(rec._runs.values()), default=rec._index))
-        assert len(rec._gaps) <= rec._index - min(recent) + 1
+        recent.append(min(open_runs + list(book._runs.values()), default=book._index))
+        assert len(book._gaps) <= book._index - min(recent) + 1
     gens = {s.attributes["output_rate.request_id"]: s for s in spans(exporter, "output_rate.generation")}
     assert set(gens) == {r.request_id for r in reqs}
     twos = 0
@@ -884,7 +897,7 @@ def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monk
         assert attrs[TOKENS] == len(times)
         assert attrs["output_rate.spacing_series_truncated"] == (len(want) >= cap)
     assert twos > 3  # the two-token updates did happen
-    assert not rec._series and not rec._runs and not rec._overflow and not rec._who
+    assert not book._series and not book._runs and not book._overflow and not rec.generation._who
 
 
 def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(tmp_path, exporter):
@@ -906,7 +919,7 @@ def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(
     queued, dropped = len(rec._pending), rec.drops.counts["trace_queue_full"]
     assert queued == 6 and dropped > 0
     broken = rec._pending[0]
-    assert broken[0].__name__.startswith(("_build_", "_replay_"))
+    assert broken[0].__name__.lstrip("_").startswith(("build_", "replay_"))
     rec._pending[0] = (lambda: 1 / 0, ())
     rec.flush()  # a broken entry is counted, the rest go on
     assert rec.drops.counts["trace_export_failed"] == 1
@@ -922,9 +935,8 @@ def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(
 def test_throttle_spans_only_for_episodes_past_the_minimum(tmp_path, exporter, monkeypatch, raw,
                                                           spans_expected):
     import vllm_output_rate.telemetry.engine as engine_mod
-    from vllm_output_rate.tracing import spans as spans_mod
 
-    monkeypatch.setenv(spans_mod.THROTTLE_MIN_ENV, raw)
+    monkeypatch.setenv(THROTTLE_MIN_ENV, raw)
     sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10), throttle_min_s=None)
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
     # two short streams and a long one take turns at 10 tok/s (pacing: one
@@ -991,7 +1003,7 @@ def test_offline_traces_are_an_otlp_json_file(tmp_path, monkeypatch, writable):
     failure, the engine goes on."""
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from vllm_output_rate.tracing.spans import TRACES_FILE_ENV
+    from vllm_output_rate.tracing.provider import TRACES_FILE_ENV
 
     path = tmp_path / ("traces.jsonl" if writable else "missing-dir/traces.jsonl")
     _clear_otel_env(monkeypatch)

@@ -1,0 +1,78 @@
+"""Spans of the engine loop, each from one event and no books:
+``output_rate.step`` (a step with refunds, or a sampled step that only
+refused users), ``output_rate.idle_wait`` (an idle wait of the engine loop)
+and ``output_rate.limits_reload`` (new limits in force).
+
+On the data's path: the recorder (``recorder``) queues the event's plain
+data on the scheduler's thread; the span builder's thread makes the span
+here, on the emitter (``emit``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_output_rate.observers import IdleWait
+from vllm_output_rate.tracing.emit import SpanEmitter
+
+
+class StepSpans:
+    """Makes the step, idle-wait and limits-reload spans on ``emitter``;
+    ``steps_per_span``: one refusal-only step in this many gets a span
+    (the recorder samples them; the span says so)."""
+
+    def __init__(self, emitter: SpanEmitter, steps_per_span: int) -> None:
+        self.emitter = emitter
+        self.steps_per_span = steps_per_span
+
+    def build_step(self, now: int, step: int, charged: int, refunded: list[tuple[str, str, str]],
+                   throttled: int, refused: list[str]) -> None:
+        """A step: charged / refunded counts and one event per refund with
+        its reason."""
+        emitter = self.emitter
+        attributes = {
+            "output_rate.step": step,
+            "output_rate.charged": charged,
+            "output_rate.refunded": len(refunded),
+            "output_rate.throttled": throttled,
+            "output_rate.refused_users": sorted(refused)[:32],
+            "output_rate.refusal_steps_per_span": 1 if refunded else self.steps_per_span,
+        }
+        span = emitter.tracer.start_span("output_rate.step", start_time=now + emitter.offset,
+                                         attributes=attributes)
+        for req_id, user, reason in refunded:
+            span.add_event("refund", attributes={
+                "output_rate.request_id": req_id, "output_rate.user": user,
+                "output_rate.reason": reason})
+        span.end(end_time=now + emitter.offset)
+
+    def build_idle_wait(self, wait: IdleWait) -> None:
+        """An idle wait: planned timeout, ready time waited for, lateness,
+        what woke it."""
+        attributes = {
+            "output_rate.planned_timeout_s": wait.planned_s,
+            "output_rate.reason": wait.reason,
+        }
+        if wait.target_ns is not None:
+            attributes["output_rate.ready_at_unix_ns"] = wait.target_ns + self.emitter.offset
+            attributes["output_rate.lateness_ns"] = wait.lateness_ns
+        self.emitter.span("output_rate.idle_wait", wait.started_ns, wait.woke_ns, attributes)
+
+    def build_limits(self, change: Any) -> None:
+        """New limits in force (``observers.LimitsChange``), at the step
+        boundary where they took effect."""
+        cap = 64  # user ids listed in the span (the counts are exact)
+        self.emitter.span("output_rate.limits_reload", change.now_ns, change.now_ns, {
+            "output_rate.limits.sha256": change.digest,
+            "output_rate.limits.previous_sha256": change.old_digest,
+            "output_rate.limits.default_tokens_per_second": float(change.default_rate),
+            "output_rate.limits.previous_default_tokens_per_second":
+                float(change.old_default_rate),
+            "output_rate.limits.users": len(change.user_rates),
+            "output_rate.limits.users_added": len(change.added),
+            "output_rate.limits.users_removed": len(change.removed),
+            "output_rate.limits.users_changed": len(change.changed),
+            "output_rate.limits.added": list(change.added[:cap]),
+            "output_rate.limits.removed": list(change.removed[:cap]),
+            "output_rate.limits.changed": list(change.changed[:cap]),
+        })

@@ -1,0 +1,327 @@
+"""Throttle episodes and over-limit periods: the books kept of them and
+their spans, ``output_rate.throttle`` (a request's longest episode) and
+``output_rate.over_limit`` (a user's period).
+
+On the data's path: the recorder (``recorder``) replays the episode events
+of each step here, on the span builder's thread (``ThrottleSpans.
+replay_step``, ``replay_ended``, ``sweep``); a period's span is made when it
+ends, a request's throttle span when the request ends (``end_request``,
+called by ``generation``, which puts the request's episode counts into its
+generation span).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter, defaultdict, deque
+from functools import partial
+from itertools import compress, repeat
+from operator import le, lt, sub
+from collections.abc import Callable
+from typing import Any
+
+from vllm_output_rate.observers import EngineView, RequestFacts
+from vllm_output_rate.tracing.attributes import (
+    GEN_AI_REQUEST_ID,
+    external_request_id,
+    identity_attributes,
+    quantile,
+    spacing_us,
+)
+from vllm_output_rate.tracing.emit import SpanEmitter
+from vllm_output_rate.tracing.series import MAX_SERIES, SpacingSeries
+
+#: A user's over-limit period ends when no step refused it for this long
+#: after its budget returned (or when the engine goes idle).
+PERIOD_QUIET_S = 1.0
+#: How often (scheduler clock) the span builder looks for periods to end.
+PERIOD_SWEEP_NS = 200_000_000
+#: A request's throttle episode durations kept before a sweep folds them
+#: into its count, total and longest (bounds them per live request).
+THROTTLE_FOLD_AT = 64
+#: Sweeps between two trims of the span builder's per-user and per-request
+#: books.
+BOOKS_EVERY = 10
+
+
+class _Period:
+    """One user's over-limit period (the span builder only).
+
+    What is counted per step (tokens charged, episode durations, when the
+    last episode ended) is kept per user in the throttle books, counted in
+    C; the period holds where they stood when it began."""
+
+    __slots__ = ("user", "start_ns", "tokens_before", "episodes_cut", "cut_ns", "cut_max_ns",
+                 "max_requests", "max_blocks")
+
+    def __init__(self, user: str, start_ns: int, tokens_before: int) -> None:
+        self.user = user
+        self.start_ns = start_ns
+        #: the user's tokens charged up to the step its first episode began
+        self.tokens_before = tokens_before
+        #: throttle episodes ended in the period past the ``MAX_SERIES``
+        #: whose durations are kept: counted, their total and longest
+        self.episodes_cut = 0
+        self.cut_ns = 0
+        self.cut_max_ns = 0
+        #: most throttled requests and KV blocks they held (at exports)
+        self.max_requests = 0
+        self.max_blocks = 0
+
+
+class ThrottleSpans:
+    """The throttle books of the span builder: episodes per request,
+    over-limit periods per user, and their spans on ``emitter``.
+
+    ``series``: the requests' spacing series, for the tokens charged to a
+    request whose episode ended after it left the engine."""
+
+    def __init__(self, emitter: SpanEmitter, view: EngineView, series: SpacingSeries) -> None:
+        self.emitter = emitter
+        self.view = view
+        self.series = series
+        #: user -> its open over-limit period
+        self._periods: dict[str, _Period] = {}
+        #: request id -> the durations (ns) of its throttle episodes ended
+        #: lately (appended in C), and [count, total ns, longest] of those
+        #: folded (at sweeps, once there are ``THROTTLE_FOLD_AT``; at its end):
+        #: for its generation span
+        self._throttle_ns: defaultdict[str, array] = defaultdict(partial(array, "q"))
+        self._throttle_books: dict[str, list[int]] = {}
+        #: request id -> its longest throttle episode of at least the
+        #: minimum so far: (start, end, outcome, KV blocks, facts, preempted,
+        #: tokens charged), made into a span when the request ends
+        self._longest: dict[str, tuple] = {}
+        #: throttled requests preempted since their episode began
+        self._preempted: set[str] = set()
+        #: users with an open period -> when the last throttle episode of
+        #: their requests ended (its start, until one did), the durations
+        #: (ns) of those ended in the period (at most ``MAX_SERIES``)
+        self._last_end: dict[str | None, int] = {}
+        self._episode_ns: defaultdict[str | None, list[int]] = defaultdict(list)
+        #: user -> tokens charged (users with an open period, and those
+        #: charged since the last sweep)
+        self._charged: Counter[str] = Counter()
+        #: the last step's time (scheduler clock), the period sweeps so far
+        self._now = 0
+        self._sweeps = 0
+
+    # -- replayed per step ------------------------------------------------
+
+    def replay_step(self, now: int, opened_users: list[str],
+                    ended: list[str], starts: list[int], charged: dict[str, str],
+                    preempted: list[str],
+                    held: dict[str, tuple[int, RequestFacts | None]] | None,
+                    sweep: set[str | None] | None, end_ns: int,
+                    ended_by: dict[str, str]) -> None:
+        """A step's episode events (``SpanRecorder.on_step`` tells what each
+        argument holds)."""
+        self._now = now
+        periods = self._periods
+        if charged:  # tokens per user: the users of the step's charges, counted in C
+            self._charged.update(charged.values())
+        if opened_users:
+            # a user with no open period opens one (its tokens from the
+            # next step on); the others' are open (found in C)
+            new = set(opened_users).difference(periods)
+            if new:
+                tokens, last_end = self._charged, self._last_end
+                for user in new:
+                    periods[user] = _Period(user, now, tokens[user])
+                    last_end[user] = now
+        if preempted:
+            self._preempted.update(preempted)
+        if ended:
+            self.replay_ended(end_ns, ended, starts, ended_by, held)
+        if sweep is not None:
+            self.sweep(now, sweep)
+
+    def replay_ended(self, end_ns: int, ended: list[str], starts: list[int],
+                     by_id: dict[str, str],
+                     held: dict[str, tuple[int, RequestFacts | None]] | None) -> None:
+        """Throttle episodes of ``ended`` (begun at ``starts``) that ended at
+        ``end_ns``; ``held``: those long enough for a span."""
+        self._now = max(self._now, end_ns)
+        self.book_episodes(end_ns, ended, list(map(sub, repeat(end_ns, len(starts)), starts)),
+                           by_id.get)
+        if held:  # the episodes long enough for a span: the longest of each
+            start_of = dict(zip(ended, starts))
+            for req_id, (blocks, facts) in held.items():
+                self.keep_longest(req_id, start_of[req_id], end_ns, "dispatched", blocks, facts)
+        if self._preempted:
+            self._preempted.difference_update(ended)
+
+    def book_episodes(self, now: int, req_ids: list[str], took: list[int],
+                      user_of: Callable[[str], str | None]) -> None:
+        """Throttle episodes of ``req_ids`` that ended at ``now`` after
+        ``took`` ns each: onto their requests' and (periods being open) their
+        users' lists, and when their users' last one ended (in C)."""
+        by_request = self._throttle_ns
+        deque(map(array.append, map(by_request.__getitem__, req_ids), took), maxlen=0)
+        if self._periods:
+            users = list(map(user_of, req_ids))
+            lists = self._episode_ns
+            deque(map(list.append, map(lists.__getitem__, users), took), maxlen=0)
+            self._last_end.update(dict.fromkeys(users, now))
+
+    def replay_throttled_users(self, now: int, by_user: dict[str, tuple[int, int]]) -> None:
+        """At an export step: user -> (throttled requests, their KV blocks)."""
+        periods = self._periods
+        for user, (requests, blocks) in by_user.items():
+            period = periods.get(user)
+            if period is not None:
+                period.max_requests = max(period.max_requests, requests)
+                period.max_blocks = max(period.max_blocks, blocks)
+
+    # -- over-limit periods ---------------------------------------------------
+
+    def sweep(self, now: int, open_users: Any = (), idle: bool = False) -> None:
+        """End the periods of users with no throttle episode open
+        (``open_users``: those with one) whose last one ended
+        ``PERIOD_QUIET_S`` ago or more (all of them when the engine is idle
+        or shuts down): a period ends when its user's last episode did
+        (found in C, not user by user)."""
+        self._now = max(self._now, now)
+        periods, last_end = self._periods, self._last_end
+        if idle:
+            ending = list(periods)
+        else:
+            quiet = compress(last_end.keys(),
+                             map(le, last_end.values(), repeat(now - int(PERIOD_QUIET_S * 1e9))))
+            ending = [user for user in quiet if user not in open_users and user in periods]
+        lists = self._episode_ns
+        for user in ending:
+            period = periods.pop(user)
+            end = min(last_end.pop(user, now), now)
+            self._build_period(period, max(end, period.start_ns),
+                               self._charged[user] - period.tokens_before, lists.pop(user, []))
+        self._sweeps += 1
+        if self._sweeps % BOOKS_EVERY == 0 or idle:
+            self._trim_books()
+
+    def end_periods(self) -> None:
+        """Every open period ends (at shutdown)."""
+        self.sweep(self._now, idle=True)
+
+    def _trim_books(self) -> None:
+        """Keep the books to the open periods and the requests' episode
+        lists short (every ``BOOKS_EVERY`` sweeps: their cost is per user
+        and per request, not per step)."""
+        periods, lists = self._periods, self._episode_ns
+        for user in list(compress(lists.keys(), map(lt, repeat(MAX_SERIES), map(len, lists.values())))):
+            took = lists[user]
+            period = periods.get(user)
+            if period is not None:
+                cut = took[MAX_SERIES:]
+                period.episodes_cut += len(cut)
+                period.cut_ns += sum(cut)
+                period.cut_max_ns = max(period.cut_max_ns, max(cut))
+            del took[MAX_SERIES:]
+        if len(lists) > len(periods):
+            for user in lists.keys() - periods.keys():
+                del lists[user]
+        last_end = self._last_end
+        if len(last_end) > len(periods):
+            for user in last_end.keys() - periods.keys():
+                del last_end[user]
+        if len(self._charged) > 2 * len(periods) + 64:
+            tokens = self._charged
+            self._charged = Counter({user: tokens[user] for user in periods})
+        by_request = self._throttle_ns
+        for req_id in list(compress(by_request.keys(), map(le, repeat(THROTTLE_FOLD_AT),
+                                                           map(len, by_request.values())))):
+            self._fold_throttle(req_id, by_request[req_id])
+
+    def _build_period(self, period: _Period, end_ns: int, tokens: int, took: list[int]) -> None:
+        ordered = sorted(took)
+        longest = max(ordered[-1] if ordered else 0, period.cut_max_ns)
+        seconds = max(end_ns - period.start_ns, 1) / 1e9
+        try:
+            limit = float(self.view.rate_of(period.user))
+        except Exception:  # (a view read from this thread must not stop the builder)
+            limit = 0.0
+        attributes = {
+            "output_rate.user": period.user,
+            "output_rate.limit_tokens_per_second": limit,
+            "output_rate.tokens_charged": tokens,
+            "output_rate.tokens_per_second": round(tokens / seconds, 3),
+            "output_rate.throttle_episodes": len(took) + period.episodes_cut,
+            "output_rate.throttle_p50_us": spacing_us(quantile(ordered, 0.5)),
+            "output_rate.throttle_p90_us": spacing_us(quantile(ordered, 0.9)),
+            "output_rate.throttle_p99_us": spacing_us(quantile(ordered, 0.99)),
+            "output_rate.throttle_max_us": spacing_us(longest),
+            "output_rate.throttled_us": spacing_us(sum(ordered) + period.cut_ns),
+            "output_rate.throttled_requests_max": period.max_requests,
+            "output_rate.throttled_kv_blocks_max": period.max_blocks,
+        }
+        self.emitter.span("output_rate.over_limit", period.start_ns, end_ns, attributes)
+
+    # -- a request's episodes -------------------------------------------------
+
+    def _fold_throttle(self, req_id: str, took: array) -> list[int]:
+        """Fold ``req_id``'s recent episode durations into its books."""
+        books = self._throttle_books.get(req_id)
+        if books is None:
+            books = self._throttle_books[req_id] = [0, 0, 0]
+        if took:
+            books[0] += len(took)
+            books[1] += sum(took)
+            books[2] = max(books[2], max(took))
+            del took[:]
+        return books
+
+    def keep_longest(self, req_id: str, start_ns: int, end_ns: int, outcome: str, blocks: int,
+                     facts: RequestFacts | None) -> None:
+        """Keep this episode (at least the minimum long) for the request's
+        throttle span if it is its longest so far."""
+        kept = self._longest.get(req_id)
+        if kept is None or end_ns - start_ns > kept[1] - kept[0]:
+            self._longest[req_id] = (start_ns, end_ns, outcome, blocks, facts,
+                                     req_id in self._preempted,
+                                     self._tokens_charged(req_id))
+
+    def _tokens_charged(self, req_id: str) -> int:
+        """Tokens charged to the request so far: its output tokens (the
+        episode ended at a dispatch whose step came before this replay)."""
+        tokens = self.view.num_output_tokens(req_id)
+        if tokens is None:
+            return self.series.tokens_so_far(req_id)
+        return tokens
+
+    def end_request(self, req_id: str) -> list[int] | None:
+        """``req_id`` ended: the span of its longest episode, if one was
+        kept; returns [count, total ns, longest ns] of its episodes (None:
+        it had none), and forgets it."""
+        throttle = None
+        took = self._throttle_ns.pop(req_id, None)
+        if took is not None or req_id in self._throttle_books:
+            throttle = self._fold_throttle(req_id, took if took is not None else array("q"))
+            del self._throttle_books[req_id]
+        self._preempted.discard(req_id)
+        longest = self._longest.pop(req_id, None)
+        if longest is not None:
+            self._build_throttle(req_id, *longest)
+        return throttle
+
+    def _build_throttle(self, req_id: str, start_ns: int, end_ns: int, outcome: str,
+                        blocks: int, facts: RequestFacts | None, preempted: bool,
+                        tokens: int) -> None:
+        """The span of a request's longest throttle episode (at least
+        ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S``), in the request's trace;
+        ``blocks``: the KV blocks it held when the episode ended; ``facts``:
+        those kept with the episode."""
+        emitter = self.emitter
+        attributes = {
+            GEN_AI_REQUEST_ID: external_request_id(req_id, emitter.randomized_ids),
+            "output_rate.request_id": req_id,
+            "output_rate.tokens_charged": tokens,
+            "output_rate.held_kv": blocks > 0,
+            "output_rate.kv_blocks": blocks,
+            "output_rate.preempted": preempted,
+            "output_rate.outcome": outcome,
+        }
+        if facts is not None:
+            attributes["output_rate.priority"] = facts.priority
+        identity_attributes(facts, attributes)
+        emitter.span("output_rate.throttle", start_ns, end_ns, attributes,
+                     context=emitter.parent_context(facts))
