@@ -13,7 +13,7 @@ refused with the variable's name, the value and what it takes
 plugin) or turns its feature off with a logged reason (telemetry, traces).
 
 Standard ``OTEL_*`` variables are not in this table: they keep their
-OpenTelemetry meaning (``tracing.spans`` reads them). Nor is
+OpenTelemetry meaning (``tracing.provider`` reads them). Nor is
 ``OUTPUT_RATE_PROMETHEUS_UID``: a variable of the Grafana server, which its
 alerting provisioning file (``dashboards/provisioning/alerting.yaml``)
 expands; no process of this project reads it.
@@ -193,7 +193,7 @@ def traces_requested(otlp_endpoint: str | None = None,
     variables (an OTLP endpoint, or an ``OTEL_TRACES_EXPORTER`` other than
     ``none``), vLLM's ``--otlp-traces-endpoint`` (``otlp_endpoint``) or
     ``OUTPUT_RATE_TRACES_FILE``; ``OTEL_TRACES_EXPORTER=none`` turns them
-    off. The one rule: the engine's tracer provider (``tracing.spans``)
+    off. The one rule: the engine's tracer provider (``tracing.provider``)
     follows it, and the API server, which then carries each request's W3C
     trace context to the engine itself."""
     env = os.environ if environ is None else environ
