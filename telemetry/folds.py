@@ -68,13 +68,15 @@ class Folds:
                  events: EventLog | None) -> None:
         #: tracing.spans.SpanRecorder when traces are on
         self.spans = spans
-        self.series = series
-        self.handles = handles
-        self.books = books
-        self.events = events
-        self._user_of = handles.user_of
+        #: what the steps leave for the next fold, and the token timing
         self.book = ThrottleBook()
         self.spacing = TokenSpacing(series.spacing_hist, series.labeler.label, handles.user_of)
+        #: where the folds write: the series, the per-user books, the event log
+        self.series = series
+        self.books = books
+        self.events = events
+        self.handles = handles
+        self._user_of = handles.user_of
         #: the last step that sent the users with an episode open to the
         #: span recorder, for over-limit periods to end
         self._ticked = 0

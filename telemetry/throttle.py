@@ -21,7 +21,8 @@ from __future__ import annotations
 from collections import Counter
 from itertools import chain, filterfalse, repeat
 from operator import sub
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from vllm_output_rate.telemetry.histograms import sums_by_key
 from vllm_output_rate.telemetry.labels import OTHER

@@ -273,7 +273,7 @@ class SpanRecorder:
         #: the last step's time (scheduler clock), the period sweeps so far
         self._now = 0
         self._sweeps = 0
-        #: how often ``telemetry.engine`` sends the users with a throttle
+        #: how often ``telemetry.folds`` sends the users with a throttle
         #: episode open (for over-limit periods to end)
         self.sweep_ns = PERIOD_SWEEP_NS
         #: request id -> spacings past MAX_SERIES (counted, not kept)
@@ -304,7 +304,7 @@ class SpanRecorder:
         self._propagator: Any = None
         #: whether vLLM appended its random suffix to the client's request id
         self._randomized_ids = not _env_flag(_NO_RANDOM_ID_ENV)
-        #: spans to build: (builder, args) queued by ``telemetry.engine``'s worker as
+        #: spans to build: (builder, args) queued by the telemetry's worker as
         #: plain data, built into SDK spans by a thread of our own (or flush())
         self._pending: deque[tuple[Callable[..., None], tuple]] = deque()
         self._build_error_logged = False
@@ -392,7 +392,7 @@ class SpanRecorder:
                 held: dict[str, tuple[int, RequestFacts | None]] | None = None,
                 sweep: set[str | None] | None = None, end_ns: int | None = None,
                 ended_by: dict[str, str] | None = None) -> None:
-        """Per step (``telemetry.engine``'s worker: at most two appends).
+        """Per step (``telemetry.folds``, on the worker: at most two appends).
         ``ended``: the ids of requests whose throttle episode ended (at
         ``end_ns``, the step they were last dispatched in, whose charges
         are ``ended_by``; default: this step), and ``starts`` when their
