@@ -154,9 +154,10 @@ def test_spacing_per_label_matches_token_events_with_pauses_aborts_and_relabels(
         if step % 29 == 28:
             tel._export_due = True  # exports: labels may change (top_k=1)
         # (requests with one token after none are not steady yet)
-        assert tel.folds.spacing.joining <= tel.folds.spacing.prev_ids
-        recount = Counter(tel.folds.spacing.request_label.get(r) or OTHER for r in tel.folds.spacing.prev_ids - tel.folds.spacing.joining)
-        assert tel.folds.spacing.prev_by_label == {k: v for k, v in recount.items() if v}
+        spacing = tel.folds.spacing
+        assert spacing.joining <= spacing.prev_ids
+        recount = Counter(spacing.request_label.get(r) or OTHER for r in spacing.prev_ids - spacing.joining)
+        assert spacing.prev_by_label == {k: v for k, v in recount.items() if v}
     drv.flush()
     spacings = 0
     for r in reqs:
@@ -446,7 +447,8 @@ def test_no_per_request_state_outlives_its_request(tmp_path, monkeypatch):
     drv.run(10)
     sched.finish_requests([reqs[0].request_id], RequestStatus.FINISHED_ABORTED)
     drv.run_until_done()
-    assert not tel.folds.spacing.last_token_ns and not tel.folds.spacing.prev_ids and not tel.folds.spacing.request_label
+    spacing = tel.folds.spacing
+    assert not spacing.last_token_ns and not spacing.prev_ids and not spacing.request_label
     assert not tel._episodes and not tel.events.tokens
     # every delivered token but the first of each request is one spacing
     delivered = sum(drv.count(r.request_id) for r in reqs)
