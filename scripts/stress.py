@@ -675,7 +675,7 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
     import psutil
 
     from vllm_output_rate.scheduler import CLEANUP_EVERY_STEPS
-    from vllm_output_rate.telemetry.engine import USER_STATES_CAP
+    from vllm_output_rate.telemetry.books import USER_STATES_CAP
     from vllm_output_rate.tools.scheduler_driver import (
         FakeClock,
         attach_telemetry,
@@ -787,7 +787,7 @@ async def http_churn_case(live: Live, n_users: int, server_pid: int) -> CaseResu
 
     from vllm_output_rate import settings
     from vllm_output_rate.scheduler import CLEANUP_EVERY_STEPS
-    from vllm_output_rate.telemetry.engine import USER_STATES_CAP
+    from vllm_output_rate.telemetry.books import USER_STATES_CAP
     from vllm_output_rate.tools.client import rss_mib
     from vllm_output_rate.tools.profile_engine import find_engine_core
 

@@ -1,7 +1,7 @@
 """Engine snapshots -> Prometheus metrics on vLLM's own ``/metrics``.
 
 Runs in the API-server process(es). The engine-core process writes a JSON
-snapshot of its aggregates every second (``telemetry.engine``); this
+snapshot of its aggregates every second (``telemetry.export``); this
 collector reads the snapshots at scrape time and yields metric families, so
 one scrape of vLLM's ``/metrics`` shows the engine's limiter metrics beside
 vLLM's own. An unreadable snapshot is skipped and counted, never raised.

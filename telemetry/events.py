@@ -2,7 +2,7 @@
 with, and the reader the verifier parses it with, side by side.
 
 The engine core writes the log when ``OUTPUT_RATE_EVENTS`` names a file
-(``telemetry.engine``: records are queued on the scheduler's thread as plain
+(``telemetry.eventlog``: records are queued by the telemetry's worker as plain
 tuples, encoded and appended by the exporter thread about once a second).
 One JSON object per line, keys in this order; ``t_ns`` is the engine core's
 monotonic clock in nanoseconds:

@@ -154,9 +154,10 @@ def test_spacing_per_label_matches_token_events_with_pauses_aborts_and_relabels(
         if step % 29 == 28:
             tel._export_due = True  # exports: labels may change (top_k=1)
         # (requests with one token after none are not steady yet)
-        assert tel._joining <= tel._prev_ids
-        recount = Counter(tel._request_label.get(r) or OTHER for r in tel._prev_ids - tel._joining)
-        assert tel._prev_by_label == {k: v for k, v in recount.items() if v}
+        spacing = tel.folds.spacing
+        assert spacing.joining <= spacing.prev_ids
+        recount = Counter(spacing.request_label.get(r) or OTHER for r in spacing.prev_ids - spacing.joining)
+        assert spacing.prev_by_label == {k: v for k, v in recount.items() if v}
     drv.flush()
     spacings = 0
     for r in reqs:
@@ -267,7 +268,7 @@ def test_series_names_are_what_the_collector_exposes(tmp_path):
 
 def test_dead_export_target_is_counted_not_raised(tmp_path):
     sched, drv, tel = setup(tmp_path, limits(1000))
-    tel.path = str(tmp_path / "missing-dir" / "engine-0.json")
+    tel.exporter.path = str(tmp_path / "missing-dir" / "engine-0.json")
     drv.add(make_request("a", max_tokens=5))
     drv.run_until_done()
     assert not tel.export()
@@ -406,19 +407,19 @@ def test_abort_mid_throttle_ends_episode_and_is_logged(tmp_path, monkeypatch):
     drv.run(20)
     assert tel._episodes  # both are throttled now
     sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ABORTED)
-    assert not tel._episodes and not tel._last_token_ns
+    assert not tel._episodes and not tel.folds.spacing.last_token_ns
     assert tel.histograms[("throttle_episode_seconds", ("a",))].count >= 2
     tel.export()
     finished = [e for e in read_events(path) if e["kind"] == "finished"]
     assert sorted(e["request_id"] for e in finished) == sorted(r.request_id for r in reqs)
     assert all(e["reason"] == "abort" and 0 < e["output_tokens"] < 50 for e in finished)
-    assert not tel._event_tokens
+    assert not tel.events.tokens
 
 
 def test_event_queue_overflow_is_counted(tmp_path, monkeypatch):
-    import vllm_output_rate.telemetry.engine as engine_mod
+    import vllm_output_rate.telemetry.eventlog as eventlog_mod
 
-    monkeypatch.setattr(engine_mod, "EVENTS_QUEUE_CAP", 3)
+    monkeypatch.setattr(eventlog_mod, "EVENTS_QUEUE_CAP", 3)
     sched, drv, tel, path = events_setup(tmp_path, limits(1000), monkeypatch)
     drv.add(make_request("a", max_tokens=10))
     drv.run_until_done()  # 1 throttled (none) + 10 token lines + 1 finish line, 3 kept
@@ -430,7 +431,7 @@ def test_event_queue_overflow_is_counted(tmp_path, monkeypatch):
 
 def test_unwritable_event_log_is_counted_not_raised(tmp_path, monkeypatch):
     sched, drv, tel, path = events_setup(tmp_path, limits(1000), monkeypatch)
-    tel._events_path = str(tmp_path / "missing-dir" / "events.jsonl")
+    tel.events.path = str(tmp_path / "missing-dir" / "events.jsonl")
     drv.add(make_request("a", max_tokens=4))
     drv.run_until_done()
     assert tel.export()  # the snapshot still goes out
@@ -446,11 +447,12 @@ def test_no_per_request_state_outlives_its_request(tmp_path, monkeypatch):
     drv.run(10)
     sched.finish_requests([reqs[0].request_id], RequestStatus.FINISHED_ABORTED)
     drv.run_until_done()
-    assert not tel._last_token_ns and not tel._prev_ids and not tel._request_label
-    assert not tel._episodes and not tel._event_tokens
+    spacing = tel.folds.spacing
+    assert not spacing.last_token_ns and not spacing.prev_ids and not spacing.request_label
+    assert not tel._episodes and not tel.events.tokens
     # every delivered token but the first of each request is one spacing
     delivered = sum(drv.count(r.request_id) for r in reqs)
-    total = sum(h.count for h in tel._spacing.values())
+    total = sum(h.count for h in tel.series.spacing.values())
     assert total == delivered - len(reqs)
 
 
@@ -477,11 +479,11 @@ def test_kv_blocks_held_matches_vllms_block_ids(tmp_path, prefix_caching):
     assert kv_blocks_held(OtherLayout(), "x") == 3
 
 
-def test_the_readme_lists_every_renamed_metric():
+def test_the_metrics_page_lists_every_renamed_metric():
     from harness import REPO
     from vllm_output_rate.telemetry.metrics import METRICS, PREFIX, RENAMED_FROM
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "metrics.md").read_text()
     assert PREFIX == "vllm_output_rate_"
     assert set(RENAMED_FROM) == {m.full_name for m in METRICS if m.renamed}
     # metrics added after the rename: shared-budget mode's and the state sizes
@@ -495,11 +497,11 @@ def test_the_readme_lists_every_renamed_metric():
 
 from hypothesis import given, settings as hsettings, strategies as st  # noqa: E402
 
-from vllm_output_rate.telemetry.engine import (  # noqa: E402
+from vllm_output_rate.telemetry.histograms import (  # noqa: E402
     Histogram,
-    _ns_edges,
-    _observe_by_label,
-    _sums_by_key,
+    ns_edges,
+    observe_by_label,
+    sums_by_key,
 )
 from vllm_output_rate.telemetry.metrics import EPISODE_BUCKETS  # noqa: E402
 
@@ -512,12 +514,12 @@ def test_observing_by_label_in_c_equals_observing_one_by_one(bounds, values_ns, 
     """The folds' grouped observation (integer ns edges, counts per (label,
     bucket) in C) puts every value where Histogram.observe(ns * 1e-9) does,
     bucket boundaries included."""
-    edges = _ns_edges(bounds)
+    edges = ns_edges(bounds)
     near = [e + d for e in edges for d in (-1, 0, 1)]  # every boundary, both sides
     values = values_ns + near
     names = (labels * (len(values) // len(labels) + 1))[:len(values)]
     grouped: dict = {}
-    _observe_by_label(names, values, lambda n: grouped.setdefault(n, Histogram(bounds)))
+    observe_by_label(names, values, lambda n: grouped.setdefault(n, Histogram(bounds)))
     single: dict = {}
     for name, v in zip(names, values):
         single.setdefault(name, Histogram(bounds)).observe(v * 1e-9)
@@ -539,7 +541,7 @@ def test_sums_by_key_in_numpy_equal_summing_one_by_one(pairs):
     expected: dict = {}
     for key, value in pairs:
         expected[key] = expected.get(key, 0) + value
-    got = _sums_by_key(keys, values)
+    got = sums_by_key(keys, values)
     assert got == expected
     assert all(type(v) is int for v in got.values())
 
@@ -550,9 +552,9 @@ def test_pending_steps_stay_bounded_without_exports(tmp_path, monkeypatch):
     counters still exact."""
     from collections import Counter
 
-    import vllm_output_rate.telemetry.engine as engine_mod
+    import vllm_output_rate.telemetry.folds as folds_mod
 
-    monkeypatch.setattr(engine_mod, "PENDING_STEPS_CAP", 8)
+    monkeypatch.setattr(folds_mod, "PENDING_STEPS_CAP", 8)
     sched, drv, tel = setup(tmp_path, limits(1000, a=30))
     tel._export_due = False
     skipped: Counter = Counter()
@@ -564,7 +566,7 @@ def test_pending_steps_stay_bounded_without_exports(tmp_path, monkeypatch):
         drv.step()
         peak = max(peak, tel.state_sizes()["steps.pending"])
     assert 0 < peak <= 8 + 4  # (a step adds at most one run of each kind)
-    tel._fold()
+    tel.folds.fold()
     assert counter(tel, "requests_skipped", "a") == skipped["a"] > 50
     assert counter(tel, "tokens_charged", "a") == 120 and counter(tel, "tokens_charged", "b") == 90
 
@@ -575,10 +577,11 @@ def _run_churn(tmp_path, monkeypatch, defer: bool, inbox_cap: int | None = None)
     and a second wave after the engine went idle; exports every 25 steps.
     Returns the final snapshot and the telemetry."""
     import vllm_output_rate.telemetry.engine as engine_mod
+    import vllm_output_rate.telemetry.intake as intake_mod
     from vllm.v1.request import RequestStatus
 
     if inbox_cap is not None:
-        monkeypatch.setattr(engine_mod, "INBOX_CAP", inbox_cap)
+        monkeypatch.setattr(intake_mod, "INBOX_CAP", inbox_cap)
     clock = FakeClock()
     sched = make_scheduler(limits(1000, a=15, b=40, c=200), clock=clock)
     tel = attach_telemetry(sched, str(tmp_path), top_k=100, start_thread=False, defer=defer)
@@ -598,7 +601,7 @@ def _run_churn(tmp_path, monkeypatch, defer: bool, inbox_cap: int | None = None)
     drv.run_until_done()
     drv.add(*[make_request(u, max_tokens=12) for u in ("a", "a", "c")])
     drv.run_until_done()
-    tel._fold()  # (deferred: nothing is folded before this snapshot drains)
+    tel.folds.fold()  # (deferred: nothing is folded before this snapshot drains)
     return tel.snapshot(), tel
 
 
@@ -671,7 +674,7 @@ def test_a_failing_fold_is_counted_and_the_others_go_on(tmp_path, monkeypatch, c
     tel.drain()
     assert counter(tel, "telemetry_dropped", "fold_failed") == 2
     assert sum("folding an event failed" in r.getMessage() for r in caplog.records) == 1
-    tel._fold()
+    tel.folds.fold()
     assert counter(tel, "tokens_charged", "a") == 10
 
 
@@ -726,7 +729,7 @@ def test_throttle_episodes_follow_the_scheduler_step_by_step(tmp_path_factory, s
     for req_id in prev:  # (the last step's: nothing after it throttles them)
         took[user_of[req_id]].append(prev_ns - opened.pop(req_id))
     tel.drain()
-    tel._fold()
+    tel.folds.fold()
     assert not opened and not tel._episodes
     for user in "ab":
         hist = tel.histograms.get(("throttle_episode_seconds", (user,)))
@@ -745,7 +748,7 @@ def _step_folding_at_random(tel, drv, rng):
     drv.step()
     if rng.random() < 0.05:
         tel.drain()
-        tel._fold()
+        tel.folds.fold()
 
 
 #: whether steps with throttled requests were counted by episode (True) or
@@ -781,14 +784,14 @@ def test_skips_counted_by_episode_equal_skips_counted_per_request(tmp_path_facto
     observe_steps(sched, lambda record: exact.update(
         sched.requests[rid].output_rate_user for rid in record.throttled))
     every = []
-    real = type(tel)._fold_step
+    real = type(tel.folds).fold_step
 
     def fold_step(self, record, *args):
         if record.throttled:
             every.append(args[-3])  # (the step's ``every``)
         real(self, record, *args)
 
-    tel._fold_step = fold_step.__get__(tel)
+    tel._fold_step = fold_step.__get__(tel.folds)
     live = []
     for i in range(220):
         if i % 40 == 0:
@@ -803,11 +806,11 @@ def test_skips_counted_by_episode_equal_skips_counted_per_request(tmp_path_facto
         _step_folding_at_random(tel, drv, rng)
     drv.run_until_done()
     tel.drain()
-    tel._fold()
+    tel.folds.fold()
     got = {user: counter(tel, "requests_skipped", user) for user in exact}
     assert got == dict(exact)
     _SKIP_PATHS.update(every)  # (both ways are taken: see the test below)
-    assert not tel._bases and not tel._episodes
+    assert not tel.folds.book.bases and not tel._episodes
 
 
 def test_the_skip_examples_took_both_ways():

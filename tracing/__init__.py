@@ -3,7 +3,7 @@ process.
 
 Built from the same plain data the metrics use (``StepReport`` per step,
 ``IdleWait`` per idle wait, the engine outputs per ``update_from_output``;
-see ``vllm_output_rate.observers``), driven by ``telemetry.engine``, whose
+see ``vllm_output_rate.observers``), driven by the telemetry (``telemetry.folds``), whose
 worker thread (off the scheduler's thread) hands them to the span recorder.
 The modules, in the order the data passes through them:
 

@@ -1,4 +1,4 @@
-"""The span recorder: the observer callbacks of ``telemetry.engine`` queue
+"""The span recorder: the telemetry's worker (``telemetry.folds``) queues
 plain data here, and the span builder's thread hands it to the builders.
 
 On the data's path: the telemetry's worker (off the scheduler's thread)
@@ -60,7 +60,7 @@ class SpanRecorder:
         self.drops = TraceDrops(max_queue_from_env())
         #: the TracerProvider (flushed and shut down with the engine)
         self.provider: Any = None
-        #: how often ``telemetry.engine`` sends the users with a throttle
+        #: how often ``telemetry.folds`` sends the users with a throttle
         #: episode open (for over-limit periods to end)
         self.sweep_ns = PERIOD_SWEEP_NS
         #: episodes shorter than this (ns) get no span
@@ -78,7 +78,7 @@ class SpanRecorder:
         self._replay_step = self.throttle.replay_step
         self._replay_outputs = self.generation.replay_outputs
         self._build_step = self.steps.build_step
-        #: spans to build: (builder, args) queued by ``telemetry.engine``'s worker as
+        #: spans to build: (builder, args) queued by the telemetry's worker as
         #: plain data, built into SDK spans by a thread of our own (or flush())
         self._pending: deque[tuple[Callable[..., None], tuple]] = deque()
         self._build_error_logged = False
@@ -152,7 +152,7 @@ class SpanRecorder:
                 held: dict[str, tuple[int, RequestFacts | None]] | None = None,
                 sweep: set[str | None] | None = None, end_ns: int | None = None,
                 ended_by: dict[str, str] | None = None) -> None:
-        """Per step (``telemetry.engine``'s worker: at most two appends).
+        """Per step (``telemetry.folds``, on the worker: at most two appends).
         ``ended``: the ids of requests whose throttle episode ended (at
         ``end_ns``, the step they were last dispatched in, whose charges
         are ``ended_by``; default: this step), and ``starts`` when their

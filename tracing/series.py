@@ -106,7 +106,7 @@ class SpacingSeries:
     def on_tokens(self, req_id: str, n: int, prev_ns: int | None, now_ns: int) -> None:
         """``n`` tokens of ``req_id`` became available at ``now_ns``; its
         previous token at ``prev_ns`` (None: these are its first). Called by
-        ``telemetry.engine`` for the requests that had no token at the
+        the recorder for the requests that had no token at the
         previous update; from here on the request is steady (a run)."""
         s = self._series.get(req_id)
         if s is None:

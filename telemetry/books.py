@@ -1,0 +1,167 @@
+"""The per-user books an export step keeps: tokens charged per user over
+the last 10 s and 60 s, the throttled requests and their KV blocks, and the
+user states ``GET /output-rate/users/NAME`` shows.
+
+On the data's path after the folds (``telemetry.folds``), at export steps
+and when the engine goes idle, from the engine reads the scheduler's
+thread made (``telemetry.intake``); read by the exporter
+(``telemetry.export``). Also the labeler's activity: the tokens charged
+per user since the last export, which decide the top-K labels.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, defaultdict, deque
+from typing import Any
+
+from vllm_output_rate.observers import EngineView
+from vllm_output_rate.telemetry.eventlog import EventLog
+from vllm_output_rate.telemetry.labels import OTHER
+from vllm_output_rate.telemetry.series import Series
+
+NS = 1_000_000_000
+#: Most users whose state the snapshot carries for introspection.
+USER_STATES_CAP = 1000
+
+
+def _window_sums(window: Any, now_ns: int) -> tuple[Counter[str], Counter[str]]:
+    """Tokens charged per user over the last 10 s and 60 s of ``window``."""
+    charged_10: Counter[str] = Counter()
+    charged_60: Counter[str] = Counter()
+    for t, counts in window:
+        age = now_ns - t
+        if age <= 60 * NS:
+            charged_60.update(counts)
+            if age <= 10 * NS:
+                charged_10.update(counts)
+    return charged_10, charged_60
+
+
+class UserBooks:
+    """Per-user activity, charged windows, throttled requests and states."""
+
+    def __init__(self, view: EngineView, series: Series, events: EventLog | None) -> None:
+        self.view = view
+        self._series = series
+        self._events = events
+        self._num_blocks = view.num_kv_blocks
+        #: tokens charged per user since the last export (labeler activity)
+        self.activity: Counter[str] = Counter()
+        #: tokens charged per user since the window's last entry
+        self.window_activity: Counter[str] = Counter()
+        #: (export step's ns, tokens charged per user in its interval), 60 s
+        self._charged_window: deque[tuple[int, dict[str, int]]] = deque()
+        #: user -> (throttled requests, their KV blocks) at the last export step
+        self.thr_by_user: dict[str, tuple[int, int]] = {}
+        #: per-user state for introspection (replaced whole), and when
+        #: (scheduler clock ns, monotonic ns, unix s)
+        self.user_states: dict[str, dict[str, Any]] = {}
+        self.user_states_at = (0, 0, 0.0)
+        self.update_throttled([], [], {})
+
+    def take_activity(self) -> Counter[str]:
+        """The tokens charged per user since the last call (for labels)."""
+        activity, self.activity = self.activity, Counter()
+        return activity
+
+    def update_throttled(self, throttled: list[str], held: list[int],
+                         users: dict[str, str]) -> None:
+        """The throttled gauges of an export step. ``held``: the KV blocks
+        of each throttled request (read on the scheduler's thread);
+        ``users``: request id -> user of the throttled requests."""
+        labeler, gauges = self._series.labeler, self._series.gauges
+        requests: dict[str, int] = defaultdict(int)
+        blocks: dict[str, int] = defaultdict(int)
+        total_blocks = 0
+        by_user: dict[str, list[int]] = {}
+        for req_id, n in zip(throttled, held):
+            user = users.get(req_id, OTHER)
+            label = labeler.label(user)
+            requests[label] += 1
+            blocks[label] += n
+            total_blocks += n
+            counts = by_user.get(user)
+            if counts is None:
+                counts = by_user[user] = [0, 0]
+            counts[0] += 1
+            counts[1] += n
+        self.thr_by_user = {u: (c[0], c[1]) for u, c in by_user.items()}
+        for key in [k for k in gauges if k[0] in ("throttled_requests", "throttled_kv_blocks")]:
+            del gauges[key]
+        for label in set(requests) | set(labeler.labelled_users().values()):
+            gauges[("throttled_requests", (label,))] = requests.get(label, 0)
+            gauges[("throttled_kv_blocks", (label,))] = blocks.get(label, 0)
+        share = total_blocks / self._num_blocks
+        gauges[("engine_throttled_requests", ())] = len(throttled)
+        gauges[("engine_throttled_kv_blocks", ())] = total_blocks
+        gauges[("throttled_kv_cache_ratio", ())] = share
+        if self._events is not None:
+            self._events.throttled(by_user, share)
+
+    def update_user_states(self, now_ns: int, requests: Any, ready_at: dict[str, int]) -> None:
+        """What ``GET /output-rate/users/NAME`` shows, per user (the worker:
+        at each export step and when the engine goes idle; ``requests`` and
+        the live users' ``ready_at`` read on the scheduler's thread): tokens
+        charged over the last 10 s and 60 s (in export intervals of about a
+        second), requests running, waiting and throttled, KV blocks held
+        while throttled, when the budget is next ready. At most
+        ``USER_STATES_CAP`` users (live requests first, then the most
+        charged)."""
+        activity, self.window_activity = self.window_activity, Counter()
+        if len(activity) > USER_STATES_CAP:
+            activity = Counter(dict(activity.most_common(USER_STATES_CAP)))
+        window = self._charged_window
+        window.append((now_ns, dict(activity)))
+        while window and now_ns - window[0][0] > 60 * NS:
+            window.popleft()
+        charged_10, charged_60 = _window_sums(window, now_ns)
+        view = self.view
+        throttled = self.thr_by_user if requests else {}
+        users = list(requests)
+        if len(users) < USER_STATES_CAP:
+            users += [u for u, _ in charged_60.most_common(USER_STATES_CAP - len(users))
+                      if u not in requests]
+        states = {}
+        for user in users[:USER_STATES_CAP]:
+            running, waiting = requests.get(user, (0, 0))
+            n_thr, blocks = throttled.get(user, (0, 0))
+            ready = ready_at.get(user)
+            if ready is None:  # (not live: its limiter state, read now)
+                ready = view.ready_at_ns(user)
+            states[user] = {
+                "limit": float(view.rate_of(user)),
+                "charged_10s": charged_10.get(user, 0),
+                "charged_60s": charged_60.get(user, 0),
+                "running": running,
+                "waiting": waiting,
+                "throttled": n_thr,
+                "throttled_kv_blocks": blocks,
+                "ready_in_s": max(0.0, (ready - now_ns) / NS) if ready else 0.0,
+            }
+        self.user_states = states
+        self.user_states_at = (now_ns, time.monotonic_ns(), time.time())
+
+    def idle_user_states(self) -> dict[str, dict[str, Any]]:
+        """The user states of an idle engine, as of now (exporter thread):
+        no step runs to update them, so the charged windows slide here."""
+        now_ns, mono, _ = self.user_states_at
+        now_ns += time.monotonic_ns() - mono
+        try:
+            window = list(self._charged_window)
+        except RuntimeError:  # appended to right now: the engine is not idle
+            return self.user_states
+        charged_10, charged_60 = _window_sums(window, now_ns)
+        states = {}
+        for user, state in self.user_states.items():
+            ready_in = max(0.0, state["ready_in_s"] - (now_ns - self.user_states_at[0]) / NS)
+            states[user] = {**state, "charged_10s": charged_10.get(user, 0),
+                            "charged_60s": charged_60.get(user, 0), "running": 0,
+                            "throttled": 0, "throttled_kv_blocks": 0, "ready_in_s": ready_in}
+        return states
+
+    def sizes(self) -> tuple[int, int, int]:
+        """Users held: activity, states, charged window (``state_sizes``)."""
+        return (len(self.activity) + len(self.window_activity),
+                len(self.user_states) + len(self.thr_by_user),
+                sum(len(d) for _, d in self._charged_window))

@@ -1,0 +1,80 @@
+"""The house rules a newcomer relies on, read from the source: no module of
+the engine plugin, telemetry or tracing longer than 600 lines, no class that
+sets more than 25 attributes in its ``__init__``."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from harness import REPO
+
+FOLDERS = ("vllm_patch", "telemetry", "tracing")
+MAX_LINES = 600
+MAX_INIT_ATTRIBUTES = 25
+#: module -> why it may be longer (with the benchmark figure that says so);
+#: empty: no exception stands
+LONG_MODULES: dict[str, str] = {}
+#: "module:Class" -> why its __init__ may set more attributes
+WIDE_CLASSES: dict[str, str] = {}
+
+MODULES = sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py"))
+
+
+def init_attributes(cls: ast.ClassDef) -> set[str]:
+    """Attributes ``self.X`` assigned anywhere in the class's ``__init__``."""
+    found: set[str] = set()
+    for item in cls.body:
+        if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+            for node in ast.walk(item):
+                targets = (node.targets if isinstance(node, ast.Assign)
+                           else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                           else [])
+                for target in targets:
+                    for sub in ast.walk(target):
+                        if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                                and sub.value.id == "self"):
+                            found.add(sub.attr)
+    return found
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(REPO).as_posix()
+
+
+@pytest.mark.parametrize("path", MODULES, ids=rel)
+def test_modules_stay_short(path):
+    lines = len(path.read_text().splitlines())
+    if rel(path) in LONG_MODULES:
+        return
+    assert lines <= MAX_LINES, (
+        f"{rel(path)} has {lines} lines (at most {MAX_LINES}): split it by concern")
+
+
+@pytest.mark.parametrize("path", MODULES, ids=rel)
+def test_classes_set_few_attributes(path):
+    tree = ast.parse(path.read_text(), rel(path))
+    wide = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            attributes = init_attributes(node)
+            if len(attributes) > MAX_INIT_ATTRIBUTES and f"{rel(path)}:{node.name}" not in WIDE_CLASSES:
+                wide[node.name] = len(attributes)
+    assert not wide, f"{rel(path)}: __init__ sets more than {MAX_INIT_ATTRIBUTES} attributes: {wide}"
+
+
+def test_the_checks_see_what_they_check():
+    """The attribute count reads what a class sets (so the rule can fail)."""
+    tree = ast.parse(
+        "class A:\n"
+        "    def __init__(self):\n"
+        "        self.a = 1\n"
+        "        self.b: int = 2\n"
+        "        self.a += 1\n"
+        "        if True:\n"
+        "            self.c, self.d = 3, 4\n")
+    assert init_attributes(tree.body[0]) == {"a", "b", "c", "d"}
+    assert len(MODULES) > 20
+    assert all(m in {rel(p) for p in MODULES} for m in LONG_MODULES)
