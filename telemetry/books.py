@@ -123,6 +123,7 @@ class UserBooks:
             users += [u for u, _ in charged_60.most_common(USER_STATES_CAP - len(users))
                       if u not in requests]
         states = {}
+        rate_of = view.limits().rate_of
         for user in users[:USER_STATES_CAP]:
             running, waiting = requests.get(user, (0, 0))
             n_thr, blocks = throttled.get(user, (0, 0))
@@ -130,7 +131,7 @@ class UserBooks:
             if ready is None:  # (not live: its limiter state, read now)
                 ready = view.ready_at_ns(user)
             states[user] = {
-                "limit": float(view.rate_of(user)),
+                "limit": float(rate_of(user)),
                 "charged_10s": charged_10.get(user, 0),
                 "charged_60s": charged_60.get(user, 0),
                 "running": running,

@@ -58,7 +58,7 @@ class EngineTelemetry(Intake):
                  defer: bool | None = None) -> None:
         if top_k is None:
             top_k = settings.get("TOP_K_USERS")
-        series = Series(view, UserLabeler(pinned=view.user_rates, top_k=top_k), bool(events_path))
+        series = Series(view, UserLabeler(pinned=view.limits().user_rates, top_k=top_k), bool(events_path))
         handles = RequestHandles(view)
         events = EventLog(events_path, view, series.counters, handles.user_of) if events_path else None
         books = UserBooks(view, series, events)
@@ -120,7 +120,7 @@ class EngineTelemetry(Intake):
             "users.window": window,
             "labels": len(series.labeler.labelled_users()),
             "series": len(series.counters) + len(series.gauges) + len(series.histograms),
-            "limiter.users": self.view.limiter_users(),
+            "limiter.users": self.view.limiter_stats()["users"],
         }
 
     # -- the worker thread ------------------------------------------------------

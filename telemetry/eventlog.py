@@ -104,9 +104,10 @@ class EventLog:
         if not self._started:
             self._started = True
             view = self.view
+            limits = view.limits()
             events.appendleft(("start", time.monotonic_ns(), time.time_ns(), {
-                user: float(view.rate_of(user)) for user in view.user_rates
-            }, float(view.default_rate), bool(view.async_scheduling)))
+                user: float(rate) for user, rate in limits.user_rates.items()
+            }, float(limits.default_rate), bool(view.async_scheduling)))
         self._idle_exports = 0 if self.view.has_running() else self._idle_exports + 1
         if self._idle_exports >= 2 and not self._idle_written:
             # The engine went idle: nothing throttled, stated once, after the

@@ -70,7 +70,7 @@ class SnapshotWriter:
                 if key[0] in _THROTTLED_GAUGES:
                     gauges[key] = 0
         limits = self._limits(counters, gauges)
-        shared = self.view.shared_state_stats()
+        shared = self.view.limiter_stats().get("shared")
         if shared is not None:
             self._fold_shared_state(shared, counters, gauges)
         histograms = series.histograms.copy()
@@ -111,7 +111,7 @@ class SnapshotWriter:
         gauges[("limits_loaded_timestamp_seconds", ())] = status.loaded_unix
         gauges[("limits_info", (status.digest, status.source))] = 1
         if self._limits_doc[0] != status.digest:
-            self._limits_doc = (status.digest, self.view.limits_document())
+            self._limits_doc = (status.digest, limits_document(self.view.limits()))
         doc = self._limits_doc[1]
         # The limits loaded are in force from the next step on: an idle
         # engine shows them at once (its gauges follow too).
@@ -162,3 +162,17 @@ class SnapshotWriter:
             self.series.counters[("telemetry_dropped", ("export_failed",))] += 1
             self.log_drop_once(f"the snapshot {self.path}", exc)
             return False
+
+
+def limits_document(config: Any) -> dict[str, Any]:
+    """The limits as plain data for the snapshot and the introspection
+    endpoints: ``default``, ``tiers``, ``users`` (user -> limit),
+    ``user_tiers``, ``unlisted_users``; limits as numbers (tok/s). Made when
+    the limits' digest changes, not per export."""
+    return {
+        "default": float(config.default_rate),
+        "tiers": {t: float(r) for t, r in config.tiers.items()},
+        "users": {u: float(r) for u, r in config.user_rates.items()},
+        "user_tiers": dict(config.user_tiers),
+        "unlisted_users": config.unlisted_users,
+    }

@@ -78,10 +78,10 @@ class Series:
             self.histogram("throttle_episode_seconds", (label,))
 
     def set_limits(self) -> None:
-        view = self.view
-        self.gauges[("default_limit_tokens_per_second", ())] = float(view.default_rate)
+        limits = self.view.limits()
+        self.gauges[("default_limit_tokens_per_second", ())] = float(limits.default_rate)
         for user, label in self.labeler.labelled_users().items():
-            self.gauges[("user_limit_tokens_per_second", (label,))] = float(view.rate_of(user))
+            self.gauges[("user_limit_tokens_per_second", (label,))] = float(limits.rate_of(user))
 
     def _user_key(self, cache: dict[str, tuple], name: str, user: str) -> tuple:
         """The counter key of ``user`` for ``name``, cached until labels

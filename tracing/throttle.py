@@ -237,7 +237,7 @@ class ThrottleSpans:
         longest = max(ordered[-1] if ordered else 0, period.cut_max_ns)
         seconds = max(end_ns - period.start_ns, 1) / 1e9
         try:
-            limit = float(self.view.rate_of(period.user))
+            limit = float(self.view.limits().rate_of(period.user))
         except Exception:  # (a view read from this thread must not stop the builder)
             limit = 0.0
         attributes = {

@@ -169,7 +169,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from fractions import Fraction
 from importlib import metadata
 from typing import Any
 
@@ -270,26 +269,11 @@ class SchedulerView(EngineView):
         self._options_status = LimitsStatus(
             "command line", config.digest, time.time(), {}, None)
 
-    @property
-    def default_rate(self) -> Fraction:  # type: ignore[override]
-        return self._scheduler.output_rate_config.default_rate
-
-    @property
-    def user_rates(self) -> Mapping[str, Fraction]:  # type: ignore[override]
-        return self._scheduler.output_rate_config.user_rates
-
-    def limits_document(self) -> dict[str, Any]:
+    def limits(self) -> Any:
         # What the watcher loaded: in force from the next step boundary, before
         # any further token (an idle engine runs no step until a request comes).
         watcher = self._scheduler.output_rate_limits_watcher
-        config = self._scheduler.output_rate_config if watcher is None else watcher.current
-        return {
-            "default": float(config.default_rate),
-            "tiers": {t: float(r) for t, r in config.tiers.items()},
-            "users": {u: float(r) for u, r in config.user_rates.items()},
-            "user_tiers": dict(config.user_tiers),
-            "unlisted_users": config.unlisted_users,
-        }
+        return self._scheduler.output_rate_config if watcher is None else watcher.current
 
     def requests_by_user(self) -> Mapping[str, tuple[int, int]]:
         from vllm.v1.request import RequestStatus
@@ -309,23 +293,17 @@ class SchedulerView(EngineView):
     def ready_at_ns(self, user: str) -> int:
         return self._limiter.ready_at_ns(user)
 
-    def limiter_users(self) -> int:
-        return len(self._limiter)
-
-    def shared_state_stats(self) -> dict[str, Any] | None:
+    def limiter_stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"users": len(self._limiter)}
         stats = getattr(self._limiter, "stats", None)
-        if stats is None:
-            return None
-        out = stats()
-        out["call_seconds"] = self._limiter.thread.drain_latencies()
+        if stats is not None:
+            shared = out["shared"] = stats()
+            shared["call_seconds"] = self._limiter.thread.drain_latencies()
         return out
 
     def limits_status(self) -> LimitsStatus:
         watcher = self._scheduler.output_rate_limits_watcher
         return self._options_status if watcher is None else watcher.status()
-
-    def rate_of(self, user: str) -> Fraction:
-        return self._limiter.rate_of(user)
 
     def user_of(self, request_id: str) -> str | None:
         request = self._get(request_id)

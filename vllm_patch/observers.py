@@ -28,7 +28,10 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from vllm_output_rate.config import OutputRateConfig
 
 logger = logging.getLogger("vllm_output_rate")
 
@@ -175,14 +178,17 @@ class EngineView(ABC):
     #: whether the scheduler runs a step ahead of the outputs (vLLM's
     #: ``AsyncScheduler``): a token is charged two updates before it shows
     async_scheduling: bool = False
-    #: the default limit (tokens per second)
-    default_rate: Fraction
-    #: users with a configured limit -> that limit
-    user_rates: Mapping[str, Fraction]
 
     @abstractmethod
-    def rate_of(self, user: str) -> Fraction:
-        """The limit in force for ``user`` (tokens per second)."""
+    def limits(self) -> OutputRateConfig:
+        """The engine's limits: those in force, or those just loaded from
+        the limits file (in force from the next step; an idle engine runs no
+        step until a request comes). A whole value, never changed in place:
+        ``limits().rate_of(user)`` is a user's limit (tokens per second)."""
+
+    @abstractmethod
+    def limits_status(self) -> LimitsStatus:
+        """The limits' source, digest and reload counts (any thread)."""
 
     @abstractmethod
     def user_of(self, request_id: str) -> str | None:
@@ -219,18 +225,6 @@ class EngineView(ABC):
     def has_running(self) -> bool:
         """Whether any request is running (resident) in the scheduler."""
 
-    def limits_status(self) -> LimitsStatus | None:
-        """The limits' source, digest and reload counts (any thread)."""
-        return None
-
-    def limits_document(self) -> dict[str, Any]:
-        """The limits in force as plain data: ``default``, ``tiers``,
-        ``users`` (user -> limit), ``user_tiers``, ``unlisted_users``; limits
-        as numbers (tok/s). Build it when the digest changes, not per step."""
-        return {"default": float(self.default_rate), "tiers": {},
-                "users": {u: float(r) for u, r in self.user_rates.items()},
-                "user_tiers": {}, "unlisted_users": "own"}
-
     def requests_by_user(self) -> Mapping[str, tuple[int, int]]:
         """user -> (running, waiting) live requests. O(requests): call it
         once per export, on the scheduler's thread."""
@@ -240,18 +234,15 @@ class EngineView(ABC):
         """When the user's budget next allows a token (monotonic ns; 0: now)."""
         return 0
 
-    def limiter_users(self) -> int:
-        """Users with live state in the limiter (any thread: one len())."""
-        return 0
-
-    def shared_state_stats(self) -> dict[str, Any] | None:
-        """In shared-budget mode, the lease machinery's counters (any thread,
-        one reader: ``call_seconds`` holds the store calls' latencies since
-        the last read); None otherwise. Keys: ``leased``, ``spent``,
-        ``expired``, ``unleased`` (tokens), ``calls``, ``failed_calls``,
-        ``fallback`` (1 in fallback), ``fallback_seconds``,
-        ``fallback_episodes``, ``resets``, ``live_engines``, ``call_seconds``."""
-        return None
+    def limiter_stats(self) -> dict[str, Any]:
+        """The limiter's own counters (any thread, one reader): ``users``,
+        the users with live state; in shared-budget mode also ``shared``,
+        the lease machinery's (``leased``, ``spent``, ``expired``,
+        ``unleased`` (tokens), ``calls``, ``failed_calls``, ``fallback`` (1
+        in fallback), ``fallback_seconds``, ``fallback_episodes``,
+        ``resets``, ``live_engines``, and ``call_seconds``: the store calls'
+        latencies since the last read)."""
+        return {"users": 0}
 
 
 class OutputRateObserver(ABC):
