@@ -11,7 +11,7 @@ import pytest
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from harness import spend_rate, tiny_model
+from harness import REPO, spend_rate, tiny_model
 from test_live_limits import check_piecewise_bound
 from vllm_output_rate.limiter import BURST_NS
 from vllm_output_rate.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
@@ -225,3 +225,12 @@ def test_a_hand_written_step_time_sets_the_spacing(tmp_path):
     # one step, prefill and first token: base_s (the prompt's tokens cost 0 here)
     assert solo["ttft_s"]["p50"] == pytest.approx(0.01)
     assert solo["rate_tok_s"] == pytest.approx(1 / 0.012, rel=1e-6)
+
+
+def test_the_docs_page_holds_the_schemas():
+    from vllm_output_rate.tools.step_time import DEFAULT, STEP_TIME_SCHEMA
+    from vllm_output_rate.tools.twin_report import SUMMARY_SCHEMA
+
+    doc = (REPO / "docs" / "twin.md").read_text()
+    for schema in (workload.WORKLOAD_SCHEMA, STEP_TIME_SCHEMA, DEFAULT.to_json(), SUMMARY_SCHEMA):
+        assert f"```json\n{json.dumps(schema, indent=2)}\n```" in doc
