@@ -31,6 +31,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "fault and bad-input matrix against a real engine, Markdown and JSON report"),
     "soak": ("vllm_output_rate.tools.soak",
              "mixed load for a long while: conformance, completion, memory and step-time slopes"),
+    "twin": ("vllm_output_rate.tools.twin",
+             "what-if twin: vLLM's scheduler and the limiter on a workload in virtual time"),
 }
 
 

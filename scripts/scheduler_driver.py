@@ -14,6 +14,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -125,6 +126,16 @@ def make_vllm_config(
     )
     if max_num_active_seqs is not None:
         args.max_num_active_seqs = max_num_active_seqs
+    return config_from_engine_args(args, async_scheduling=async_scheduling,
+                                   scheduler_options=scheduler_options)
+
+
+def config_from_engine_args(args: EngineArgs, *, async_scheduling: bool = False,
+                            scheduler_options: dict[str, Any] | None = None):
+    """The VllmConfig of ``args`` (as ``vllm serve`` parsed them: the
+    plugin's options already in ``additional_config``), built without the
+    engine telemetry and with async scheduling kept where vLLM's CPU
+    platform would turn it off."""
     with _without_telemetry(), cpu_platform_without_kernels():
         vllm_config = args.create_engine_config()
     for name, value in (scheduler_options or {}).items():
@@ -148,7 +159,14 @@ def make_scheduler(
     **config_kwargs: Any,
 ):
     """The scheduler vLLM would build for this config (ours when limited)."""
-    vllm_config = make_vllm_config(limits, **config_kwargs)
+    return scheduler_for_config(make_vllm_config(limits, **config_kwargs),
+                                num_blocks=num_blocks, clock=clock)
+
+
+def scheduler_for_config(vllm_config, *, num_blocks: int = 10_000,
+                         clock: FakeClock | None = None):
+    """The scheduler class of ``vllm_config`` over a KV cache of
+    ``num_blocks`` blocks (no tensors), as the engine core builds it."""
     block_size = vllm_config.cache_config.block_size
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(
@@ -252,6 +270,13 @@ class Driver:
 
     Sync: schedule, "run", update. Async: schedule step k+1 before the
     output of step k is applied (one batch in flight), as vLLM's batch queue.
+
+    ``step_ms_of`` (optional): the time of each step from its
+    ``SchedulerOutput``, instead of the fixed ``step_ms``. ``stamp_at_end``:
+    a synchronous step's output is applied after the clock moved by its
+    time (when the model would have finished it), not before.
+    ``on_update(engine outputs, now_ns)`` sees every update's outputs;
+    ``keep_tokens`` False leaves ``tokens`` and ``finished`` empty.
     """
 
     scheduler: Any
@@ -263,6 +288,10 @@ class Driver:
     finished: dict[str, str] = field(default_factory=dict)
     outputs: list[SchedulerOutput] = field(default_factory=list)
     steps: int = 0
+    step_ms_of: Callable[[SchedulerOutput], float] | None = None
+    stamp_at_end: bool = False
+    on_update: Callable[[dict, int], None] | None = None
+    keep_tokens: bool = True
     _pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = field(default_factory=list)
 
     def add(self, *requests: Request) -> None:
@@ -275,10 +304,13 @@ class Driver:
         self.steps += 1
         mro = model_output_for(self.scheduler, out)
         self._pending.append((out, mro))
-        if not self.is_async or len(self._pending) > 1:
+        late = self.stamp_at_end and not self.is_async
+        if not late and (not self.is_async or len(self._pending) > 1):
             self._apply(*self._pending.pop(0))
         if self.clock is not None:
-            self.clock.advance_ms(self.step_ms)
+            self.clock.advance_ms(self.step_ms if self.step_ms_of is None else self.step_ms_of(out))
+        if late:
+            self._apply(*self._pending.pop(0))
         return out
 
     def flush(self) -> None:
@@ -288,6 +320,10 @@ class Driver:
     def _apply(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
         now = self.clock() if self.clock is not None else 0
         engine_outputs = self.scheduler.update_from_output(out, mro)
+        if self.on_update is not None:
+            self.on_update(engine_outputs, now)
+        if not self.keep_tokens:
+            return
         for eco in engine_outputs.values():
             for o in eco.outputs:
                 for _ in o.new_token_ids:

@@ -1,0 +1,412 @@
+"""The what-if twin: vLLM's own scheduler, its KV cache manager, the
+plugin's limiter and the project's engine telemetry, advanced by a virtual
+clock on a workload file.
+
+``vllm-output-rate twin run --workload FILE --out DIR [--model DIR]
+[--step-time FILE] [--seed N] [vllm serve's scheduler and limit options]``
+``vllm-output-rate twin workload flood|tiers|bursts|clients --out FILE ...``
+
+The options are parsed by vLLM's own ``EngineArgs`` parser with the
+plugin's options added (``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--async-scheduling``, ``--num-gpu-blocks-override``,
+``--default-user-output-tokens-per-second``, ``--output-rate-limits-file``
+...): the same flag means the same thing as for ``serve``, and the
+scheduler class is the one ``serve`` would run (the plugin's with limits,
+vLLM's without). Options about devices, parallelism or the API server are
+accepted and play no part. ``--model`` defaults to the tiny generated model;
+only its config is read. Not in the twin: ``--output-rate-shared-state``.
+
+A fake executor returns one sampled token per scheduled request per step
+(no weights, no forward pass; a request ends at ``max_tokens``) and the
+clock moves by the step-time model (``tools.step_time``). With async
+scheduling a step is scheduled before the previous one's output is applied,
+as vLLM's batch queue does (``scheduler_driver.Driver``). When a step runs
+nothing while requests wait (every user throttled), the clock jumps to the
+earliest of the throttled users' next budget and the next arrival: the
+engine loop's idle wait. A workload's limits line rewrites the run's copy
+of the limits file at its time and the scheduler's watcher reads it then.
+
+Outputs in ``--out``: ``summary.json`` (``twin_report.SUMMARY_SCHEMA``),
+``report.md``, and with limits the engine event log ``events.jsonl`` and
+the Prometheus text ``metrics.txt`` that the real telemetry writes, in
+virtual time (its snapshot in ``telemetry/``); the limits file it ran on
+(``limits.*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+NS = 1_000_000_000
+#: The twin's clock at virtual time 0 (the engine core's monotonic ns).
+T0_NS = 1_000_000_000_000
+#: The telemetry's export interval, in virtual time.
+EXPORT_NS = NS
+#: KV blocks without --num-gpu-blocks-override: at least this many, and
+#: enough for every sequence at full length (the cache does not bind).
+MIN_BLOCKS = 10_000
+
+
+class VirtualTime:
+    """A stand-in for the ``time`` module that reads the twin's clock."""
+
+    def __init__(self, clock: Any, epoch_ns: int) -> None:
+        self._clock, self._epoch_ns = clock, epoch_ns
+
+    def monotonic_ns(self) -> int:
+        return self._clock()
+
+    def monotonic(self) -> float:
+        return self._clock() / NS
+
+    def time_ns(self) -> int:
+        return self._epoch_ns + self._clock() - T0_NS
+
+    def time(self) -> float:
+        return self.time_ns() / NS
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@contextmanager
+def virtual_time(clock: Any, epoch_ns: int):
+    """The telemetry and the limits watcher read the twin's clock while the
+    twin runs (they read ``time`` themselves; restored after)."""
+    import importlib
+    import pkgutil
+
+    from vllm_output_rate import limits_watch, telemetry
+
+    modules = [limits_watch] + [
+        importlib.import_module(f"{telemetry.__name__}.{info.name}")
+        for info in pkgutil.iter_modules(telemetry.__path__)]
+    shim = VirtualTime(clock, epoch_ns)
+    # every module of the telemetry that reads the ``time`` module itself
+    saved = [(m, m.time) for m in modules if getattr(m, "time", None) is time]
+    for module, _ in saved:
+        module.time = shim
+    try:
+        yield shim
+    finally:
+        for module, before in saved:
+            module.time = before
+
+
+@contextmanager
+def no_watch_thread():
+    """The limits file is looked at by the twin at the workload's times
+    (``check()``), never by a polling thread."""
+    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+
+    before = OutputRateSchedulerMixin.output_rate_watch_thread
+    OutputRateSchedulerMixin.output_rate_watch_thread = False
+    try:
+        yield
+    finally:
+        OutputRateSchedulerMixin.output_rate_watch_thread = before
+
+
+class TwinError(Exception):
+    """A twin run that cannot be made as asked (one line, no traceback)."""
+
+
+def build_parser():
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm_output_rate import plugin
+
+    plugin.register()  # the plugin's options on vLLM's parser
+    parser = FlexibleArgumentParser(
+        prog="vllm-output-rate twin run",
+        description="Run vLLM's scheduler with the output-rate limiter on a workload in "
+                    "virtual time. Takes vllm serve's scheduler and limit options.")
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(model=None)
+    twin = parser.add_argument_group("What-if twin")
+    twin.add_argument("--workload", required=True, help="the workload (JSON Lines)")
+    twin.add_argument("--out", required=True, help="the output directory")
+    twin.add_argument("--step-time", default=None,
+                      help="the step-time model (JSON); default: a fixed estimate")
+    return parser
+
+
+def scheduler_options(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("max_num_seqs", "max_num_active_seqs", "max_num_batched_tokens", "max_model_len",
+             "enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
+             "num_gpu_blocks_override", "block_size", "scheduling_policy")
+    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+
+
+class Twin:
+    """One twin run: ``Twin(argv)`` builds the scheduler, ``run()`` runs it
+    and writes the outputs, returning the summary."""
+
+    def __init__(self, argv: list[str], keep_charges: bool = False) -> None:
+        from vllm_output_rate.tools.scheduler_driver import (
+            FakeClock, config_from_engine_args, scheduler_for_config)
+        from vllm_output_rate.tools.step_time import load_step_time
+        from vllm_output_rate.tools.tiny_model import ensure_tiny_model
+        from vllm_output_rate.tools.twin_report import TwinStats
+        from vllm_output_rate.tools.workload import read_workload
+        from vllm.engine.arg_utils import EngineArgs
+
+        self.args = args = build_parser().parse_args(argv)
+        if getattr(args, "output_rate_shared_state", None):
+            raise TwinError("--output-rate-shared-state: not in the twin (one engine)")
+        self.workload = read_workload(args.workload)
+        self.step_model = load_step_time(args.step_time)
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if args.output_rate_limits_file:  # the run's own copy: the workload rewrites it
+            src = args.output_rate_limits_file
+            copy = self.out / ("limits" + (Path(src).suffix or ".yaml"))
+            try:
+                shutil.copyfile(src, copy)
+            except OSError as exc:
+                raise TwinError(f"--output-rate-limits-file {src}: cannot read it "
+                                f"({exc.strerror or exc})") from None
+            args.output_rate_limits_file = str(copy)
+        if args.model is None:
+            args.model = str(ensure_tiny_model())
+        self.options = scheduler_options(args)
+        engine_args = EngineArgs.from_cli_args(args)
+        engine_args.skip_tokenizer_init = True
+        self.vllm_config = config_from_engine_args(
+            engine_args, async_scheduling=bool(args.async_scheduling))
+        sched_config = self.vllm_config.scheduler_config
+        self.is_async = bool(sched_config.async_scheduling)
+        block_size = self.block_size = self.vllm_config.cache_config.block_size
+        self.max_model_len = self.vllm_config.model_config.max_model_len
+        self._check_workload()
+        blocks = args.num_gpu_blocks_override or max(
+            MIN_BLOCKS, sched_config.max_num_seqs * (-(-self.max_model_len // block_size)) + 1)
+        self.num_blocks = blocks
+        self.clock = FakeClock(T0_NS)
+        with no_watch_thread():
+            self.scheduler = scheduler_for_config(self.vllm_config, num_blocks=blocks,
+                                                  clock=self.clock)
+        self.limited = hasattr(self.scheduler, "output_rate_clock")
+        self.stats = TwinStats(self.scheduler, keep_charges)
+        self.seed = args.seed or 0  # vLLM's --seed: here it seeds the prompts' token ids
+        self.rng = random.Random(self.seed)
+        self.vocab = max(self.vllm_config.model_config.get_vocab_size(), 32)
+
+    def _check_workload(self) -> None:
+        wl, limits_file = self.workload, self.args.output_rate_limits_file
+        for r in wl.requests:
+            if r.prompt_tokens + r.max_tokens > self.max_model_len:
+                raise TwinError(
+                    f"{wl.path}:{r.line}: prompt_tokens + max_tokens = "
+                    f"{r.prompt_tokens + r.max_tokens} exceeds the model length "
+                    f"{self.max_model_len} (--max-model-len)")
+        for change in wl.limits_changes:
+            if limits_file is None:
+                raise TwinError(f"{wl.path}:{change.line}: limits_file: the run has no limits "
+                                f"file to change (give --output-rate-limits-file)")
+
+    # -- the run -------------------------------------------------------------
+
+    def _add(self, req: Any, index: int) -> None:
+        from vllm_output_rate.tools.scheduler_driver import make_request
+
+        rng, vocab = self.rng, self.vocab
+        prompt = [rng.randrange(10, vocab) for _ in range(req.prompt_tokens)]
+        req_id = f"twin-{index}-{req.user}"
+        request = make_request(req.user, prompt=prompt, max_tokens=req.max_tokens,
+                               arrival_time=self.clock() / NS, block_size=self.block_size,
+                               req_id=req_id)
+        self.stats.on_arrival(req_id, req.user, self.clock())
+        self.driver.add(request)
+
+    def _change_limits(self, change: Any) -> None:
+        path = self.args.output_rate_limits_file
+        tmp = f"{path}.tmp"
+        with open(tmp, "wb") as f:  # a new inode, as an editor or a ConfigMap update
+            f.write(change.content)
+        os.replace(tmp, path)
+        watcher = self.scheduler.output_rate_limits_watcher
+        self.limit_changes.append({"t": change.t, "in_force_t": None, "result": watcher.check(),
+                                   "digest": watcher.digest})
+
+    def _idle_until(self, now: int) -> int:
+        """Where the clock goes after a step that ran nothing (the engine
+        loop's idle wait): the throttled users' next budget or the next
+        arrival, whichever is first."""
+        targets = []
+        if self.limited:
+            wake = self.scheduler.output_rate_wake_target_ns()
+            if wake is not None:
+                targets.append(wake)
+        if self.pending:
+            targets.append(T0_NS + round(self.pending[0].t * NS))
+        return max(min(targets), now + 1000) if targets else now + 1_000_000
+
+    def run(self) -> dict[str, Any]:
+        from collections import deque
+
+        from vllm_output_rate.observers import IdleWait
+        from vllm_output_rate.tools.scheduler_driver import Driver, attach_telemetry
+        from vllm_output_rate.tools.workload import WorkloadRequest
+
+        sched, clock, stats = self.scheduler, self.clock, self.stats
+        self.driver = drv = Driver(sched, clock, is_async=self.is_async,
+                                   step_ms_of=self.step_model.step_ms_of(sched),
+                                   stamp_at_end=True, on_update=stats.on_update,
+                                   keep_tokens=False)
+        self.pending = deque(self.workload.events)
+        self.limit_changes: list[dict[str, Any]] = []
+        limits_at_start = None
+        if self.limited:
+            config = sched.output_rate_config
+            limits_at_start = {"default": float(config.default_rate),
+                               "users": {u: float(r) for u, r in config.user_rates.items()},
+                               "source": config.limits_file and Path(config.limits_file).name}
+        wall0 = time.perf_counter()
+        with ExitStack() as stack:
+            stack.enter_context(virtual_time(clock, time.time_ns()))
+            tel = None
+            if self.limited:
+                (self.out / "telemetry").mkdir(exist_ok=True)
+                tel = attach_telemetry(sched, str(self.out / "telemetry"), start_thread=False,
+                                       events_path=str(self.out / "events.jsonl"))
+                (self.out / "events.jsonl").unlink(missing_ok=True)
+            next_export = T0_NS + EXPORT_NS
+            model_steps = index = 0
+            pending = self.pending
+            while True:
+                now = clock()
+                while pending and T0_NS + round(pending[0].t * NS) <= now:
+                    event = pending.popleft()
+                    if isinstance(event, WorkloadRequest):
+                        self._add(event, index)
+                        index += 1
+                    else:
+                        self._change_limits(event)
+                if tel is not None and now >= next_export:
+                    tel.export()
+                    next_export += EXPORT_NS * max(1, (now - next_export) // EXPORT_NS + 1)
+                if not sched.has_requests():
+                    drv.flush()
+                    if sched.has_requests():
+                        continue
+                    if not pending:
+                        break
+                    arrival = T0_NS + round(pending[0].t * NS)
+                    clock.now_ns = max(now, arrival if tel is None else min(next_export, arrival))
+                    continue
+                out = drv.step()
+                if self.limited:
+                    record = sched.output_rate_last_step
+                    stats.on_step(record)
+                    if self.limit_changes and self.limit_changes[-1]["in_force_t"] is None \
+                            and sched.output_rate_config.digest == self.limit_changes[-1]["digest"]:
+                        self.limit_changes[-1]["in_force_t"] = (record.now_ns - T0_NS) / NS
+                if out.total_num_scheduled_tokens:
+                    model_steps += 1
+                else:
+                    target = self._idle_until(now)
+                    if tel is not None:
+                        target = min(target, max(next_export, now + 1000))
+                    clock.now_ns = target
+                    if self.limited and sched.output_rate_observer is not None:
+                        sched.output_rate_observer.on_idle_wait(IdleWait(
+                            (target - now) / NS, sched.output_rate_wake_target_ns(), now,
+                            target, "timeout"))
+            end_ns = clock()
+            stats.finish(end_ns)
+            if tel is not None:
+                for _ in range(2):  # idle at two exports: the log says nothing is throttled
+                    clock.now_ns = max(clock(), next_export)
+                    tel.export()
+                    next_export += EXPORT_NS
+            sched.shutdown()  # closes the watcher and the telemetry (a last export)
+        wall_s = time.perf_counter() - wall0
+        return self._write(limits_at_start, end_ns, wall_s, drv.steps, model_steps, index)
+
+    def _write(self, limits: Any, end_ns: int, wall_s: float, steps: int, model_steps: int,
+               requests: int) -> dict[str, Any]:
+        from vllm_output_rate.internals import installed_vllm_version
+        from vllm_output_rate.tools.twin_report import SCHEMA, render_report
+
+        cls = type(self.scheduler)
+        files = {"summary": "summary.json", "report": "report.md"}
+        if self.limited:
+            files["events"] = "events.jsonl"
+            files["metrics"] = "metrics.txt"
+            (self.out / "metrics.txt").write_bytes(metrics_text(self.out / "telemetry"))
+        summary = {
+            "schema": SCHEMA,
+            "run": {
+                "scheduler": f"{cls.__module__}.{cls.__qualname__}",
+                "upstream_scheduler": not self.limited,
+                "vllm_version": installed_vllm_version(),
+                "async_scheduling": self.is_async,
+                "workload": os.path.basename(self.workload.path),
+                "requests": requests, "seed": self.seed,
+                "limits": limits, "limits_changes": [
+                    {k: c[k] for k in ("t", "in_force_t", "result")} for c in self.limit_changes],
+                "step_time": {**self.step_model.to_json(), "is_estimate": self.step_model.is_estimate},
+                "virtual_s": round((end_ns - T0_NS) / NS, 6), "wall_s": round(wall_s, 3),
+                "steps": steps, "model_steps": model_steps,
+                "num_gpu_blocks": self.num_blocks, "options": self.options,
+            },
+            "users": self.stats.user_summary(),
+            "files": files,
+        }
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (self.out / "report.md").write_text(render_report(summary))
+        return summary
+
+
+def metrics_text(telemetry_dir: Path) -> bytes:
+    """The telemetry's snapshot as ``/metrics`` shows it (Prometheus text)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from vllm_output_rate.telemetry.collector import SnapshotCollector
+
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(str(telemetry_dir)))
+    return generate_latest(registry)
+
+
+USAGE = """usage: vllm-output-rate twin run --workload FILE --out DIR [options]
+       vllm-output-rate twin workload {flood,tiers,bursts,clients} --out FILE [options]
+"""
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "workload":
+        from vllm_output_rate.tools.workload import main as workload_main
+
+        return workload_main(rest)
+    if command != "run":
+        print(f"vllm-output-rate twin: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        return 2
+    from vllm_output_rate.config import OutputRateConfigError
+    from vllm_output_rate.tools.step_time import StepTimeError
+    from vllm_output_rate.tools.workload import WorkloadError
+
+    try:
+        twin = Twin(rest)
+        summary = twin.run()
+    except (TwinError, WorkloadError, StepTimeError, OutputRateConfigError) as exc:
+        print(f"vllm-output-rate twin run: error: {exc}", file=sys.stderr)
+        return 2
+    run = summary["run"]
+    print(f"{run['virtual_s']:.1f} virtual s in {run['wall_s']:.1f} wall s, {run['steps']} "
+          f"steps, {len(summary['users'])} users: {twin.out / 'report.md'}")
+    return 0
