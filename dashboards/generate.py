@@ -1268,20 +1268,27 @@ def provisioning() -> dict[str, Any]:
     }]}
 
 
+def write_outputs(files: dict[str, str], root: Path, check: bool) -> list[str]:
+    """Write each generated file (path relative to ``root`` -> content) that
+    differs from what is on disk, or with ``check`` write nothing; the
+    paths that differed. (Also the docs generator's, ``tools.gen_docs``.)"""
+    stale = []
+    for rel, content in files.items():
+        path = root / rel
+        if path.exists() and path.read_text() == content:
+            continue
+        stale.append(rel)
+        if not check:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(content)
+    return stale
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--check", action="store_true", help="exit 1 when a file differs")
     args = parser.parse_args(argv)
-    stale = []
-    for rel, content in outputs().items():
-        path = HERE / rel
-        current = path.read_text() if path.exists() else None
-        if current == content:
-            continue
-        stale.append(rel)
-        if not args.check:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(content)
+    stale = write_outputs(outputs(), HERE, args.check)
     verb = "differ from the generator" if args.check else "written"
     print(f"{len(stale)} file(s) {verb}" + (": " + ", ".join(stale) if stale else ""))
     return 1 if args.check and stale else 0

@@ -24,7 +24,7 @@ import sys
 import time
 
 from vllm_output_rate.tools.scheduler_driver import (
-    FakeClock,
+    VirtualClock,
     attach_telemetry,
     make_request,
     make_scheduler,
@@ -60,7 +60,7 @@ def build(limited: bool, running: int, users: int, throttled_share: float):
         # each scheduler its own budgets: nothing left over from another row
         redis.Redis.from_url(SHARED_STATE).flushdb()
         limits["shared_state"] = SHARED_STATE
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(
         limits, clock=clock, num_blocks=running * 64, max_num_seqs=running,
         max_num_batched_tokens=max(2048, running * PROMPT), max_model_len=4096,

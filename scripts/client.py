@@ -234,6 +234,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, every_s: float) -> bool:
+    """Poll ``url`` until it answers 200 (True), ``proc`` exits or
+    ``timeout_s`` passes (False: the caller tells which)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(url, timeout=min(2.0, 2 * every_s)).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(every_s)
+    return False
+
+
 class Server:
     """``vllm-output-rate serve`` in a subprocess, on loopback."""
 
@@ -275,17 +289,11 @@ class Server:
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True, cwd=self.cwd)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}\n"
-                                   + self.log_tail())
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
+        if wait_ready(self.proc, f"{self.base_url}/health", timeout_s, 1.0):
+            return self
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited with {self.proc.returncode}; log: {self.log_path}\n"
+                               + self.log_tail())
         self.stop()
         raise TimeoutError(f"server not ready after {timeout_s}s; log: {self.log_path}\n" + self.log_tail())
 

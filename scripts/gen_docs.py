@@ -10,7 +10,9 @@
   ``plugin.add_output_rate_args`` builds) and the ``vllm-output-rate``
   commands (``scripts/cli.py``);
 - ``docs/alerts.md``: the alert rules, ``dashboards/prometheus/alerts.rules.yaml``
-  (itself generated from the metric table and ``dashboards/thresholds.yaml``).
+  (itself generated from the metric table and ``dashboards/thresholds.yaml``);
+- ``docs/layout.md``: every module of the installed folders, with the first
+  paragraph of its docstring.
 
 ``tests/test_docs.py`` fails when a page differs from what this writes.
 """
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from vllm_output_rate import plugin, settings
 from vllm_output_rate.config import ADDITIONAL_CONFIG_KEY
+from vllm_output_rate.dashboards.generate import write_outputs
 from vllm_output_rate.telemetry import metrics
 from vllm_output_rate.tools import cli
 
@@ -176,10 +179,62 @@ def alerts_page() -> str:
     return HEAD.format(source="`dashboards/prometheus/alerts.rules.yaml`") + "\n".join(lines)
 
 
+#: repository folder -> (installed as, what it holds), in the order imports point
+FOLDERS = {
+    "vllm_patch": ("vllm_output_rate", "the engine plugin: all that runs inside vLLM's "
+                   "processes (imports nothing of the folders below)"),
+    "telemetry": ("vllm_output_rate.telemetry", "engine-side metrics, the event log and the "
+                  "introspection endpoints: an observer of the engine plugin"),
+    "tracing": ("vllm_output_rate.tracing", "OpenTelemetry spans of the limiter, driven by "
+                "the telemetry"),
+    "dashboards": ("vllm_output_rate.dashboards", "Grafana dashboards, Prometheus rules and "
+                   "their tests, thresholds, runbook, provisioning, Kubernetes and nginx "
+                   "examples (the files ship in the wheel)"),
+    "scripts": ("vllm_output_rate.tools", "user-side tools: the `vllm-output-rate` command "
+                "and what it runs, benchmarks, simulators, the what-if twin"),
+}
+
+
+def _summary(path: Path) -> str:
+    """A module's docstring, its first paragraph."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def layout_page(root: Path | None = None) -> str:
+    root = root or DASHBOARDS.parent
+    lines = [
+        "# Layout",
+        "",
+        "One folder per part; installed, they are one namespace. Imports point one way: "
+        "tools -> dashboards -> telemetry/tracing -> engine plugin (`tests/test_layers.py` "
+        "checks it: no circles, no `sys.path` edits). Paths below are checkout paths; a "
+        "module `telemetry/folds.py` imports as `vllm_output_rate.telemetry.folds`.",
+        "",
+        *_table(("folder", "installed as", "what"),
+                [(f"`{folder}/`", f"`{package}`", what) for folder, (package, what) in FOLDERS.items()]
+                + [("`scripts/setup/`", "not installed", "the shell scripts of `make`: the "
+                    "virtual environment, Debian's Prometheus, nginx and Redis, vLLM wheels "
+                    "for the version matrix"),
+                   ("`tests/`", "not installed", "unit, property, scheduler, layering, docs, "
+                    "package and end-to-end tests: [tests/README.md](../tests/README.md)"),
+                   ("`docs/`", "not installed", "these pages")]),
+    ]
+    for folder in FOLDERS:
+        modules = sorted((root / folder).glob("*.py"))
+        lines += [f"## `{folder}/`", "",
+                  *_table(("module", "what it holds"),
+                          [(f"`{folder}/{m.name}`", _summary(m)) for m in modules])]
+    return (HEAD.format(source="each module's docstring (its first paragraph)")
+            + "\n".join(lines))
+
+
 #: page (relative to the checkout) -> its text
 def pages() -> dict[str, str]:
     return {"docs/metrics.md": metrics_page(), "docs/settings.md": settings_page(),
-            "docs/alerts.md": alerts_page()}
+            "docs/alerts.md": alerts_page(), "docs/layout.md": layout_page()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,16 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="write nothing; exit 1 naming every page that differs")
     args = parser.parse_args(argv)
-    root = Path(args.root)
-    stale = []
-    for rel, text in pages().items():
-        path = root / rel
-        if path.exists() and path.read_text() == text:
-            continue
-        stale.append(rel)
-        if not args.check:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+    stale = write_outputs(pages(), Path(args.root), args.check)
     verb = "stale" if args.check else "written"
     print(f"{verb}: {', '.join(stale)}" if stale else "docs: up to date")
     return 1 if args.check and stale else 0

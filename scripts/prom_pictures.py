@@ -35,6 +35,7 @@ import httpx
 
 from vllm_output_rate.dashboards import generate
 from vllm_output_rate.dashboards.promql import render
+from vllm_output_rate.tools.client import wait_ready
 
 Series = dict[str, list[tuple[float, float]]]
 
@@ -278,16 +279,10 @@ class LocalPrometheus:
              f"--storage.tsdb.path={self.workdir / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}"],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited; log: {self.workdir / 'prometheus.log'}")
-            try:
-                if httpx.get(f"{self.url}/-/ready", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        if wait_ready(self.proc, f"{self.url}/-/ready", timeout_s, 0.5):
+            return self
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited; log: {self.workdir / 'prometheus.log'}")
         self.stop()
         raise TimeoutError("prometheus not ready")
 

@@ -1,8 +1,10 @@
-"""Drive the real vLLM scheduler on the CPU: real KV cache manager, controlled
-model outputs, a fake clock. No engine, no model execution.
+"""The virtual engine: vLLM's real scheduler on the CPU, its real KV cache
+manager, controlled model outputs (one sampled token per scheduled request),
+a virtual clock. No engine process, no model execution.
 
-Used by the scheduler benchmark (``bench_scheduler``) and the scheduler
-tests. ``model`` defaults to the tiny generated model.
+The what-if twin (``twin``) runs on it, as do the scheduler benchmark
+(``bench_scheduler``), the stress runner's scheduler-level cases and the
+scheduler-level tests. ``model`` defaults to the tiny generated model.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ def cpu_platform_without_kernels():
         triton_utils.HAS_TRITON = before
 
 
-class FakeClock:
-    """Monotonic ns clock moved by hand."""
+class VirtualClock:
+    """A monotonic ns clock that moves only when told (virtual time)."""
 
     def __init__(self, start_ns: int = 1_000_000_000_000) -> None:
         self.now_ns = start_ns
@@ -155,7 +157,7 @@ def make_scheduler(
     limits: dict[str, Any] | None,
     *,
     num_blocks: int = 10_000,
-    clock: FakeClock | None = None,
+    clock: VirtualClock | None = None,
     **config_kwargs: Any,
 ):
     """The scheduler vLLM would build for this config (ours when limited)."""
@@ -164,7 +166,7 @@ def make_scheduler(
 
 
 def scheduler_for_config(vllm_config, *, num_blocks: int = 10_000,
-                         clock: FakeClock | None = None):
+                         clock: VirtualClock | None = None):
     """The scheduler class of ``vllm_config`` over a KV cache of
     ``num_blocks`` blocks (no tensors), as the engine core builds it."""
     block_size = vllm_config.cache_config.block_size
@@ -280,7 +282,7 @@ class Driver:
     """
 
     scheduler: Any
-    clock: FakeClock | None = None
+    clock: VirtualClock | None = None
     step_ms: float = 10.0
     is_async: bool = False
     #: request id -> list of (step, now_ns) for each delivered token

@@ -677,7 +677,7 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
     from vllm_output_rate.scheduler import CLEANUP_EVERY_STEPS
     from vllm_output_rate.telemetry.books import USER_STATES_CAP
     from vllm_output_rate.tools.scheduler_driver import (
-        FakeClock,
+        VirtualClock,
         attach_telemetry,
         make_request,
         make_scheduler,
@@ -690,7 +690,7 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
                       "user label capped; no per-request state left; per-user state bounded; "
                       "limiter users dropped when idle; RSS flat over the second half")
     t0 = time.perf_counter()
-    clock = FakeClock()
+    clock = VirtualClock()
     in_flight = batch * (2 + max_tokens * 100 // max(1, limit))
     sched = make_scheduler({"default_user_output_tokens_per_second": limit}, clock=clock, model=model,
                            max_num_seqs=in_flight, max_num_batched_tokens=16 * in_flight,

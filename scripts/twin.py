@@ -153,7 +153,7 @@ class Twin:
 
     def __init__(self, argv: list[str], keep_charges: bool = False) -> None:
         from vllm_output_rate.tools.scheduler_driver import (
-            FakeClock, config_from_engine_args, scheduler_for_config)
+            VirtualClock, config_from_engine_args, scheduler_for_config)
         from vllm_output_rate.tools.step_time import load_step_time
         from vllm_output_rate.tools.tiny_model import ensure_tiny_model
         from vllm_output_rate.tools.twin_report import TwinStats
@@ -191,7 +191,7 @@ class Twin:
         blocks = args.num_gpu_blocks_override or max(
             MIN_BLOCKS, sched_config.max_num_seqs * (-(-self.max_model_len // block_size)) + 1)
         self.num_blocks = blocks
-        self.clock = FakeClock(T0_NS)
+        self.clock = VirtualClock(T0_NS)
         with no_watch_thread():
             self.scheduler = scheduler_for_config(self.vllm_config, num_blocks=blocks,
                                                   clock=self.clock)

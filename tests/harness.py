@@ -13,7 +13,7 @@ from vllm_output_rate.tools.scheduler_driver import (  # noqa: F401  (re-exporte
     EOS_TOKEN,
     SAMPLED_TOKEN,
     Driver,
-    FakeClock,
+    VirtualClock,
     attach_telemetry,
     make_request,
     model_output_for,

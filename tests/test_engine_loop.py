@@ -16,7 +16,7 @@ import queue
 import pytest
 from vllm.v1.engine.core import EngineCoreProc
 
-from harness import Driver, FakeClock, make_request, make_scheduler
+from harness import Driver, VirtualClock, make_request, make_scheduler
 from vllm_output_rate import engine_loop
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
@@ -57,7 +57,7 @@ class EngineStandIn:
 
 
 def _engine(is_async: bool):
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler({"default_user_output_tokens_per_second": 2}, clock=clock,
                            async_scheduling=is_async)
     driver = Driver(sched, clock, step_ms=10.0, is_async=is_async)

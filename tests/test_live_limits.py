@@ -14,7 +14,7 @@ import pytest
 
 from harness import (
     Driver,
-    FakeClock,
+    VirtualClock,
     limit_at,
     limit_integral,
     make_request,
@@ -49,7 +49,7 @@ def write(path, text):
 
 
 def setup(path, is_async=False):
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(load_limits_file(str(path)).to_dict(), clock=clock,
                            async_scheduling=is_async)
     drv = Driver(sched, clock, step_ms=10.0, is_async=is_async)
@@ -172,7 +172,7 @@ def test_shared_unlisted_users_spend_one_budget(tmp_path):
     path = tmp_path / "limits.yaml"
     write(path, "default: 10\nusers: {vip: 1000}\n")
     config = OutputRateConfig.from_options(None, None, str(path), "shared")
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(config.to_dict(), clock=clock, max_num_seqs=64)
     drv = Driver(sched, clock, step_ms=10.0)
     # 50 invented ids: one default budget between them
@@ -199,9 +199,9 @@ def test_a_file_changed_before_the_engine_started_is_read_at_once(tmp_path):
     write(path, "default: 5\n")
     carried = load_limits_file(str(path)).to_dict()
     write(path, "default: 9\n")
-    sched = make_scheduler(carried, clock=FakeClock())
+    sched = make_scheduler(carried, clock=VirtualClock())
     assert sched.output_rate_limits_watcher.results["loaded"] == 1
-    Driver(sched, FakeClock()).step()
+    Driver(sched, VirtualClock()).step()
     assert sched.output_rate_limiter.default_rate == 9
 
 
@@ -251,7 +251,7 @@ def test_telemetry_follows_a_reload(tmp_path):
 
     path = tmp_path / "limits.yaml"
     write(path, "default: 100\nusers: {user-a: 20, gone: 3}\n")
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(load_limits_file(str(path)).to_dict(), clock=clock)
     events = tmp_path / "events.jsonl"
     tel = attach_telemetry(sched, str(tmp_path), start_thread=False, events_path=str(events))

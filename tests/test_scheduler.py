@@ -12,7 +12,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from harness import Driver, FakeClock, make_request, make_scheduler, observe_steps, scheduled_ids
+from harness import Driver, VirtualClock, make_request, make_scheduler, observe_steps, scheduled_ids
 from vllm_output_rate import config as orl_config
 from vllm_output_rate import scheduler as orl_scheduler
 from vllm_output_rate.limiter import OutputRateLimiter
@@ -70,7 +70,7 @@ def limits(default, **users):
 
 
 def setup(lim, is_async=False, step_ms=10.0, **kw):
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(lim, clock=clock, async_scheduling=is_async, **kw)
     return sched, Driver(sched, clock, step_ms=step_ms, is_async=is_async), clock
 

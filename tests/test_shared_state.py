@@ -375,11 +375,11 @@ def test_two_real_schedulers_share_one_users_budget(store_url, is_async, monkeyp
     """vLLM's own Scheduler / AsyncScheduler and KV cache manager, two of
     them on one fake clock, sharing user-a's budget through the real store;
     the lease threads' rounds run between steps (their threads off)."""
-    from harness import Driver, FakeClock, make_request, make_scheduler
+    from harness import Driver, VirtualClock, make_request, make_scheduler
     from vllm_output_rate.scheduler import OutputRateSchedulerMixin
 
     monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
-    clock = FakeClock()
+    clock = VirtualClock()
     limits = {"default_user_output_tokens_per_second": 20,
               "user_output_tokens_per_second": {"user-b": 1000},
               "shared_state": store_url}

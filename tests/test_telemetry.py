@@ -9,7 +9,7 @@ import os
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from harness import Driver, FakeClock, attach_telemetry, make_request, make_scheduler, observe_steps
+from harness import Driver, VirtualClock, attach_telemetry, make_request, make_scheduler, observe_steps
 from vllm_output_rate.scheduler import OutputRateAsyncScheduler
 from vllm_output_rate.telemetry.collector import SnapshotCollector
 from vllm_output_rate.telemetry.labels import OTHER
@@ -22,7 +22,7 @@ def limits(default, **users):
 
 
 def setup(tmp_path, lim, top_k=100, **kw):
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(lim, clock=clock, **kw)
     tel = attach_telemetry(sched, str(tmp_path), top_k=top_k, start_thread=False)
     return sched, Driver(sched, clock, step_ms=10.0), tel
@@ -294,7 +294,7 @@ def test_snapshot_is_json(tmp_path):
 def events_setup(tmp_path, lim, monkeypatch, **kw):
     import vllm_output_rate.telemetry.engine as engine_mod
 
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(lim, clock=clock, **kw)
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", clock)
     path = tmp_path / "events.jsonl"
@@ -582,7 +582,7 @@ def _run_churn(tmp_path, monkeypatch, defer: bool, inbox_cap: int | None = None)
 
     if inbox_cap is not None:
         monkeypatch.setattr(intake_mod, "INBOX_CAP", inbox_cap)
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(limits(1000, a=15, b=40, c=200), clock=clock)
     tel = attach_telemetry(sched, str(tmp_path), top_k=100, start_thread=False, defer=defer)
     drv = Driver(sched, clock, step_ms=10.0)
@@ -694,7 +694,7 @@ def test_throttle_episodes_follow_the_scheduler_step_by_step(tmp_path_factory, s
     from collections import defaultdict
 
     rng = random.Random(seed)
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(limits(1000, a=rng.choice([10, 30, 150]), b=rng.choice([15, 60])),
                            clock=clock, max_num_seqs=8, max_num_active_seqs=active)
     tel = attach_telemetry(sched, str(tmp_path_factory.mktemp("episodes")), start_thread=False,
@@ -773,7 +773,7 @@ def test_skips_counted_by_episode_equal_skips_counted_per_request(tmp_path_facto
     from vllm.v1.request import RequestStatus
 
     rng = random.Random(seed)
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(limits(1000, a=rng.choice([10, 30]), b=rng.choice([15, 60]), c=200),
                            clock=clock, max_num_seqs=8, max_num_active_seqs=active,
                            max_num_batched_tokens=batched)
@@ -832,7 +832,7 @@ def test_every_throttled_request_has_an_episode_open_after_its_step(tmp_path_fac
     import random
 
     rng = random.Random(seed)
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(limits(1000, a=rng.choice([10, 25]), b=rng.choice([15, 40])),
                            clock=clock, max_num_seqs=12)
     tel = attach_telemetry(sched, str(tmp_path_factory.mktemp("open")), start_thread=False,

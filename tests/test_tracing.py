@@ -9,7 +9,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from harness import (Driver, FakeClock, OtlpHttpReceiver, attach_telemetry, make_request, make_scheduler,
+from harness import (Driver, VirtualClock, OtlpHttpReceiver, attach_telemetry, make_request, make_scheduler,
                      observe_steps)
 
 from vllm_output_rate.internals import SchedulerView
@@ -47,7 +47,7 @@ def setup(tmp_path, exporter, lim, background=True, throttle_min_s=0.0, **kw):
     setting's)."""
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(lim, clock=clock, **kw)
     recorder = SpanRecorder(provider.get_tracer("test"), SchedulerView(sched), clock_offset_ns=0,
                             background=background)
@@ -583,7 +583,7 @@ def _counting_provider(exporter, max_queue=2048):
 @pytest.mark.parametrize("raise_instead", [False, True])
 def test_failed_exports_are_counted_and_reach_the_metrics(tmp_path, raise_instead):
     provider, drops = _counting_provider(_FailingExporter(raise_instead))
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(limits(1000, a=10), clock=clock)
     recorder = SpanRecorder(provider.get_tracer("test"), SchedulerView(sched), clock_offset_ns=0)
     recorder.drops, recorder.provider = drops, provider
@@ -643,7 +643,7 @@ def _three_requests_with_env_traces(tmp_path, also_to=None):
     assert provider is not None
     if also_to is not None:
         provider.add_span_processor(SimpleSpanProcessor(also_to))
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(limits(1000, a=10), clock=clock)
     recorder = SpanRecorder(tracer_from(provider), SchedulerView(sched), clock_offset_ns=0)
     recorder.drops, recorder.provider = drops, provider
@@ -907,7 +907,7 @@ def test_spans_are_built_off_the_schedulers_thread_with_a_bounded_counted_queue(
     the rest are built."""
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    clock = FakeClock()
+    clock = VirtualClock()
     sched = make_scheduler(limits(1000, a=20), clock=clock)
     rec = SpanRecorder(provider.get_tracer("test"), SchedulerView(sched), clock_offset_ns=0, background=False)
     rec.drops.max_queue = 6
