@@ -78,3 +78,19 @@ def test_the_checks_see_what_they_check():
     assert init_attributes(tree.body[0]) == {"a", "b", "c", "d"}
     assert len(MODULES) > 20
     assert all(m in {rel(p) for p in MODULES} for m in LONG_MODULES)
+
+
+def test_the_parser_imports_nothing_heavy():
+    """``config`` (the options and the limits file) imports no vLLM, no
+    Redis, no YAML until a file is read, and of the project only the shared
+    state's option parser."""
+    import subprocess
+    import sys
+
+    code = ("import sys, vllm_output_rate.config; "
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('vllm', 'redis', 'yaml', 'torch', 'vllm_output_rate'))))")
+    loaded = set(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                check=True).stdout.split())
+    assert loaded == {"vllm_output_rate", "vllm_output_rate.config",
+                      "vllm_output_rate.shared_settings"}, loaded
