@@ -31,6 +31,7 @@ from operator import le
 from typing import Any
 
 from vllm_output_rate.observers import (
+    EngineOutputs,
     EngineView,
     IdleWait,
     LimitsChange,
@@ -252,7 +253,7 @@ class Intake(Inbox, OutputRateObserver):
         return (list(map(view.kv_blocks_held, throttled)), requests,
                 {user: view.ready_at_ns(user) for user in requests}, gone)
 
-    def on_outputs(self, outputs: dict[int, Any]) -> None:
+    def on_outputs(self, outputs: EngineOutputs) -> None:
         """The engine outputs of one ``update_from_output``: when, and
         whether anything is still running.
 

@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Sequence
 
 if TYPE_CHECKING:
     from vllm_output_rate.config import OutputRateConfig
@@ -162,6 +162,26 @@ class RequestFacts(NamedTuple):
     identity: str | None = None
 
 
+class OutputLike(Protocol):
+    """What an observer reads of one request's output in an update (vLLM's
+    ``EngineCoreOutput``, a msgspec struct made by ``update_from_output``)."""
+
+    request_id: str
+    new_token_ids: list[int]
+    #: None while the request runs; vLLM's ``FinishReason`` when it ended
+    finish_reason: Any
+
+
+class OutputsLike(Protocol):
+    """One client's outputs of an update (vLLM's ``EngineCoreOutputs``)."""
+
+    outputs: Sequence[OutputLike]
+
+
+#: What ``update_from_output`` returns: client index -> its outputs.
+EngineOutputs = dict[int, OutputsLike]
+
+
 class EngineView(ABC):
     """Read-only access to the engine an observer watches. Implemented over
     vLLM's scheduler in ``internals.SchedulerView``; every read costs a dict
@@ -258,11 +278,11 @@ class OutputRateObserver(ABC):
         """After every ``schedule()``, with what the limiter did in it."""
 
     @abstractmethod
-    def on_outputs(self, outputs: Mapping[int, Any]) -> None:
+    def on_outputs(self, outputs: EngineOutputs) -> None:
         """After every ``update_from_output()``, with the engine outputs it
         returned (vLLM's ``EngineCoreOutputs`` per client: the serializable
-        structs the front-end receives; read ``request_id``,
-        ``new_token_ids``, ``finish_reason`` of each ``outputs`` entry)."""
+        structs the front-end receives; an observer reads only what
+        ``OutputsLike`` and ``OutputLike`` name)."""
 
     @abstractmethod
     def on_aborted(self, aborted: list[tuple[str, str]], now_ns: int) -> None:
@@ -296,7 +316,7 @@ class _FanOut(OutputRateObserver):
         for observer in self.observers:
             observer.on_step(step)
 
-    def on_outputs(self, outputs: Mapping[int, Any]) -> None:
+    def on_outputs(self, outputs: EngineOutputs) -> None:
         for observer in self.observers:
             observer.on_outputs(outputs)
 
