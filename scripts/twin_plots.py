@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import Any
 
 MAX_USERS = 8
+#: A rate timeline's points at most: longer runs are drawn as means over
+#: several seconds.
+MAX_POINTS = 60
 
 
 def _pyplot():
@@ -53,12 +56,21 @@ def _colors(users: list[str]) -> dict[str, Any]:
     return {u: cmap(i % 10) for i, u in enumerate([*users, "others"])}
 
 
+def _binned(series: list[float], k: int) -> list[float]:
+    """Means over ``k`` buckets (a long run's rates read as a trend)."""
+    return [sum(series[i:i + k]) / len(series[i:i + k]) for i in range(0, len(series), k)]
+
+
 def draw_rate(ax: Any, tl: dict[str, Any], users: list[str], colors: dict[str, Any]) -> None:
-    for user, series in _grouped(tl["rate"], users).items():
-        xs = [(i + 0.5) * tl["bucket_s"] for i in range(len(series))]
-        ax.plot(xs, series, label=user, color=colors[user], linewidth=1.2)
+    grouped = _grouped(tl["rate"], users)
+    longest = max(map(len, grouped.values()), default=0)
+    k = max(1, -(-longest // MAX_POINTS))
+    for user, series in grouped.items():
+        ys = _binned(series, k)
+        xs = [(i + 0.5) * k * tl["bucket_s"] for i in range(len(ys))]
+        ax.plot(xs, ys, label=user, color=colors[user], linewidth=1.2)
     ax.set_xlabel("virtual time (s)")
-    ax.set_ylabel("output tok/s (per second)")
+    ax.set_ylabel(f"output tok/s (mean over {k * tl['bucket_s']:g} s)")
     ax.grid(alpha=0.3)
 
 
