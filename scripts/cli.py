@@ -32,7 +32,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "soak": ("vllm_output_rate.tools.soak",
              "mixed load for a long while: conformance, completion, memory and step-time slopes"),
     "twin": ("vllm_output_rate.tools.twin",
-             "what-if twin: vLLM's scheduler and the limiter on a workload in virtual time"),
+             "what-if twin: vLLM's scheduler and the limiter on a workload in virtual time "
+             "(run, compare, workload, calibrate)"),
 }
 
 

@@ -48,6 +48,10 @@ STEP_TIME_SCHEMA: dict[str, Any] = {
                                                "(computed tokens of the scheduled requests)"},
         "source": {"enum": list(SOURCES), "default": "hand"},
         "note": {"type": "string"},
+        "fit": {"type": "object", "description": "a measured model's fit (twin calibrate): "
+                "steps, r2, median_rel_error, p90_rel_error, ..."},
+        "estimate": {"type": "object", "description": "a roofline estimate's inputs (twin "
+                     "calibrate --gpu): the GPU and the model's shapes"},
     },
 }
 
@@ -66,13 +70,15 @@ class StepTimeModel:
     note: str = ""
     kind: str = "linear"
     version: int = VERSION
+    fit: dict[str, Any] | None = None
+    estimate: dict[str, Any] | None = None
 
     @property
     def is_estimate(self) -> bool:
         return self.source == "estimate"
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
     def seconds(self, decodes: int, prefill_tokens: int, context_tokens: int) -> float:
         if not (decodes or prefill_tokens):
@@ -145,7 +151,13 @@ def parse_step_time(data: Any, where: str = "step-time") -> StepTimeModel:
     note = data.get("note", "")
     if not isinstance(note, str):
         raise StepTimeError(f"{where}: note: expected a string, got {note!r}")
-    return StepTimeModel(**terms, source=source, note=note)
+    extra = {}
+    for key in ("fit", "estimate"):
+        if key in data:
+            if not isinstance(data[key], dict):
+                raise StepTimeError(f"{where}: {key}: expected an object, got {data[key]!r}")
+            extra[key] = data[key]
+    return StepTimeModel(**terms, source=source, note=note, **extra)
 
 
 def load_step_time(path: str | None) -> StepTimeModel:

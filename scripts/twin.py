@@ -4,7 +4,9 @@ clock on a workload file.
 
 ``vllm-output-rate twin run --workload FILE --out DIR [--model DIR]
 [--step-time FILE] [--seed N] [vllm serve's scheduler and limit options]``
-``vllm-output-rate twin workload flood|tiers|bursts|clients --out FILE ...``
+``vllm-output-rate twin workload flood|tiers|bursts|clients|burstgpt --out FILE ...``
+``vllm-output-rate twin compare --config NAME="OPTIONS" ... --workload FILE --out DIR``
+(``twin_compare``), ``vllm-output-rate twin calibrate ...`` (``twin_calibrate``)
 
 The options are parsed by vLLM's own ``EngineArgs`` parser with the
 plugin's options added (``--max-num-seqs``, ``--max-num-batched-tokens``,
@@ -27,7 +29,7 @@ engine loop's idle wait. A workload's limits line rewrites the run's copy
 of the limits file at its time and the scheduler's watcher reads it then.
 
 Outputs in ``--out``: ``summary.json`` (``twin_report.SUMMARY_SCHEMA``),
-``report.md``, and with limits the engine event log ``events.jsonl`` and
+``report.md`` with its plots (``plot-*.png``, ``twin_plots``), and with limits the engine event log ``events.jsonl`` and
 the Prometheus text ``metrics.txt`` that the real telemetry writes, in
 virtual time (its snapshot in ``telemetry/``); the limits file it ran on
 (``limits.*``).
@@ -137,6 +139,8 @@ def build_parser():
     twin.add_argument("--out", required=True, help="the output directory")
     twin.add_argument("--step-time", default=None,
                       help="the step-time model (JSON); default: a fixed estimate")
+    twin.add_argument("--no-plots", action="store_true",
+                      help="no plots in report.md (per-user rate, TTFT CDF, KV held throttled)")
     return parser
 
 
@@ -196,7 +200,7 @@ class Twin:
             self.scheduler = scheduler_for_config(self.vllm_config, num_blocks=blocks,
                                                   clock=self.clock)
         self.limited = hasattr(self.scheduler, "output_rate_clock")
-        self.stats = TwinStats(self.scheduler, keep_charges)
+        self.stats = TwinStats(self.scheduler, keep_charges, T0_NS)
         self.seed = args.seed or 0  # vLLM's --seed: here it seeds the prompts' token ids
         self.rng = random.Random(self.seed)
         self.vocab = max(self.vllm_config.model_config.get_vocab_size(), 32)
@@ -363,6 +367,10 @@ class Twin:
             "users": self.stats.user_summary(),
             "files": files,
         }
+        if not self.args.no_plots:
+            from vllm_output_rate.tools.twin_plots import run_plots
+
+            summary["plots"] = run_plots(self.stats.timeline(), self.out)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         (self.out / "report.md").write_text(render_report(summary))
         return summary
@@ -380,8 +388,36 @@ def metrics_text(telemetry_dir: Path) -> bytes:
 
 
 USAGE = """usage: vllm-output-rate twin run --workload FILE --out DIR [options]
+       vllm-output-rate twin compare --workload FILE --out DIR --config NAME="OPTIONS" \
+           --config NAME="OPTIONS" [...] [options of every run]
        vllm-output-rate twin workload {flood,tiers,bursts,clients} --out FILE [options]
+       vllm-output-rate twin workload burstgpt --trace FILE.csv --users RULE --out FILE [options]
+       vllm-output-rate twin calibrate --events FILE [--prompts FILE] --out FILE
+       vllm-output-rate twin calibrate --url URL --model NAME --events FILE --out FILE
+       vllm-output-rate twin calibrate --model DIR --gpu NAME --out FILE
 """
+
+
+def compare_main(argv: list[str]) -> int:
+    from vllm_output_rate.config import OutputRateConfigError
+    from vllm_output_rate.tools import twin_compare
+    from vllm_output_rate.tools.step_time import StepTimeError
+    from vllm_output_rate.tools.workload import WorkloadError
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(twin_compare.__doc__.split("\n\n", 2)[1])
+        return 0 if argv else 2
+    plots = "--no-plots" not in argv
+    try:
+        doc = twin_compare.run_compare([a for a in argv if a != "--no-plots"], Twin, plots)
+    except (twin_compare.CompareError, TwinError, WorkloadError, StepTimeError,
+            OutputRateConfigError) as exc:
+        print(f"vllm-output-rate twin compare: error: {exc}", file=sys.stderr)
+        return 2
+    names = [c["name"] for c in doc["configs"]]
+    print(f"{len(names)} configurations, {len(doc['users'])} users: compare.md, compare.json "
+          f"beside the runs' folders {', '.join(n + '/' for n in names)}")
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -393,6 +429,12 @@ def main(argv: list[str]) -> int:
         from vllm_output_rate.tools.workload import main as workload_main
 
         return workload_main(rest)
+    if command == "compare":
+        return compare_main(rest)
+    if command == "calibrate":
+        from vllm_output_rate.tools.twin_calibrate import main as calibrate_main
+
+        return calibrate_main(rest)
     if command != "run":
         print(f"vllm-output-rate twin: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2

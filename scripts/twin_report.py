@@ -31,6 +31,8 @@ from vllm_output_rate.tools.stats import quantile
 
 SCHEMA = 1
 NS = 1_000_000_000
+#: The plots' time buckets (virtual ns).
+BUCKET_NS = NS
 QUANTILES = (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
 
 _QUANTILES_OBJ = {"type": ["object"], "properties": {
@@ -68,6 +70,8 @@ SUMMARY_SCHEMA: dict[str, Any] = {
                 "max": {"type": "integer"}, "mean": {"type": ["number", "null"]}}},
             "kv_block_s": {"type": "number"}}}},
         "files": {"type": "object", "description": "the other outputs, relative to --out"},
+        "plots": {"type": "object", "description": "the report's plots (rate, ttft, "
+                  "kv_throttled: PNG files relative to --out); absent with --no-plots"},
     },
 }
 
@@ -91,7 +95,7 @@ class _User:
 class TwinStats:
     """Folds the twin's arrivals, steps and outputs into per-user figures."""
 
-    def __init__(self, scheduler: Any, keep_charges: bool = False) -> None:
+    def __init__(self, scheduler: Any, keep_charges: bool = False, t0_ns: int = 0) -> None:
         self._kv = scheduler.kv_cache_manager
         self.users: dict[str, _User] = defaultdict(_User)
         #: request id -> [user, arrival ns, last token ns or None] (finished
@@ -101,6 +105,11 @@ class TwinStats:
         self._thr: tuple[int, dict[str, tuple[int, int]]] | None = None
         #: (ns, user, tokens charged) per step and user, when kept (tests)
         self.charges: list[tuple[int, str, int]] | None = [] if keep_charges else None
+        #: for the plots, per virtual second (index from the clock's start):
+        #: user -> {second: tokens}, user -> {second: KV block-ns held throttled}
+        self.t0_ns = t0_ns
+        self.tokens_by_s: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.kv_by_s: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
 
     def on_arrival(self, req_id: str, user: str, now_ns: int) -> None:
         self._reqs[req_id] = [user, now_ns, None]
@@ -127,12 +136,21 @@ class TwinStats:
         since, by_user = self._thr
         self._thr = None
         dt = now - since
+        t0 = self.t0_ns
         for user, (n, blocks) in by_user.items():
             u = self.users[user]
             u.throttled_ns += dt
             u.throttled_req_ns += n * dt
             u.kv_block_ns += blocks * dt
             u.kv_max = max(u.kv_max, blocks)
+            if blocks:  # the interval's block-ns, split over the seconds it spans
+                buckets = self.kv_by_s[user]
+                start = since
+                while start < now:
+                    second = (start - t0) // BUCKET_NS
+                    end = min(now, t0 + (second + 1) * BUCKET_NS)
+                    buckets[second] += blocks * (end - start)
+                    start = end
 
     def on_update(self, engine_outputs: Any, now: int) -> None:
         """The engine outputs of one ``update_from_output``, at ``now``."""
@@ -153,6 +171,7 @@ class TwinStats:
                         u.itl_ns.extend([0] * (k - 1))
                     state[2] = now
                     u.tokens += k
+                    self.tokens_by_s[state[0]][(now - self.t0_ns) // BUCKET_NS] += k
                     if u.first_ns is None:
                         u.first_ns = now
                     if now == u.first_ns:
@@ -163,6 +182,19 @@ class TwinStats:
 
     def finish(self, end_ns: int) -> None:
         self._close_throttled(end_ns)
+
+    def timeline(self) -> dict[str, Any]:
+        """What the plots draw: per user its tok/s and mean KV blocks held
+        throttled per virtual second, and its TTFTs (s)."""
+        def series(by_s: dict[int, int], scale: float) -> list[float]:
+            if not by_s:
+                return []
+            return [by_s.get(i, 0) * scale for i in range(max(by_s) + 1)]
+
+        return {"bucket_s": BUCKET_NS / NS,
+                "rate": {u: series(b, NS / BUCKET_NS) for u, b in self.tokens_by_s.items()},
+                "kv_throttled": {u: series(b, 1 / BUCKET_NS) for u, b in self.kv_by_s.items()},
+                "ttft_s": {u: [x / NS for x in v.ttft_ns] for u, v in self.users.items()}}
 
     def user_summary(self) -> dict[str, dict[str, Any]]:
         def qs(values_ns: list[int]) -> dict[str, float | None]:
@@ -229,6 +261,11 @@ def render_report(summary: dict[str, Any]) -> str:
         lines.append(f"| {user} | {u['requests']} | {u['output_tokens']} | "
                      f"{_fmt(u['rate_tok_s'], 1, 2)} | {ttft} | {itl} | "
                      f"{u['throttled_s']:.2f} | {kv['max']} / {_fmt(kv['mean'])} |")
+    plots = summary.get("plots") or {}
+    for title, key in (("Per-user rate", "rate"), ("TTFT per user", "ttft"),
+                       ("KV blocks held by throttled requests", "kv_throttled")):
+        if plots.get(key):
+            lines += ["", f"![{title}]({plots[key]})"]
     files = summary.get("files", {})
     if files:
         lines += ["", "Files: " + ", ".join(f"`{name}`" for name in files.values() if name)]

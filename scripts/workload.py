@@ -28,15 +28,29 @@ Generators (``vllm-output-rate twin workload KIND --out FILE [params]
 * ``clients``: many heterogeneous clients in the manner of ServeGen, each
   with its own arrival rate (log-normal across clients) and its own
   log-normal prompt and output lengths.
+
+``vllm-output-rate twin workload burstgpt --trace FILE.csv --out FILE
+--users RULE`` converts a BurstGPT trace (columns ``Timestamp, Model,
+Request tokens, Response tokens, Total tokens, Log Type``; ``Timestamp`` in
+seconds) into a workload: a row is a request at its timestamp (from the
+first row's, times ``--time-scale``) with ``Request tokens`` as the prompt
+and ``Response tokens`` as ``max_tokens``; rows with 0 response tokens (the
+trace's failures) are skipped. The trace names no users, so they are
+assigned by a stated rule (``BURSTGPT_RULES``), deterministic given
+``--seed``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import hashlib
+import itertools
 import json
 import math
 import os
 import random
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -277,12 +291,153 @@ def add_generator_args(parser: argparse.ArgumentParser) -> None:
                         help="largest prompt or output length drawn (clients)")
 
 
+# --------------------------------------------------------------------------- BurstGPT
+
+BURSTGPT_COLUMNS = ("Timestamp", "Model", "Request tokens", "Response tokens", "Total tokens",
+                    "Log Type")
+BURSTGPT_RULES = {
+    "hash:N": "user-K, K a hash of the row's index and the seed, modulo N: an even share",
+    "zipf:N:S": "user-K, K drawn with weight 1/(K+1)^S over N users: user-0 the heaviest",
+    "column:NAME": "the row's value in column NAME (Model, Log Type), spaces as '-'",
+}
+
+
+def user_rule(spec: str, seed: int):
+    """``row index, row -> user`` of a ``--users`` rule (``BURSTGPT_RULES``)."""
+    kind, _, rest = spec.partition(":")
+    parts = rest.split(":") if rest else []
+    try:
+        if kind == "hash" and len(parts) == 1 and int(parts[0]) >= 1:
+            n = int(parts[0])
+
+            def by_hash(index: int, row: dict[str, str]) -> str:
+                digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+                return f"user-{int.from_bytes(digest, 'big') % n}"
+
+            return by_hash
+        if kind == "zipf" and len(parts) == 2 and int(parts[0]) >= 1 and float(parts[1]) >= 0:
+            n, s = int(parts[0]), float(parts[1])
+            cum = list(itertools.accumulate(1.0 / (k + 1) ** s for k in range(n)))
+            rng = random.Random(seed)
+            names = [f"user-{k}" for k in range(n)]
+            return lambda index, row: rng.choices(names, cum_weights=cum)[0]
+    except ValueError:
+        pass
+    if kind == "column" and rest:
+        if rest not in BURSTGPT_COLUMNS:
+            raise WorkloadError(f"--users {spec}: no column {rest!r} "
+                                f"(columns: {', '.join(BURSTGPT_COLUMNS)})")
+        return lambda index, row: (row.get(rest) or "unknown").strip().replace(" ", "-")
+    raise WorkloadError(f"--users {spec}: expected one of {', '.join(BURSTGPT_RULES)} "
+                        f"(N >= 1 users, S >= 0)")
+
+
+def convert_burstgpt(path: str, users: str, seed: int = 0, limit_rows: int | None = None,
+                     time_scale: float = 1.0, max_len: int | None = None,
+                     model: str | None = None) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """The workload lines of a BurstGPT CSV and the counts of rows read,
+    kept, skipped (failures, another model) and clipped (``max_len``)."""
+    rule = user_rule(users, seed)
+    counts = {"rows": 0, "kept": 0, "failed": 0, "other_model": 0, "clipped": 0}
+    out: list[dict[str, Any]] = []
+    try:
+        f = open(path, newline="")
+    except OSError as exc:
+        raise WorkloadError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    with f:
+        reader = csv.DictReader(f)
+        header = [h.strip() for h in reader.fieldnames or []]
+        reader.fieldnames = header
+        for need in ("Timestamp", "Request tokens", "Response tokens"):
+            if need not in header:
+                raise WorkloadError(f"{path}:1: {need}: missing column (a BurstGPT trace has "
+                                    f"{', '.join(BURSTGPT_COLUMNS)})")
+        t0 = None
+        for index, row in enumerate(reader):
+            line = index + 2
+            if limit_rows is not None and counts["kept"] >= limit_rows:
+                break
+            counts["rows"] += 1
+            try:
+                ts = float(row["Timestamp"])
+                prompt = int(float(row["Request tokens"]))
+                output = int(float(row["Response tokens"]))
+            except (TypeError, ValueError):
+                raise WorkloadError(f"{path}:{line}: Timestamp, Request tokens, Response tokens: "
+                                    f"expected numbers, got {row.get('Timestamp')!r}, "
+                                    f"{row.get('Request tokens')!r}, "
+                                    f"{row.get('Response tokens')!r}") from None
+            if model is not None and (row.get("Model") or "").strip() != model:
+                counts["other_model"] += 1
+                continue
+            if output < 1 or prompt < 1:
+                counts["failed"] += 1
+                continue
+            if t0 is None:
+                t0 = ts
+            if ts < t0:
+                raise WorkloadError(f"{path}:{line}: Timestamp: {ts:g} is before the first "
+                                    f"row's {t0:g} (the trace must be in time order)")
+            if max_len is not None and prompt + output > max_len:
+                output = min(output, max(1, max_len // 2))
+                prompt = min(prompt, max_len - output)
+                counts["clipped"] += 1
+            out.append(_request((ts - t0) * time_scale, rule(index, row), prompt, output))
+            counts["kept"] += 1
+    if not out:
+        raise WorkloadError(f"{path}: no usable rows ({counts})")
+    return out, counts
+
+
+def burstgpt_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-output-rate twin workload burstgpt",
+        description="Convert a BurstGPT trace (CSV) into a twin workload, users assigned by "
+                    "a rule.")
+    parser.add_argument("--trace", required=True, help="the BurstGPT CSV")
+    parser.add_argument("--out", required=True, help="the workload file to write (JSON Lines)")
+    parser.add_argument("--users", required=True,
+                        help="how rows become users: " + "; ".join(
+                            f"{k}: {v}" for k, v in BURSTGPT_RULES.items()))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--limit-rows", type=int, default=None,
+                        help="keep at most this many requests (the trace's first)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply the trace's times (0.1: ten times the arrival rate)")
+    parser.add_argument("--max-len", type=int, default=None,
+                        help="clip a request longer than this (prompt + output tokens): "
+                             "output to at most half, then the prompt")
+    parser.add_argument("--model", default=None, help="keep only rows of this Model (ChatGPT, GPT-4)")
+    args = parser.parse_args(argv)
+    if args.time_scale <= 0:
+        parser.error("--time-scale: expected a number > 0")
+    if args.limit_rows is not None and args.limit_rows < 1:
+        parser.error("--limit-rows: expected a positive integer")
+    if args.max_len is not None and args.max_len < 2:
+        parser.error("--max-len: expected an integer >= 2")
+    try:
+        lines, counts = convert_burstgpt(args.trace, args.users, args.seed, args.limit_rows,
+                                         args.time_scale, args.max_len, args.model)
+    except WorkloadError as exc:
+        print(f"vllm-output-rate twin workload burstgpt: error: {exc}", file=sys.stderr)
+        return 2
+    lines.sort(key=lambda d: d["t"])
+    write_workload(args.out, lines)
+    users = len({line["user"] for line in lines})
+    print(f"{args.out}: {len(lines)} requests of {users} users over {lines[-1]['t']:g} s "
+          f"(rows read {counts['rows']}, failures skipped {counts['failed']}, other model "
+          f"{counts['other_model']}, clipped {counts['clipped']})")
+    return 0
+
+
 def write_workload(path: str, lines: list[dict[str, Any]]) -> None:
     with open(path, "w") as f:
         f.writelines(json.dumps(line) + "\n" for line in lines)
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["burstgpt"]:
+        return burstgpt_main(argv[1:])
     parser = argparse.ArgumentParser(prog="vllm-output-rate twin workload",
                                      description="Write a generated twin workload (JSON Lines).")
     add_generator_args(parser)

@@ -1,0 +1,546 @@
+"""The twin's step-time model from an engine's own per-step telemetry, or
+a roofline estimate from a model's config and a named GPU.
+
+``vllm-output-rate twin calibrate --events FILE [--prompts FILE] --out step_time.json``
+fits the linear model of ``tools.step_time`` to the engine event log a real
+engine wrote (``OUTPUT_RATE_EVENTS``). With ``--url BASE_URL --model NAME
+--events FILE`` it first drives a short, bounded calibration load against a
+running ``vllm-output-rate serve`` that writes that log (concurrency from 1
+up, prompts of several lengths; a progress bar), then fits.
+``vllm-output-rate twin calibrate --model DIR --gpu h100 --out FILE`` writes
+a roofline estimate instead (``"source": "estimate"``).
+
+What the event log carries per step (``telemetry/events.py``): one
+``tokens`` line per step that produced tokens, stamped when its output was
+processed, with (engine request id, user, tokens) of each request that got
+one. From it, per step: the time since the previous step's line (the step's
+period, when the engine was busy in between: at least one request has a
+token in both lines), the requests decoding (had a token before) and those
+whose first token came in it (their prefill finished in it). It does not
+carry prompt lengths, so neither prefill tokens nor context tokens: those
+come from ``--prompts`` (JSON Lines ``{"request_id": id, "prompt_tokens":
+N}``, the client's ids, found inside the engine's request ids; the online
+calibration writes it beside the log). Without it only ``base_s`` and
+``per_decode_s`` are fitted, on the steps without a first token. Steps with
+a chunk of a prompt but no token of it are not seen.
+
+The fit is least squares with every coefficient >= 0 (a term that comes
+out negative is fixed at 0 and the rest refitted). Its error is reported
+over the steps used: R², and the median and p90 of |predicted - measured| /
+measured step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_output_rate.tools.step_time import TERMS, VERSION, StepTimeModel
+
+NS = 1_000_000_000
+
+# --------------------------------------------------------------------------- the fit
+
+
+class CalibrationError(ValueError):
+    """A log or model that cannot be fitted (one line for the command)."""
+
+
+@dataclass
+class StepSamples:
+    """The steps a fit can use: per step its period (s) and the terms."""
+
+    seconds: list[float]
+    decodes: list[int]
+    prefill_tokens: list[int]
+    context_tokens: list[int]
+    #: steps in the log, steps used, steps with a first token of a request
+    #: whose prompt length is unknown (dropped), steps after an idle gap (dropped)
+    counts: dict[str, int]
+    prompts_known: bool
+
+
+def read_prompts(path: str | None) -> dict[str, int]:
+    """``--prompts``: client request id -> prompt tokens."""
+    if path is None:
+        return {}
+    out = {}
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                out[str(obj["request_id"])] = int(obj["prompt_tokens"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CalibrationError(f"{path}:{i}: expected {{\"request_id\": ..., "
+                                       f"\"prompt_tokens\": N}} ({exc})") from None
+    return out
+
+
+def _matcher(prompts: dict[str, int]):
+    """engine request id -> prompt tokens or None: the id itself, or the
+    longest client id inside it (vLLM wraps the client's X-Request-Id)."""
+    if not prompts:
+        return lambda rid: None
+    pattern = re.compile("|".join(re.escape(k) for k in sorted(prompts, key=len, reverse=True)))
+    cache: dict[str, int | None] = {}
+
+    def prompt_of(rid: str) -> int | None:
+        if rid in prompts:
+            return prompts[rid]
+        if rid not in cache:
+            m = pattern.search(rid)
+            cache[rid] = prompts[m.group(0)] if m else None
+        return cache[rid]
+
+    return prompt_of
+
+
+def step_samples(log: Any, prompts: dict[str, int] | None = None,
+                 since_ns: int = 0) -> StepSamples:
+    """The fit's samples from an ``EngineLog``: step k's period is the time
+    from step k-1's line to step k's, used when a request had a token in
+    both (the engine ran between them)."""
+    prompt_of = _matcher(prompts or {})
+    known = bool(prompts)
+    # a request's tokens before the log's first line of it (a log that
+    # starts or was cut mid-run): its finished line's count minus the log's
+    counted: dict[str, int] = {}
+    for _, tokens in log.steps:
+        for rid, _, n in tokens:
+            counted[rid] = counted.get(rid, 0) + n
+    seen: dict[str, int] = {}  # request id -> output tokens before this step
+    for rid, fin in log.finished.items():
+        missing = int(fin.get("output_tokens", 0)) - counted.get(rid, 0)
+        if missing > 0:
+            seen[rid] = missing
+    # a start line begins another engine's lines: no step period across it
+    starts = sorted(int(s["t_ns"]) for s in log.starts)
+    samples = StepSamples([], [], [], [], {"steps": len(log.steps), "used": 0,
+                                          "unknown_prompt": 0, "after_gap": 0,
+                                          "before_since": 0}, known)
+    prev_ids: set[str] = set()
+    prev_t: int | None = None
+    for t, tokens in log.steps:
+        if prev_t is not None and _start_between(starts, prev_t, t):
+            prev_t, prev_ids = None, set()
+        ids = {rid for rid, _, _ in tokens}
+        decodes = prefill = context = 0
+        unknown = False
+        for rid, _, n in tokens:
+            before = seen.get(rid)
+            prompt = prompt_of(rid)
+            if before is None:
+                if prompt is None:
+                    unknown = True
+                else:
+                    prefill += prompt
+                    context += prompt
+            else:
+                decodes += 1
+                if prompt is not None:
+                    context += prompt + before
+                elif known:
+                    unknown = True
+            seen[rid] = (before or 0) + n
+        usable = prev_t is not None and bool(ids & prev_ids)
+        if t < since_ns:
+            samples.counts["before_since"] += 1
+        elif not usable:
+            samples.counts["after_gap"] += 1
+        elif unknown:
+            samples.counts["unknown_prompt"] += 1
+        else:
+            samples.seconds.append((t - prev_t) / NS)
+            samples.decodes.append(decodes)
+            samples.prefill_tokens.append(prefill)
+            samples.context_tokens.append(context)
+            samples.counts["used"] += 1
+        prev_ids, prev_t = ids, t
+    return samples
+
+
+def _start_between(starts: list[int], lo: int, hi: int) -> bool:
+    import bisect
+
+    i = bisect.bisect_right(starts, lo)
+    return i < len(starts) and starts[i] <= hi
+
+
+def fit_linear(samples: StepSamples) -> dict[str, Any]:
+    """Least squares of the step period on the terms, coefficients >= 0;
+    the coefficients (``TERMS``), the terms fitted and the fit's error."""
+    import numpy as np
+
+    y = np.asarray(samples.seconds, dtype=float)
+    if len(y) < 8:
+        raise CalibrationError(f"{len(y)} usable steps in the log: too few to fit "
+                               f"(steps: {samples.counts})")
+    columns = {"base_s": np.ones_like(y), "per_decode_s": np.asarray(samples.decodes, float)}
+    if samples.prompts_known:
+        columns["per_prefill_token_s"] = np.asarray(samples.prefill_tokens, float)
+        columns["per_context_token_s"] = np.asarray(samples.context_tokens, float)
+    # a term that never varies (but the base) cannot be told from the base
+    names = [n for n, c in columns.items() if n == "base_s" or np.ptp(c) > 0]
+    dropped = []
+    while True:
+        x = np.column_stack([columns[n] for n in names])
+        # scaled columns: the terms differ by orders of magnitude
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-12)
+        coef = np.linalg.lstsq(x / scale, y, rcond=None)[0] / scale
+        negative = [(c, n) for c, n in zip(coef, names) if c < 0]
+        if not negative:
+            break
+        worst = min(negative)[1]
+        names.remove(worst)
+        dropped.append(worst)
+        if not names:
+            raise CalibrationError("no term of the model fits the log with a coefficient >= 0")
+    pred = x @ coef
+    resid = y - pred
+    total = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - float((resid ** 2).sum()) / total if total > 0 else float("nan")
+    rel = np.abs(resid) / y
+    terms = {n: 0.0 for n in TERMS}
+    terms.update({n: float(c) for n, c in zip(names, coef)})
+    return {
+        "terms": terms,
+        "fit": {
+            "steps": len(y),
+            "r2": round(r2, 4),
+            "median_rel_error": round(float(np.median(rel)), 4),
+            "p90_rel_error": round(float(np.quantile(rel, 0.9)), 4),
+            "median_step_s": round(float(np.median(y)), 6),
+            "fitted": names,
+            "fixed_at_zero": dropped,
+            "not_in_log": [] if samples.prompts_known else
+            ["per_prefill_token_s", "per_context_token_s"],
+            "step_counts": samples.counts,
+        },
+    }
+
+
+def calibrate_from_log(events: str, prompts_path: str | None = None,
+                       since_ns: int = 0) -> dict[str, Any]:
+    """The step-time JSON (``"source": "measured"``) with a ``fit`` object."""
+    from vllm_output_rate.telemetry.events import EngineLog
+
+    try:
+        log = EngineLog.read(events)
+    except OSError as exc:
+        raise CalibrationError(f"{events}: cannot read it ({exc.strerror or exc})") from None
+    if not log.steps:
+        raise CalibrationError(f"{events}: no tokens lines (is it an engine event log?)")
+    prompts = read_prompts(prompts_path)
+    result = fit_linear(step_samples(log, prompts, since_ns))
+    async_note = ""
+    if log.starts and log.starts[0].get("async_scheduling"):
+        async_note = "; the engine scheduled asynchronously (a step's period overlaps the next)"
+    fit = result["fit"]
+    note = (f"fitted on {fit['steps']} steps of {Path(events).name}: R² {fit['r2']}, "
+            f"median relative error {fit['median_rel_error']}" + async_note
+            + ("" if prompts else "; no prompt lengths: prefill and context terms not fitted"))
+    return {"version": VERSION, "kind": "linear", **result["terms"], "source": "measured",
+            "note": note, "fit": fit}
+
+
+# --------------------------------------------------------------------------- the roofline
+
+
+#: name -> (memory bandwidth GB/s, dense BF16/FP16 tensor TFLOP/s). From the
+#: vendors' datasheets: NVIDIA H100 SXM5 and PCIe, H200 SXM, A100 SXM4 80GB and
+#: 40GB, L40S, L4, A10, T4 (FP16 with FP32 accumulate); AMD Instinct MI300X.
+#: Dense figures (without structured sparsity).
+GPUS: dict[str, tuple[float, float]] = {
+    "h200": (4800, 989),
+    "h100": (3350, 989),
+    "h100-pcie": (2000, 756),
+    "a100": (2039, 312),
+    "a100-40gb": (1555, 312),
+    "l40s": (864, 362),
+    "l4": (300, 121),
+    "a10": (600, 125),
+    "t4": (320, 65),
+    "mi300x": (5300, 1307),
+}
+#: Fractions of the datasheet figures a serving engine reaches (assumed, not
+#: measured): memory bandwidth of a weight-streaming decode, tensor FLOPs of
+#: a large GEMM, and a fixed cost of a step (scheduling, launches, sampling).
+BANDWIDTH_EFFICIENCY = 0.8
+FLOPS_EFFICIENCY = 0.5
+STEP_OVERHEAD_S = 0.002
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
+                "float8": 1, "fp8": 1, "int8": 1}
+
+
+def model_shapes(config: dict[str, Any]) -> dict[str, Any]:
+    """Parameters (all, and active per token for a mixture of experts) and
+    KV bytes per token, from a Hugging Face ``config.json``'s shapes."""
+    cfg = dict(config.get("text_config") or {}, **{k: v for k, v in config.items()
+                                                   if k != "text_config"}) \
+        if "hidden_size" not in config and "text_config" in config else config
+    try:
+        h = int(cfg["hidden_size"])
+        layers = int(cfg["num_hidden_layers"])
+        heads = int(cfg["num_attention_heads"])
+        vocab = int(cfg["vocab_size"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CalibrationError(f"config.json: {exc}: missing or not a number "
+                               f"(a decoder's hidden_size, num_hidden_layers, "
+                               f"num_attention_heads, vocab_size)") from None
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or h // heads)
+    inter = int(cfg.get("intermediate_size") or 4 * h)
+    gated = cfg.get("hidden_act", "silu") in ("silu", "swiglu", "gelu_pytorch_tanh") \
+        or cfg.get("model_type") in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
+    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
+    mlp_one = (3 if gated else 2) * h * int(cfg.get("moe_intermediate_size") or inter)
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    per_tok = int(cfg.get("num_experts_per_tok") or 0)
+    if experts and per_tok:
+        mlp_all, mlp_active = experts * mlp_one, per_tok * mlp_one
+    else:
+        mlp_all = mlp_active = (3 if gated else 2) * h * inter
+    embed = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
+    nbytes = _DTYPE_BYTES.get(dtype, 2)
+    return {"params": layers * (attn + mlp_all) + embed,
+            "active_params": layers * (attn + mlp_active) + embed,
+            "bytes_per_param": nbytes,
+            "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * nbytes,
+            "layers": layers, "hidden_size": h, "dtype": dtype}
+
+
+def roofline_estimate(model_dir: str, gpu: str) -> dict[str, Any]:
+    """The step-time JSON of a roofline estimate (``"source": "estimate"``):
+    every step streams the weights once (``base_s``), each token computed
+    costs 2 x active parameters FLOPs (``per_decode_s``,
+    ``per_prefill_token_s``), each token of context is read from the KV
+    cache (``per_context_token_s``). Memory and compute times are summed (a
+    linear model; the true roofline takes the larger of the two)."""
+    name = gpu.lower()
+    if name not in GPUS:
+        raise CalibrationError(f"--gpu {gpu}: not known (known: {', '.join(GPUS)})")
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except OSError as exc:
+        raise CalibrationError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise CalibrationError(f"{path}: not JSON ({exc})") from None
+    shapes = model_shapes(config)
+    bw = GPUS[name][0] * 1e9 * BANDWIDTH_EFFICIENCY
+    flops = GPUS[name][1] * 1e12 * FLOPS_EFFICIENCY
+    per_token = 2 * shapes["active_params"] / flops
+    terms = {
+        "base_s": STEP_OVERHEAD_S + shapes["params"] * shapes["bytes_per_param"] / bw,
+        "per_decode_s": per_token,
+        "per_prefill_token_s": per_token,
+        "per_context_token_s": shapes["kv_bytes_per_token"] / bw,
+    }
+    note = (f"roofline estimate: {name} ({GPUS[name][0]:g} GB/s, {GPUS[name][1]:g} TFLOP/s "
+            f"dense, at {BANDWIDTH_EFFICIENCY:g} and {FLOPS_EFFICIENCY:g} of them), "
+            f"{shapes['params'] / 1e9:.3g}B parameters ({shapes['active_params'] / 1e9:.3g}B "
+            f"active) in {shapes['dtype']}, {STEP_OVERHEAD_S * 1e3:g} ms a step of overhead")
+    return {"version": VERSION, "kind": "linear",
+            **{k: float(f"{v:.6g}") for k, v in terms.items()},
+            "source": "estimate", "note": note, "estimate": {"gpu": name, **shapes}}
+
+
+# --------------------------------------------------------------------------- the load
+
+#: Prompt lengths (tokens), output lengths and the concurrency levels of the
+#: calibration load: for each level that many streams are kept open (a new
+#: request as soon as one ends, closed loop) for an equal share of the
+#: duration, prompts and outputs of varied lengths, so that prefills land
+#: among decodes at every batch size.
+PROMPT_TOKENS = (16, 64, 192, 384)
+OUTPUT_TOKENS = (16, 48, 128)
+CONCURRENCY = (1, 2, 4, 8, 16)
+WARMUP_S = 3.0
+USERS = 3
+
+
+async def calibration_load(base_url: str, model: str, duration_s: float, bar: Any = None,
+                           seed: int = 0) -> list[dict[str, Any]]:
+    """Drive the load; per request its client id (``X-Request-Id``),
+    prompt tokens (the server's count), phase and error."""
+    import asyncio
+    import random
+    import time
+    import uuid
+
+    import httpx
+
+    from vllm_output_rate.tools.client import chat_body, StreamResult, stream_into
+    from vllm_output_rate.tools.loadgen import text_of_tokens
+
+    rng = random.Random(seed)
+    run = uuid.uuid4().hex[:8]
+    records: list[dict[str, Any]] = []
+    seq = 0
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(duration_s + 60), limits=limits) as client:
+        texts = {n: await text_of_tokens(client, base_url, model, n, seed + n)
+                 for n in PROMPT_TOKENS}
+        phase_s = max(1.0, (duration_s - WARMUP_S) / len(CONCURRENCY))
+        started = time.monotonic()
+
+        async def one(phase: str) -> None:
+            nonlocal seq
+            rid = f"cal-{run}-{seq:05d}"
+            seq += 1
+            # a distinct first word: no prefix-cache hits between requests
+            text = f"{rid} {texts[rng.choice(PROMPT_TOKENS)]}"
+            user = f"cal-{seq % USERS}"
+            rec = StreamResult(user, rng.choice(OUTPUT_TOKENS))
+            try:
+                await stream_into(client, base_url, chat_body(model, text, rec.max_tokens, user),
+                                  rec, headers={"X-Request-Id": rid})
+            except Exception as exc:  # recorded: one stream must not stop the load
+                rec.error = f"{type(exc).__name__}: {exc}"
+            records.append({"request_id": rid, "prompt_tokens": rec.prompt_tokens,
+                            "phase": phase, "error": rec.error})
+
+        async def slot(phase: str, until: float) -> None:
+            while time.monotonic() < until:
+                await one(phase)
+
+        async def tick() -> None:  # the bar: seconds of load run
+            while True:
+                bar.update(max(0, min(bar.total, round(time.monotonic() - started)) - bar.n))
+                await asyncio.sleep(0.5)
+
+        ticker = asyncio.create_task(tick()) if bar is not None else None
+        plan = [("warmup", 2, WARMUP_S)] + [(f"c{c}", c, phase_s) for c in CONCURRENCY]
+        for phase, c, seconds in plan:
+            until = time.monotonic() + seconds
+            await asyncio.gather(*(slot(phase, until) for _ in range(c)))
+        if ticker is not None:
+            ticker.cancel()
+            bar.update(bar.total - bar.n)
+    return records
+
+
+def run_calibration_load(base_url: str, model_name: str, prompts_out: Path,
+                         duration_s: float, show_progress: bool = True) -> dict[str, Any]:
+    """Drive the calibration load (a progress bar of its seconds); writes
+    ``prompts_out`` (JSON Lines: the client's request ids, prompt tokens,
+    phase)."""
+    import asyncio
+
+    from tqdm import tqdm
+
+    with tqdm(total=math.ceil(duration_s), unit="s", desc="calibration load", mininterval=0.5,
+              disable=not show_progress, file=sys.stderr) as bar:
+        records = asyncio.run(calibration_load(base_url, model_name, duration_s, bar))
+    with open(prompts_out, "w") as f:
+        for rec in records:
+            if rec["prompt_tokens"]:
+                f.write(json.dumps({k: rec[k] for k in ("request_id", "prompt_tokens", "phase")})
+                        + "\n")
+    errors = [r["error"] for r in records if r["error"]]
+    return {"requests": len(records), "errors": len(errors),
+            "first_error": errors[0] if errors else None}
+
+
+def warmup_end_ns(log: Any, prompts_path: str) -> int:
+    """The first step with a token of a request after the warm-up phase
+    (the CPU backend builds kernels for new batch shapes during it)."""
+    warm = set()
+    with open(prompts_path) as f:
+        for line in f:
+            if line.strip():
+                obj = json.loads(line)
+                if obj.get("phase") == "warmup":
+                    warm.add(obj["request_id"])
+    prompt_of = _matcher({rid: 0 for rid in warm})
+    for t, tokens in log.steps:
+        if any(prompt_of(rid) is None for rid, _, _ in tokens):
+            return t
+    return 0
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def _print_fit(model: dict[str, Any], out: str) -> None:
+    fit = model.get("fit")
+    terms = ", ".join(f"{n} {model[n]:.4g}" for n in TERMS)
+    print(f"{out}: {model['source']} step-time model: {terms}")
+    if fit:
+        print(f"fit on {fit['steps']} steps (median {fit['median_step_s'] * 1e3:.2f} ms): "
+              f"R² {fit['r2']}, relative error median {fit['median_rel_error']:.1%}, "
+              f"p90 {fit['p90_rel_error']:.1%}; fitted {', '.join(fit['fitted'])}"
+              + (f"; fixed at 0: {', '.join(fit['fixed_at_zero'])}" if fit['fixed_at_zero'] else "")
+              + (f"; not in the log: {', '.join(fit['not_in_log'])}" if fit['not_in_log'] else ""))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="vllm-output-rate twin calibrate",
+        description="Fit the twin's step-time model from an engine's event log (optionally "
+                    "driving a calibration load first), or estimate one from a model's "
+                    "config and a GPU.")
+    parser.add_argument("--out", required=True, help="the step-time file to write (JSON)")
+    parser.add_argument("--events", help="the engine event log (OUTPUT_RATE_EVENTS of the server)")
+    parser.add_argument("--prompts", help="JSON Lines of request_id and prompt_tokens "
+                        "(default with --url: written beside --out)")
+    parser.add_argument("--url", help="a running vllm-output-rate serve: drive a calibration "
+                        "load against it first")
+    parser.add_argument("--model", help="with --url: the served model name; with --gpu: a "
+                        "model directory (its config.json)")
+    parser.add_argument("--gpu", help=f"a roofline estimate for this GPU ({', '.join(GPUS)})")
+    parser.add_argument("--duration", type=float, default=120.0,
+                        help="with --url: the calibration load's bound in seconds (at most 300)")
+    parser.add_argument("--since-s", type=float, default=None,
+                        help="fit only steps this many seconds after the log's first step")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        if args.gpu:
+            if not args.model:
+                parser.error("--gpu needs --model DIR (its config.json)")
+            model = roofline_estimate(args.model, args.gpu)
+        else:
+            if not args.events:
+                parser.error("give --events FILE (with --url to drive a load first), "
+                             "or --model DIR --gpu NAME")
+            prompts = args.prompts
+            since_ns = 0
+            if args.url:
+                if not args.model:
+                    parser.error("--url needs --model NAME (the served model name)")
+                if not 0 < args.duration <= 300:
+                    parser.error("--duration: expected 0 < seconds <= 300")
+                prompts = prompts or str(Path(args.out).with_suffix(".prompts.jsonl"))
+                load = run_calibration_load(args.url.rstrip("/"), args.model, Path(prompts),
+                                            args.duration, not args.no_progress)
+                print(f"calibration load: {load['requests']} requests, {load['errors']} errors"
+                      + (f" (first: {load['first_error']})" if load["errors"] else ""))
+                import time
+
+                time.sleep(2.5)  # the engine appends its log about once a second
+            from vllm_output_rate.telemetry.events import EngineLog
+
+            if prompts and args.url:
+                since_ns = warmup_end_ns(EngineLog.read(args.events), prompts)
+            if args.since_s is not None:
+                log = EngineLog.read(args.events)
+                if log.steps:
+                    since_ns = max(since_ns, log.steps[0][0] + round(args.since_s * NS))
+            model = calibrate_from_log(args.events, prompts, since_ns)
+    except (CalibrationError, OSError) as exc:
+        print(f"vllm-output-rate twin calibrate: error: {exc}", file=sys.stderr)
+        return 2
+    Path(args.out).write_text(json.dumps(model, indent=1) + "\n")
+    _print_fit(model, args.out)
+    return 0
