@@ -79,7 +79,9 @@ from vllm_output_rate.config import (
     USER_FIELD,
     USERS_OPTION,
 )
+from vllm_output_rate.access import ADMIN_KEYS_OPTION, INTROSPECTION_OPTION
 from vllm_output_rate.frontend import API_KEYS_OPTION, HEADER_OPTION, REQUIRE_OPTION
+from vllm_output_rate.user_label import LABEL_OPTION, SALT_OPTION
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION
 from vllm_output_rate.telemetry.metrics import series_name
 
@@ -198,6 +200,24 @@ CONFIG_CASES: tuple[ConfigCase, ...] = (
                (API_KEYS_OPTION, "absent-keys.yaml")),
     ConfigCase("api keys file with a plain key", (D, "5", API_KEYS_OPTION, "{dir}/k.yaml"),
                (API_KEYS_OPTION, "k.yaml", "SHA-256"), (("k.yaml", "keys: {sk-plain-secret: alice}\n"),)),
+    ConfigCase("admin keys file missing", (D, "5", ADMIN_KEYS_OPTION, "{dir}/absent-admin.yaml"),
+               (ADMIN_KEYS_OPTION, "absent-admin.yaml")),
+    ConfigCase("admin keys file with a plain key", (D, "5", ADMIN_KEYS_OPTION, "{dir}/a.yaml"),
+               (ADMIN_KEYS_OPTION, "a.yaml", "SHA-256"), (("a.yaml", "keys: {ops-plain-secret: oncall}\n"),)),
+    ConfigCase("introspection mode", (D, "5", INTROSPECTION_OPTION, "everyone"),
+               (INTROSPECTION_OPTION, "everyone")),
+    ConfigCase("introspection for operators without keys", (D, "5", INTROSPECTION_OPTION, "operators"),
+               (INTROSPECTION_OPTION, "operators", "needs keys")),
+    ConfigCase("admin keys without limits", (ADMIN_KEYS_OPTION, "{dir}/a.yaml"), (ADMIN_KEYS_OPTION,),
+               (("a.yaml", "keys: {}\n"),)),
+    ConfigCase("user label mode", (D, "5", LABEL_OPTION, "loud"), (LABEL_OPTION, "loud")),
+    ConfigCase("hashed user label without a salt", (D, "5", LABEL_OPTION, "hashed"),
+               (LABEL_OPTION, "hashed", SALT_OPTION)),
+    ConfigCase("user label salt file missing", (D, "5", LABEL_OPTION, "hashed", SALT_OPTION, "{dir}/absent-salt"),
+               (SALT_OPTION, "absent-salt")),
+    ConfigCase("user label salt too short", (D, "5", LABEL_OPTION, "hashed", SALT_OPTION, "{dir}/salt"),
+               (SALT_OPTION, "salt", "16 bytes"), (("salt", "abc\n"),)),
+    ConfigCase("user label without limits", (LABEL_OPTION, "off"), (LABEL_OPTION,)),
     ConfigCase("prefill schedule interval", (D, "5", "--prefill-schedule-interval", "3"),
                ("--prefill-schedule-interval 3", D)),
 )
