@@ -131,7 +131,7 @@ def settings_page() -> str:
         *_table(("variable", "default", "read by", "what"), env_rows),
         f"Renamed in 0.1.0 (the old names are not read; a process that finds one set says so "
         f"once in its log): "
-        + ", ".join(f"`{settings.LEGACY_PREFIX}{s.key}`" for s in settings.SETTINGS)
+        + ", ".join(f"`{settings.LEGACY_PREFIX}{key}`" for key in settings.LEGACY_KEYS)
         + f": drop the leading `{settings.LEGACY_PREFIX[:-len(settings.PREFIX)]}`.",
         "",
         "## Commands of `vllm-output-rate`",

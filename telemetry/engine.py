@@ -30,7 +30,7 @@ import threading
 import time
 from typing import Any
 
-from vllm_output_rate import settings
+from vllm_output_rate import settings, user_label
 from vllm_output_rate.observers import EngineView
 from vllm_output_rate.telemetry.books import UserBooks
 from vllm_output_rate.telemetry.eventlog import EventLog
@@ -58,7 +58,9 @@ class EngineTelemetry(Intake):
                  defer: bool | None = None) -> None:
         if top_k is None:
             top_k = settings.get("TOP_K_USERS")
-        series = Series(view, UserLabeler(pinned=view.limits().user_rates, top_k=top_k), bool(events_path))
+        labeler = UserLabeler(pinned=view.limits().user_rates, top_k=top_k,
+                              public=user_label.current().public_id)
+        series = Series(view, labeler, bool(events_path))
         handles = RequestHandles(view)
         events = EventLog(events_path, view, series.counters, handles.user_of) if events_path else None
         books = UserBooks(view, series, events)

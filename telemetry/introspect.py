@@ -17,14 +17,25 @@ every API server of a ``--api-server-count N`` server answers the same.
     The tracked users (live requests first, then the most charged), with
     the same fields, at most ``limit`` (query, default 100).
 
-Routes go through ``vllm_output_rate.frontend`` (its middleware applies the
-server's API key rules). Figures are as of the engine's last export
+``GET /output-rate/me``
+    The caller's own user (its API key's user), as ``users/NAME`` answers.
+
+Routes go through ``vllm_output_rate.frontend``: its middleware applies the
+read rules of ``vllm_output_rate.access`` (a customer's key reads only its
+own user; the list, other users and the limits need an operator key).
+
+The same snapshots give each completion response its caller's
+``RateLimit`` headers (``self_view``, registered with the front end): the
+limits the engine has in force, so a reloaded limits file shows there as
+soon as the engine applies it (not when this process would have read the
+file), the same on every API server; read at most once a second. Figures are as of the engine's last export
 (``as_of_unix``), in export intervals of about a second.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from vllm_output_rate import frontend, settings
@@ -113,6 +124,23 @@ async def _users(rest: str, query: dict[str, str]) -> tuple[int, Any]:
     return users_view(snapshots, limit)
 
 
+#: how long the RateLimit headers reuse one read of the snapshots (the
+#: engine exports about once a second)
+SELF_VIEW_TTL_S = 1.0
+_cached: tuple[float, list[dict[str, Any]]] = (float("-inf"), [])
+
+
+async def self_view(user: str) -> dict[str, Any] | None:
+    """``user``'s own budget for its RateLimit headers (None: no engine
+    has reported yet)."""
+    global _cached
+    if time.monotonic() - _cached[0] >= SELF_VIEW_TTL_S:
+        _cached = (time.monotonic(), await asyncio.to_thread(read_snapshots))
+    status, view = user_view(_cached[1], user)
+    return view if status == 200 else None
+
+
 def register() -> None:
     frontend.register_route("limits", _limits)
     frontend.register_route("users", _users)
+    frontend.register_self_view(self_view)

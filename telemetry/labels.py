@@ -17,7 +17,10 @@ deployment sees every user under its own name from its first token.
 
 Activity of unlabelled users is tracked with the space-saving heavy-hitter
 algorithm in at most ``4 * top_k`` entries, so memory stays bounded whatever
-the number of distinct ids. Label values are sanitized: control and other non-printable characters
+the number of distinct ids. What a label shows of a user is the policy of
+``--output-rate-user-label`` (``vllm_output_rate.user_label``, given as
+``public``): the id, its salted hash, or nothing (``off``: every user is
+``__other__``, no per-user series at all). Label values are sanitized: control and other non-printable characters
 become ``_`` and values are cut to ``max_len`` characters (a cut value gets a
 short hash suffix so that two long ids do not merge silently).
 
@@ -29,7 +32,7 @@ called once per user per step with that step's token count, and
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 OTHER = "__other__"
 
@@ -54,6 +57,7 @@ class UserLabeler:
         top_k: int = 100,
         max_len: int = 64,
         decay: float = 0.5,
+        public: Callable[[str], str | None] | None = None,
     ) -> None:
         if top_k < 0:
             raise ValueError(f"top_k must not be negative, got {top_k}")
@@ -63,7 +67,11 @@ class UserLabeler:
         self.max_len = max_len
         self.decay = decay
         self.capacity = max(4 * top_k, 16)
-        self.pinned = {u: sanitize(u, max_len) for u in pinned}
+        #: what may be shown of a user (None: nothing, it stays __other__)
+        self.public = public
+        #: the policy shows no one (``off``): asked once with a probe id
+        self.off = public is not None and public("") is None
+        self.pinned = self._values(pinned)
         #: user -> label value, for every user with a label of its own
         self._labels: dict[str, str] = dict(self.pinned)
         #: unpinned users -> decayed activity (space-saving counters)
@@ -71,6 +79,19 @@ class UserLabeler:
         #: unpinned users labelled by observe() since the last rebalance
         self._promoted: list[str] = []
         self._unpinned_labels = 0
+
+    def value(self, user: str) -> str | None:
+        """The label value ``user`` would have (None: none under the policy)."""
+        shown = user if self.public is None else self.public(user)
+        return None if shown is None else sanitize(shown, self.max_len)
+
+    def _values(self, users: Iterable[str]) -> dict[str, str]:
+        out = {}
+        for user in users:
+            value = self.value(user)
+            if value is not None:
+                out[user] = value
+        return out
 
     def label(self, user: str) -> str:
         """The label value of ``user`` now: its own, or ``__other__``."""
@@ -85,7 +106,7 @@ class UserLabeler:
         keep their label as unpinned ones (``rebalance`` evicts the idle);
         an unpinned user whose label a newly pinned one needs loses it.
         Returns the users that lost their label."""
-        new = {u: sanitize(u, self.max_len) for u in users}
+        new = self._values(users)
         lost = []
         wanted = {value: u for u, value in new.items()}
         for user, value in list(self._labels.items()):
@@ -102,7 +123,7 @@ class UserLabeler:
 
     def observe(self, user: str, tokens: float) -> None:
         """Count ``tokens`` of activity for ``user`` (bounded memory)."""
-        if user in self.pinned or tokens <= 0:
+        if user in self.pinned or tokens <= 0 or self.off:
             return
         self.promote(user)
         activity = self._activity
@@ -122,9 +143,9 @@ class UserLabeler:
         label = self._labels.get(user)
         if label is not None:
             return label
-        if self._unpinned_labels < self.top_k:
-            value = sanitize(user, self.max_len)
-            if value != OTHER and value not in self._labels.values():
+        if self._unpinned_labels < self.top_k and not self.off:
+            value = self.value(user)
+            if value is not None and value != OTHER and value not in self._labels.values():
                 self._labels[user] = value
                 self._unpinned_labels += 1
                 self._promoted.append(user)
@@ -148,8 +169,8 @@ class UserLabeler:
             del self._labels[user]
         taken = set(self._labels.values())
         for user in added:
-            value = sanitize(user, self.max_len)
-            if value in taken or value == OTHER:
+            value = self.value(user)
+            if value is None or value in taken or value == OTHER:
                 # Two ids that sanitize alike (or spoof the overflow bucket)
                 # must not share a series: keep the newcomer in __other__.
                 continue

@@ -3,9 +3,12 @@ CPU engine.
 
 One server with every identity option: the user header (required), vLLM's
 own --api-key (a gateway's service key), a keys file mapping API keys to
-users, unlisted users sharing one budget, limits from a file. What is
-charged to whom is read from the engine's own counters on /metrics, and the
-introspection endpoints are compared with them.
+users (customers), an admin keys file (operators), hashed user labels,
+unlisted users sharing one budget, limits from a file. What is charged to
+whom is read from the engine's own counters on /metrics (by each user's
+hashed label), and the introspection endpoints are compared with them. The
+tenant-isolation tests check who reads what, the RateLimit headers, and
+that no response to one customer holds another's id.
 """
 
 from __future__ import annotations
@@ -20,12 +23,23 @@ import pytest
 
 from harness import REPO, tiny_model
 from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics
+from vllm_output_rate.user_label import PLACEHOLDERS, hashed
 
 pytestmark = pytest.mark.e2e
 
 SERVICE_KEY = "svc-key-for-the-gateway"
 ALICE_KEY = "alice-secret-key"
-LIMITS = "default: 40\ntiers: {gold: 1000}\nusers: {user-h: gold, alice: 1000, slowpoke: 2, vip: 100000}\n"
+#: another customer, with an id no generated text will contain by chance
+BOB, BOB_KEY = "bob-7f3a9c", "bob-secret-key"
+ADMIN_KEY = "oncall-admin-key"
+SALT = b"salt-of-this-test-server-0123456789"
+LIMITS = ("default: 40\ntiers: {gold: 1000}\n"
+          f"users: {{user-h: gold, alice: 1000, {BOB}: 500, slowpoke: 2, vip: 100000}}\n")
+
+
+def label(user):
+    """The user's label on /metrics (hashed, --output-rate-user-label hashed)."""
+    return user if user in PLACEHOLDERS else hashed(user, SALT)
 
 
 def svc(user=None):
@@ -45,13 +59,19 @@ def complete(server, headers, max_tokens=20, body_user="vip"):
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("identity")
     (tmp / "limits.yaml").write_text(LIMITS)
-    keys = {"keys": {hashlib.sha256(ALICE_KEY.encode()).hexdigest(): "alice"}}
+    keys = {"keys": {hashlib.sha256(ALICE_KEY.encode()).hexdigest(): "alice",
+                     hashlib.sha256(BOB_KEY.encode()).hexdigest(): BOB}}
     (tmp / "keys.json").write_text(json.dumps(keys))
+    admin = {"keys": {hashlib.sha256(ADMIN_KEY.encode()).hexdigest(): "oncall"}}
+    (tmp / "admin.json").write_text(json.dumps(admin))
+    (tmp / "salt").write_bytes(SALT)
     srv = Server(tiny_model(), [
         "--max-num-seqs", "64", "--max-model-len", "1024",
         "--output-rate-limits-file", str(tmp / "limits.yaml"),
         "--output-rate-user-header", "X-User", "--output-rate-require-user",
         "--api-key", SERVICE_KEY, "--output-rate-api-keys", str(tmp / "keys.json"),
+        "--output-rate-admin-keys", str(tmp / "admin.json"),
+        "--output-rate-user-label", "hashed", "--output-rate-user-label-salt-file", str(tmp / "salt"),
         "--output-rate-unlisted-users", "shared",
     ], REPO / ".cache" / "logs" / "e2e-identity-server.log",
         extra_env={"OUTPUT_RATE_TELEMETRY": "1"})
@@ -62,7 +82,7 @@ def server(tmp_path_factory):
 
 
 def charged(samples, user):
-    return metric_value(samples, "vllm_output_rate_tokens_charged_total", user=user)
+    return metric_value(samples, "vllm_output_rate_tokens_charged_total", user=label(user))
 
 
 def scrape(server):
@@ -135,7 +155,7 @@ def test_introspection_matches_the_metrics(server):
     assert limits["default"] == 40 and limits["unlisted_users"] == "shared"
     assert introspect(server, "limits", headers={}).status_code == 401
     alice_key = {"Authorization": f"Bearer {ALICE_KEY}"}
-    assert introspect(server, "limits", headers=alice_key).status_code == 200
+    assert introspect(server, "limits", headers=alice_key).status_code == 403
     samples = scrape(server)
     assert metric_value(samples, "vllm_output_rate_limits_info", sha256=limits["sha256"]) == 1
 
@@ -164,7 +184,7 @@ def test_introspection_matches_the_metrics(server):
     if state["throttled"]:
         assert state["throttled_kv_blocks"] >= 1
     assert 4 <= state["charged_10s"] <= 9
-    assert metric_value(during, "vllm_output_rate_throttled_requests", user="slowpoke") in (0, 1)
+    assert metric_value(during, "vllm_output_rate_throttled_requests", user=label("slowpoke")) in (0, 1)
 
     # settled: the windowed counts equal the counters' increase
     time.sleep(2.5)
@@ -177,3 +197,87 @@ def test_introspection_matches_the_metrics(server):
         assert state["charged_60s"] == total
     listing = introspect(server, "users?limit=5").json()
     assert 1 <= len(listing["users"]) <= 5
+
+
+# -- tenant isolation ------------------------------------------------------------------
+
+ALICE = {"Authorization": f"Bearer {ALICE_KEY}"}
+BOB_AUTH = {"Authorization": f"Bearer {BOB_KEY}"}
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def test_a_customer_reads_only_its_own_state_and_operators_read_all(server):
+    # bob has state the engine knows of
+    assert complete(server, BOB_AUTH, max_tokens=5).status_code == 200
+    time.sleep(2.5)  # one engine export
+    answers = []
+    for path in ("me", "users/alice"):
+        resp = introspect(server, path, headers=ALICE)
+        answers.append(resp)
+        assert resp.status_code == 200 and resp.json()["user"] == "alice", resp.text
+        assert resp.json()["limit"] == 1000
+    for path in (f"users/{BOB}", "users", "users?limit=20", "limits"):
+        resp = introspect(server, path, headers=ALICE)
+        answers.append(resp)
+        assert resp.status_code == 403, (path, resp.text)
+    for resp in answers:
+        assert BOB not in resp.text and BOB not in str(resp.headers)
+    # operators: a service key and an admin key read every user, the list and the limits
+    for headers in (svc(), ADMIN):
+        state = introspect(server, f"users/{BOB}", headers=headers).json()
+        assert state["user"] == BOB and state["limit"] == 500 and state["charged_60s"] == 5
+        listing = introspect(server, "users?limit=1000", headers=headers).json()
+        assert BOB in [u["user"] for u in listing["users"]]
+        assert introspect(server, "limits", headers=headers).json()["users"][BOB] == 500
+    assert introspect(server, "me", headers=svc("user-h")).json()["user"] == "user-h"
+    # an admin key reads, it does not generate
+    assert complete(server, ADMIN).status_code == 401
+
+
+def _stream(server, headers, path="completions"):
+    """A streamed completion (or chat completion): its status, headers, text."""
+    body = {"model": "tiny", "max_tokens": 6, "ignore_eos": True, "stream": True,
+            "vllm_xargs": {"output_rate_user": BOB}}
+    if path == "completions":
+        body["prompt"] = "hello there"
+    else:
+        body["messages"] = [{"role": "user", "content": "hello there"}]
+    with httpx.stream("POST", f"{server.base_url}/v1/{path}", json=body, headers=headers,
+                      timeout=120) as resp:
+        return resp.status_code, resp.headers, "".join(resp.iter_text())
+
+
+def test_every_completion_carries_the_callers_own_limit_and_nothing_of_others(server):
+    """RateLimit-Policy / RateLimit on streamed and whole responses, chat
+    and completions; the body naming bob changes neither the user nor the
+    headers; no response to alice holds bob's id."""
+    texts = []
+    whole = complete(server, ALICE, max_tokens=6, body_user=BOB)
+    assert whole.status_code == 200
+    texts.append(whole.text + str(whole.headers))
+    for path in ("completions", "chat/completions"):
+        status, headers, text = _stream(server, ALICE, path)
+        assert status == 200 and "data: [DONE]" in text
+        texts.append(text + str(headers))
+        assert headers["ratelimit-policy"] == '"user";q=1000;w=1;qu="output-tokens"'
+        assert headers["ratelimit"].startswith('"user";r=') and ";t=" in headers["ratelimit"]
+    assert whole.headers["ratelimit-policy"] == '"user";q=1000;w=1;qu="output-tokens"'
+    # a gateway's user in a tier; an unlisted user on the shared default budget
+    gold = complete(server, svc("user-h"), max_tokens=2)
+    assert gold.headers["ratelimit-policy"] == '"gold";q=1000;w=1;qu="output-tokens"'
+    unlisted = complete(server, svc("walk-in-customer"), max_tokens=2)
+    assert unlisted.headers["ratelimit-policy"] == '"default";q=40;w=1;qu="output-tokens"'
+    slow = complete(server, svc("slowpoke"), max_tokens=1).headers
+    assert slow["ratelimit-policy"] == '"user";q=2;w=1;qu="output-tokens"'
+    for text in texts:
+        assert BOB not in text
+
+
+def test_metrics_show_hashed_user_labels_and_no_id(server):
+    assert complete(server, ALICE, max_tokens=2).status_code == 200
+    time.sleep(2.5)
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    assert f'user="{label("alice")}"' in text and f'user="{label(BOB)}"' in text
+    for user in ("alice", BOB, "user-h", "slowpoke", "vip"):
+        assert f'"{user}"' not in text, user
+    assert charged(scrape(server), "alice") > 0

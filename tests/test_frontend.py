@@ -276,3 +276,242 @@ def test_configure_carries_traces_exactly_when_they_are_on(monkeypatch):
     assert not frontend.configure_frontend(frontend.settings_from_args(args), True, args).carry_trace
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:4318")
     assert frontend.configure_frontend(frontend.settings_from_args(args), True, args).carry_trace
+
+
+# -- tenant isolation: who reads what, and the RateLimit headers ----------------------
+
+from fractions import Fraction  # noqa: E402
+
+from vllm_output_rate import access  # noqa: E402
+from vllm_output_rate.config import OutputRateConfig  # noqa: E402
+from vllm_output_rate.frontend import AdminKeysWatcher  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _own_routes(monkeypatch):
+    """Each test registers its routes into a copy (the real ones stay)."""
+    monkeypatch.setattr(frontend, "_routes", dict(frontend._routes))
+
+
+def _tenant_server(tmp_path, mode=None):
+    """A server with a service key, an admin keys file and customers' keys."""
+    admin = tmp_path / "admin.yaml"
+    admin.write_text(json.dumps({"keys": {sha("ops-key"): "oncall"}}))
+    return Identity(user_header="X-User", api_keys=ApiKeysWatcher(
+        keys_file(tmp_path, {"alice-key": "alice", "bob-key": "bob"}), start_thread=False),
+        service_digests=(sha("svc"),), guards=True,
+        admin_keys=AdminKeysWatcher(str(admin), start_thread=False), introspection=mode)
+
+
+def _echo_routes():
+    async def users(rest, query):
+        return 200, {"users": "list"} if not rest else {"user": rest}
+
+    async def limits(rest, query):
+        return 200, {"users": {"alice": 1, "bob": 2}}
+
+    frontend.register_route("users", users)
+    frontend.register_route("limits", limits)
+
+
+def _get(mw, path, key=None, extra=()):
+    headers = [("authorization", f"Bearer {key}")] if key else []
+    status, body, _, _ = _call(mw, path, [*headers, *extra], method="GET")
+    return status, body
+
+
+@pytest.mark.parametrize("mode, kind, own, name, tail, status, served", [
+    ("own", access.TENANT, "alice", "me", "", 200, ("users", "alice")),
+    ("own", access.TENANT, "alice", "users", "alice", 200, ("users", "alice")),
+    ("own", access.TENANT, "alice", "users", "bob", 403, None),
+    ("own", access.TENANT, "alice", "users", "", 403, None),
+    ("own", access.TENANT, "alice", "limits", "", 403, None),
+    ("own", access.OPERATOR, None, "users", "bob", 200, ("users", "bob")),
+    ("own", access.OPERATOR, None, "me", "", 400, None),
+    ("own", access.OPERATOR, "bob", "me", "", 200, ("users", "bob")),
+    ("own", None, None, "users", "alice", 401, None),
+    ("operators", access.TENANT, "alice", "me", "", 403, None),
+    ("operators", access.OPERATOR, None, "limits", "", 200, ("limits", "")),
+    ("off", access.OPERATOR, None, "limits", "", 404, None),
+    ("open", None, None, "users", "", 200, ("users", "")),
+    ("open", None, "carol", "me", "", 200, ("users", "carol")),
+])
+def test_the_read_rule(mode, kind, own, name, tail, status, served):
+    read = access.decide_read(mode, kind, own, name, tail)
+    assert read.status == status
+    if served:
+        assert (read.name, read.tail) == served
+    else:
+        assert "bob" not in read.message and "alice" not in read.message
+
+
+def test_a_tenant_reads_only_its_own_user(tmp_path, monkeypatch):
+    monkeypatch.setattr(frontend, "_identity", _tenant_server(tmp_path))
+    _echo_routes()
+    mw = OutputRateMiddleware(None)
+    assert _get(mw, "/output-rate/me", "alice-key") == (200, json.dumps({"user": "alice"}, indent=1).encode())
+    assert _get(mw, "/output-rate/users/alice", "alice-key")[0] == 200
+    # the header a tenant sends changes nothing: its key decides
+    assert json.loads(_get(mw, "/output-rate/me", "alice-key", [("x-user", "bob")])[1]) == {"user": "alice"}
+    for path in ("/output-rate/users/bob", "/output-rate/users/b%6Fb", "/output-rate/users",
+                 "/output-rate/users?limit=5", "/output-rate/limits", "/output-rate/users/alice/x",
+                 "/output-rate/nothing"):
+        status, body = _get(mw, path, "alice-key")
+        assert status == 403 and b"bob" not in body and b"alice" not in body, (path, body)
+    # operators read everything: a service key and an admin key
+    for key in ("svc", "ops-key"):
+        assert _get(mw, "/output-rate/users/bob", key) == (200, json.dumps({"user": "bob"}, indent=1).encode())
+        assert _get(mw, "/output-rate/users", key)[0] == 200
+        assert _get(mw, "/output-rate/limits", key)[0] == 200
+    assert json.loads(_get(mw, "/output-rate/me", "svc", [("x-user", "bob")])[1]) == {"user": "bob"}
+    assert _get(mw, "/output-rate/me", "ops-key")[0] == 400  # names no user
+    assert _get(mw, "/output-rate/users/alice")[0] == 401
+    assert _get(mw, "/output-rate/users/alice", "stolen")[0] == 401
+    # an admin key is no key for /v1
+    assert _call(mw, "/v1/completions", [("authorization", "Bearer ops-key")])[0] == 401
+
+
+@pytest.mark.parametrize("mode, alice, ops", [("operators", 403, 200), ("off", 404, 404)])
+def test_introspection_operators_and_off(tmp_path, monkeypatch, mode, alice, ops):
+    monkeypatch.setattr(frontend, "_identity", _tenant_server(tmp_path, mode))
+    _echo_routes()
+    mw = OutputRateMiddleware(None)
+    assert _get(mw, "/output-rate/me", "alice-key")[0] == alice
+    assert _get(mw, "/output-rate/users/bob", "ops-key")[0] == ops
+
+
+def test_a_server_without_keys_stays_open_unless_off():
+    assert access.introspection_mode(None, False) == access.OPEN
+    assert access.introspection_mode("off", False) == "off"
+    assert access.introspection_mode(None, True) == "own"
+    for mode in ("own", "operators"):
+        with pytest.raises(OutputRateConfigError, match=f"--output-rate-introspection {mode} needs keys"):
+            access.introspection_mode(mode, False)
+    with pytest.raises(OutputRateConfigError, match="--output-rate-introspection.*'everyone'"):
+        access.introspection_mode("everyone", True)
+
+
+def test_admin_keys_option_checked_reloaded_and_registered_for_sighup(tmp_path, monkeypatch):
+    from vllm_output_rate import limits_watch
+
+    monkeypatch.setattr(frontend, "_identity", None)
+    admin = tmp_path / "admin.yaml"
+    args = SimpleNamespace(middleware=[], api_key=None, output_rate_user_header=None,
+                           output_rate_require_user=False,
+                           output_rate_api_keys=keys_file(tmp_path, {"alice-key": "alice"}),
+                           output_rate_admin_keys=str(admin), output_rate_introspection=None)
+
+    def configure(on=True):
+        return frontend.configure_frontend(frontend.settings_from_args(args), on, args)
+
+    with pytest.raises(OutputRateConfigError, match=f"--output-rate-admin-keys {admin}: cannot read"):
+        configure()
+    admin.write_text("keys: {ops-plain-key: oncall}\n")
+    with pytest.raises(OutputRateConfigError) as err:
+        configure()
+    assert "--output-rate-admin-keys" in str(err.value) and "SHA-256" in str(err.value)
+    assert "ops-plain-key" not in str(err.value)
+    admin.write_text(json.dumps({"keys": {sha("ops-1"): "oncall"}}))
+    ident = configure()
+    try:
+        assert ident.read_mode() == "own" and ident.admin_keys in limits_watch._watchers
+        assert ident.reader({"authorization": "Bearer ops-1"}) == (access.OPERATOR, None)
+        admin.write_text(json.dumps({"keys": {sha("ops-2"): "oncall"}}))
+        assert ident.admin_keys.check() == "loaded"
+        assert ident.reader({"authorization": "Bearer ops-1"}) == (None, None)
+        assert ident.reader({"authorization": "Bearer ops-2"})[0] == access.OPERATOR
+        assert ident.reader({"authorization": "Bearer alice-key"}) == (access.TENANT, "alice")
+    finally:
+        frontend.forget_identity()
+    assert ident.admin_keys not in limits_watch._watchers
+    args.output_rate_introspection = "operators"
+    args.output_rate_api_keys = args.output_rate_admin_keys = None
+    with pytest.raises(OutputRateConfigError, match="needs keys"):
+        configure()
+    with pytest.raises(OutputRateConfigError, match="need limits"):
+        configure(on=False)
+
+
+@pytest.mark.parametrize("limit, tier, listed, ready, policy, state", [
+    (Fraction(40), None, False, 0.0, '"default";q=40;w=1;qu="output-tokens"', '"default";r=40;t=0'),
+    (Fraction(1000), "gold", True, 0.0, '"gold";q=1000;w=1;qu="output-tokens"', '"gold";r=1000;t=0'),
+    (Fraction(1, 2), None, True, 0.0, '"user";q=1;w=2;qu="output-tokens"', '"user";r=1;t=0'),
+    (Fraction(2), None, True, 1.5, '"user";q=2;w=1;qu="output-tokens"', '"user";r=0;t=2'),
+    (Fraction(10), None, True, 0.25, '"user";q=10;w=1;qu="output-tokens"', '"user";r=7;t=1'),
+    (Fraction(1, 10), 'we"ird', True, 0.0, '"we\\"ird";q=1;w=10;qu="output-tokens"', '"we\\"ird";r=1;t=0'),
+])
+def test_ratelimit_header_fields(limit, tier, listed, ready, policy, state):
+    headers = dict(access.ratelimit_headers(limit, tier, listed, ready))
+    assert headers == {b"ratelimit-policy": policy.encode(), b"ratelimit": state.encode()}
+    assert access.limit_fraction(float(limit)) == limit
+
+
+def _complete(mw, headers, note=None, chunks=(b"data: 1\n\n", b"data: [DONE]\n\n"), status=200,
+              path="/v1/chat/completions"):
+    """A completion through the middleware; the app names the body's user
+    (``note``) as vLLM's serving entry does. Returns the response headers."""
+    sent = []
+
+    async def app(scope, receive, send):
+        if note is not None:
+            frontend.note_user(note)
+        await send({"type": "http.response.start", "status": status, "headers": [(b"x-app", b"1")]})
+        for i, chunk in enumerate(chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": i < len(chunks) - 1})
+
+    async def run():
+        scope = {"type": "http", "method": "POST", "path": path, "root_path": "",
+                 "query_string": b"", "headers": [(k.encode(), v.encode()) for k, v in headers]}
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        mw.app = app
+        await mw(scope, receive, send)
+
+    asyncio.run(run())
+    assert b"".join(m.get("body", b"") for m in sent[1:]) == b"".join(chunks)
+    return dict(sent[0]["headers"])
+
+
+def test_completion_responses_carry_the_callers_own_limit(tmp_path, monkeypatch):
+    config = OutputRateConfig(Fraction(40), {"alice": Fraction(1000), "bob": Fraction(1, 2)},
+                              tiers={"gold": Fraction(1000)}, user_tiers={"alice": "gold"})
+    monkeypatch.setattr(frontend, "_identity", _tenant_server(tmp_path))
+    monkeypatch.setattr(frontend, "_config", config)
+    monkeypatch.setattr(frontend, "_self_view", None)
+    mw = OutputRateMiddleware(None)
+    for chunks in ((b"data: 1\n\n", b"data: [DONE]\n\n"), (b'{"choices": []}',)):  # streamed or not
+        got = _complete(mw, [("authorization", "Bearer alice-key")], chunks=chunks)
+        assert got[b"ratelimit-policy"] == b'"gold";q=1000;w=1;qu="output-tokens"'
+        assert got[b"ratelimit"] == b'"gold";r=1000;t=0' and got[b"x-app"] == b"1"
+        assert b"bob" not in b"".join(got.values())
+    got = _complete(mw, [("authorization", "Bearer svc"), ("x-user", "bob")], path="/v1/completions")
+    assert got[b"ratelimit-policy"] == b'"user";q=1;w=2;qu="output-tokens"'
+    # a refused request (401) or an error carries none
+    assert b"ratelimit" not in _complete(mw, [("authorization", "Bearer svc")], status=400)
+    # not a completion: none
+    assert b"ratelimit" not in _complete(mw, [("authorization", "Bearer svc"), ("x-user", "bob")],
+                                         path="/v1/models")
+
+    # the body decides (no trusted identity): the serving entry names the user
+    monkeypatch.setattr(frontend, "_identity", Identity())
+    got = _complete(mw, [], note="carol")
+    assert got[b"ratelimit-policy"] == b'"default";q=40;w=1;qu="output-tokens"'
+
+    # the engine's view wins over this process's parse (a reloaded file)
+    async def view(user):
+        return {"limit": 7.5, "tier": None, "listed": True, "ready_in_s": 0.0, "user": user}
+
+    monkeypatch.setattr(frontend, "_self_view", view)
+    got = _complete(mw, [], note="carol")
+    assert got[b"ratelimit-policy"] == b'"user";q=15;w=2;qu="output-tokens"'
+
+    async def broken(user):
+        raise RuntimeError("no snapshot")
+
+    monkeypatch.setattr(frontend, "_self_view", broken)
+    assert b"ratelimit" not in _complete(mw, [], note="carol")  # served all the same

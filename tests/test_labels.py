@@ -113,3 +113,88 @@ def test_a_spoofed_overflow_label_never_takes_a_free_seat():
     labeler.observe(OTHER, 3)
     assert labeler.label(OTHER) == OTHER
     assert labeler.labelled_users() == {}
+
+
+# -- --output-rate-user-label: raw, hashed, off ---------------------------------------
+
+import pytest  # noqa: E402
+
+from vllm_output_rate import user_label  # noqa: E402
+from vllm_output_rate.config import OutputRateConfigError  # noqa: E402
+
+SALT = b"a-salt-of-sixteen-bytes-or-more"
+
+
+def test_hashed_labels_are_stable_salted_and_show_no_id():
+    policy = user_label.UserLabelPolicy("hashed", SALT)
+    lab = UserLabeler(pinned=["alice"], top_k=5, public=policy.public_id)
+    lab.observe("bob", 3)
+    labels = lab.labelled_users()
+    assert set(labels) == {"alice", "bob"}
+    assert all(v.startswith("u-") and len(v) == 18 for v in labels.values())
+    assert "alice" not in "".join(labels.values()) and "bob" not in "".join(labels.values())
+    # stable for one salt (dashboards group by it across restarts), another salt differs
+    again = UserLabeler(pinned=["alice"], public=policy.public_id)
+    assert again.label("alice") == labels["alice"] == user_label.hashed("alice", SALT)
+    other = user_label.UserLabelPolicy("hashed", SALT + b"x")
+    assert other.public_id("alice") != labels["alice"]
+    # placeholders are no one's id and stay readable
+    assert policy.public_id("__anonymous__") == "__anonymous__"
+    assert policy.public_id("__unlisted__") == "__unlisted__"
+    lab.set_pinned(["carol"])
+    assert lab.label("carol") == user_label.hashed("carol", SALT)
+
+
+def test_off_keeps_every_user_in_the_overflow_bucket():
+    policy = user_label.UserLabelPolicy("off")
+    lab = UserLabeler(pinned=["alice"], top_k=5, public=policy.public_id)
+    for user in ("alice", "bob", "carol"):
+        lab.observe(user, 10)
+        assert lab.promote(user) == OTHER
+    lab.rebalance()
+    lab.set_pinned(["alice", "dave"])
+    assert lab.labelled_users() == {} and lab.pinned == {}
+    assert {lab.label(u) for u in ("alice", "bob", "dave")} == {OTHER}
+    assert policy.public_id("alice") is None
+
+
+def test_raw_is_todays_label():
+    lab = UserLabeler(pinned=["alice"], public=user_label.RAW.public_id)
+    assert lab.label("alice") == "alice"
+
+
+@pytest.mark.parametrize("mode, salt, names", [
+    ("loud", None, ("--output-rate-user-label", "'loud'")),
+    ("hashed", None, ("--output-rate-user-label hashed needs a salt", "--output-rate-user-label-salt-file")),
+    ("hashed", "{dir}/absent-salt", ("--output-rate-user-label-salt-file", "absent-salt", "cannot read")),
+    ("hashed", "{dir}/short-salt", ("--output-rate-user-label-salt-file", "short-salt", "16 bytes")),
+    ("raw", "{dir}/salt", ("--output-rate-user-label-salt-file", "only used with")),
+])
+def test_bad_label_options_are_refused_naming_option_and_value(tmp_path, monkeypatch, mode, salt, names):
+    monkeypatch.delenv("OUTPUT_RATE_USER_LABEL_SALT_FILE", raising=False)
+    (tmp_path / "short-salt").write_text("abc\n")
+    (tmp_path / "salt").write_bytes(SALT)
+    with pytest.raises(OutputRateConfigError) as err:
+        user_label.check_options(mode, salt and salt.replace("{dir}", str(tmp_path)))
+    for name in names:
+        assert name in str(err.value), (name, str(err.value))
+
+
+def test_the_settings_carry_the_options_and_a_lost_salt_is_off_never_raw(tmp_path, monkeypatch):
+    salt = tmp_path / "salt"
+    salt.write_bytes(SALT + b"\n")
+    env = user_label.child_settings("hashed", str(salt))
+    assert env == {"OUTPUT_RATE_USER_LABEL": "hashed", "OUTPUT_RATE_USER_LABEL_SALT_FILE": str(salt)}
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    user_label.forget()
+    try:
+        assert user_label.current() == user_label.UserLabelPolicy("hashed", SALT)
+        salt.unlink()  # gone when the engine core starts: no ids, never raw ones
+        user_label.forget()
+        assert user_label.current().mode == "off"
+        monkeypatch.setenv("OUTPUT_RATE_USER_LABEL", "loud")
+        with pytest.raises(OutputRateConfigError, match="OUTPUT_RATE_USER_LABEL='loud'"):
+            user_label.check_options(None, None)
+    finally:
+        user_label.forget()

@@ -17,7 +17,8 @@ def test_the_config_table_covers_every_option():
     options = {a for case in stress.CONFIG_CASES for a in case.args if a.startswith("--")}
     for option in (stress.DEFAULT_OPTION, stress.USERS_OPTION, stress.LIMITS_FILE_OPTION,
                    stress.UNLISTED_OPTION, stress.SHARED_STATE_OPTION, stress.HEADER_OPTION,
-                   stress.REQUIRE_OPTION, stress.API_KEYS_OPTION):
+                   stress.REQUIRE_OPTION, stress.API_KEYS_OPTION, stress.ADMIN_KEYS_OPTION,
+                   stress.INTROSPECTION_OPTION, stress.LABEL_OPTION, stress.SALT_OPTION):
         assert option in options, option
 
 

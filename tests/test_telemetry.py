@@ -862,3 +862,38 @@ def test_every_throttled_request_has_an_episode_open_after_its_step(tmp_path_fac
                 assert tel._episodes[req_id] == started[req_id]  # (kept, not reopened)
         started = {r: tel._episodes[r] for r in record.throttled}
     assert fast > 100 and slow > 0
+
+
+@pytest.mark.parametrize("mode", ["hashed", "off"])
+def test_user_label_modes_keep_ids_off_the_metrics_with_exact_totals(tmp_path, monkeypatch, mode):
+    """``--output-rate-user-label hashed|off`` (carried as settings): no id on
+    ``/metrics``; hashed labels group each user, off keeps only totals and
+    ``__other__``; the totals are exact either way."""
+    from vllm_output_rate import user_label
+
+    salt = tmp_path / "salt"
+    salt.write_bytes(b"0123456789abcdef-salt")
+    (tmp_path / "out").mkdir()
+    for name, value in user_label.child_settings(mode, str(salt) if mode == "hashed" else None).items():
+        monkeypatch.setenv(name, value)
+    user_label.forget()
+    try:
+        sched, drv, tel = setup(tmp_path / "out", limits(1000, alice=50))
+        drv.add(*[make_request(u, max_tokens=5) for u in ("alice", "bob-the-customer")])
+        drv.run_until_done()
+        assert tel.export()
+        registry = CollectorRegistry()
+        registry.register(SnapshotCollector(str(tmp_path / "out")))
+        text = generate_latest(registry).decode()
+    finally:
+        user_label.forget()
+    assert "alice" not in text and "bob-the-customer" not in text
+    assert counter(tel, "engine_tokens_charged") == 10
+    if mode == "hashed":
+        for user in ("alice", "bob-the-customer"):
+            label = user_label.hashed(user, b"0123456789abcdef-salt")
+            assert f'user="{label}"' in text and counter(tel, "tokens_charged", label) == 5
+    else:
+        assert counter(tel, "tokens_charged", OTHER) == 10
+        users = {labels[0] for (name, labels) in tel.counters if name == "tokens_charged"}
+        assert users == {OTHER}

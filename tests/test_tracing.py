@@ -1078,3 +1078,34 @@ def test_a_limits_reload_is_a_span(tmp_path, exporter, monkeypatch):
             a["output_rate.limits.users_changed"]) == (1, 1, 1)
     assert list(a["output_rate.limits.added"]) == ["new"]
     assert list(a["output_rate.limits.removed"]) == ["gone"]
+
+
+@pytest.mark.parametrize("mode", ["hashed", "off"])
+def test_span_ids_follow_the_user_label_mode(tmp_path, exporter, monkeypatch, mode):
+    """user.id (trusted only, as before) and output_rate.user are hashed
+    like the label, or left out with ``off``."""
+    import json
+
+    from vllm_output_rate import user_label
+    from vllm_output_rate.config import TRUSTED_FIELD
+
+    salt = tmp_path / "salt"
+    salt.write_bytes(b"0123456789abcdef-salt")
+    for name, value in user_label.child_settings(mode, str(salt) if mode == "hashed" else None).items():
+        monkeypatch.setenv(name, value)
+    user_label.forget()
+    try:
+        sched, drv, tel, rec = setup(tmp_path, exporter, limits(1000, a=10))
+        req = make_request("alice", max_tokens=3)
+        req.sampling_params.extra_args[TRUSTED_FIELD] = "api_key"
+        drv.add(req)
+        drv.run_until_done()
+    finally:
+        user_label.forget()
+    (gen,) = spans(exporter, "output_rate.generation")
+    if mode == "hashed":
+        label = user_label.hashed("alice", b"0123456789abcdef-salt")
+        assert gen.attributes["user.id"] == gen.attributes["output_rate.user"] == label
+    else:
+        assert "user.id" not in gen.attributes and "output_rate.user" not in gen.attributes
+    assert "alice" not in json.dumps({k: str(v) for k, v in gen.attributes.items()})

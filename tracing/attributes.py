@@ -12,6 +12,7 @@ import os
 import re
 from typing import Any
 
+from vllm_output_rate import user_label
 from vllm_output_rate.config import ANONYMOUS_USER, UNLISTED_USER
 from vllm_output_rate.observers import RequestFacts
 
@@ -76,16 +77,34 @@ def external_request_id(engine_id: str, randomized: bool = True) -> str:
     return engine_id
 
 
+def shown_id(user: str) -> str | None:
+    """A user id as spans may show it (``--output-rate-user-label``): itself,
+    its salted hash, or None (``off``)."""
+    return user_label.current().public_id(user)
+
+
+def shown_ids(users: Any) -> list[str]:
+    public = user_label.current().public_id
+    return [shown for shown in map(public, users) if shown is not None]
+
+
 def identity_attributes(facts: RequestFacts | None, attributes: dict[str, Any]) -> None:
     """``output_rate.user`` (whose budget the request spends), and ``user.id``
     and ``output_rate.identity_source`` only when the API server vouched for
-    the user (a client's own claim in the body is no identity)."""
+    the user (a client's own claim in the body is no identity). Ids are
+    shown as ``--output-rate-user-label`` says: raw, hashed like the
+    ``user`` label, or not at all (``off``)."""
     if facts is None:
         return
-    attributes["output_rate.user"] = facts.user
+    # ids as ``--output-rate-user-label`` shows them: raw, hashed or left out
+    public = user_label.current().public_id
+    budget = public(facts.user)
+    if budget is not None:
+        attributes["output_rate.user"] = budget
     source = facts.identity_source
     if source in TRUSTED_SOURCES:
         attributes["output_rate.identity_source"] = source
         who = facts.identity or facts.user  # the caller, not a shared budget
-        if who not in _PLACEHOLDER_USERS:
-            attributes[USER_ID] = who
+        shown = public(who) if who not in _PLACEHOLDER_USERS else None
+        if shown is not None:
+            attributes[USER_ID] = shown

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_output_rate.observers import IdleWait
+from vllm_output_rate.tracing.attributes import shown_id, shown_ids
 from vllm_output_rate.tracing.emit import SpanEmitter
 
 
@@ -35,15 +36,17 @@ class StepSpans:
             "output_rate.charged": charged,
             "output_rate.refunded": len(refunded),
             "output_rate.throttled": throttled,
-            "output_rate.refused_users": sorted(refused)[:32],
+            "output_rate.refused_users": sorted(shown_ids(refused))[:32],
             "output_rate.refusal_steps_per_span": 1 if refunded else self.steps_per_span,
         }
         span = emitter.tracer.start_span("output_rate.step", start_time=now + emitter.offset,
                                          attributes=attributes)
         for req_id, user, reason in refunded:
-            span.add_event("refund", attributes={
-                "output_rate.request_id": req_id, "output_rate.user": user,
-                "output_rate.reason": reason})
+            event = {"output_rate.request_id": req_id, "output_rate.reason": reason}
+            shown = shown_id(user)
+            if shown is not None:
+                event["output_rate.user"] = shown
+            span.add_event("refund", attributes=event)
         span.end(end_time=now + emitter.offset)
 
     def build_idle_wait(self, wait: IdleWait) -> None:
@@ -72,7 +75,7 @@ class StepSpans:
             "output_rate.limits.users_added": len(change.added),
             "output_rate.limits.users_removed": len(change.removed),
             "output_rate.limits.users_changed": len(change.changed),
-            "output_rate.limits.added": list(change.added[:cap]),
-            "output_rate.limits.removed": list(change.removed[:cap]),
-            "output_rate.limits.changed": list(change.changed[:cap]),
+            "output_rate.limits.added": shown_ids(change.added[:cap]),
+            "output_rate.limits.removed": shown_ids(change.removed[:cap]),
+            "output_rate.limits.changed": shown_ids(change.changed[:cap]),
         })

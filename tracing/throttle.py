@@ -26,6 +26,7 @@ from vllm_output_rate.tracing.attributes import (
     external_request_id,
     identity_attributes,
     quantile,
+    shown_id,
     spacing_us,
 )
 from vllm_output_rate.tracing.emit import SpanEmitter
@@ -241,7 +242,6 @@ class ThrottleSpans:
         except Exception:  # (a view read from this thread must not stop the builder)
             limit = 0.0
         attributes = {
-            "output_rate.user": period.user,
             "output_rate.limit_tokens_per_second": limit,
             "output_rate.tokens_charged": tokens,
             "output_rate.tokens_per_second": round(tokens / seconds, 3),
@@ -254,6 +254,9 @@ class ThrottleSpans:
             "output_rate.throttled_requests_max": period.max_requests,
             "output_rate.throttled_kv_blocks_max": period.max_blocks,
         }
+        shown = shown_id(period.user)
+        if shown is not None:
+            attributes["output_rate.user"] = shown
         self.emitter.span("output_rate.over_limit", period.start_ns, end_ns, attributes)
 
     # -- a request's episodes -------------------------------------------------

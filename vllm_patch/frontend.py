@@ -24,7 +24,14 @@ names this). API servers spawned by ``--api-server-count N`` never parse
 the options: they get them, without secrets, from the serving process
 (``settings_from_args`` / ``current_options``, carried like the limits). It also serves ``GET /output-rate/...`` from handlers other
 layers register (``register_route``: telemetry serves the limits and user
-state from the engine's snapshot), behind the same key rules as ``/v1``.
+state from the engine's snapshot), by the read rules of ``access``: a
+customer's key reads only its own user's state; listing users, other users
+and the limits need an operator key (vLLM's ``--api-key`` or
+``--output-rate-admin-keys``). Every 2xx completion response gets the
+caller's own ``RateLimit-Policy`` / ``RateLimit`` headers (``access``), from
+what another layer registers (``register_self_view``: telemetry reads the
+engine's snapshot, so a reloaded limits file shows there as soon as the
+engine has it in force) or, without it, the limits this process parsed.
 
 Nothing here logs a key or a header value.
 """
@@ -46,7 +53,8 @@ from vllm_output_rate.config import (
     MAX_USER_LEN,
     OutputRateConfigError,
 )
-from vllm_output_rate import settings
+from vllm_output_rate import access, settings
+from vllm_output_rate.access import ADMIN_KEYS_OPTION, INTROSPECTION_OPTION, OPERATOR, TENANT
 from vllm_output_rate.limits_watch import POLL_S, WatchedFile
 
 logger = logging.getLogger("vllm_output_rate")
@@ -60,6 +68,8 @@ MIDDLEWARE_PATH = "vllm_output_rate.frontend.OutputRateMiddleware"
 GUARDED_PREFIX = ("/v1", "/v2", "/inference", "/cohere")
 #: The read-only endpoints' prefix.
 ROUTE_PREFIX = "/output-rate/"
+#: The completion paths whose responses carry the RateLimit headers.
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 #: The trusted user of the request being served (None: the body field rules).
 IDENTITY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
@@ -67,6 +77,12 @@ IDENTITY: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 #: Where that user came from: "header" or "api_key" (None: not trusted).
 IDENTITY_SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "output_rate_identity_source", default=None)
+
+#: The user a completion request turned out to be (a one-item list the
+#: middleware makes per request; the serving entry fills it in when the body
+#: field decides): whose RateLimit headers the response gets.
+RESPONSE_USER: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "output_rate_response_user", default=None)
 
 #: The W3C trace context of the request being served, ``(traceparent,
 #: tracestate or None)``, when the project's traces are on (None otherwise):
@@ -121,6 +137,7 @@ class ApiKeysWatcher(WatchedFile):
 
     option = API_KEYS_OPTION
     thread_name = "output-rate-api-keys"
+    what = "API keys"
 
     def __init__(self, path: str, poll_s: float = POLL_S, start_thread: bool = True) -> None:
         try:
@@ -128,21 +145,31 @@ class ApiKeysWatcher(WatchedFile):
                 content = f.read()
         except OSError as exc:
             raise OutputRateConfigError(
-                f"{API_KEYS_OPTION} {path}: cannot read it ({exc.strerror or exc})") from None
+                f"{self.option} {path}: cannot read it ({exc.strerror or exc})") from None
         try:
             keys = parse_api_keys(content, path)
         except OutputRateConfigError as exc:  # at start-up, name the option too
-            raise OutputRateConfigError(f"{API_KEYS_OPTION} {exc}") from None
+            raise OutputRateConfigError(f"{self.option} {exc}") from None
         super().__init__(path, keys, hashlib.sha256(content).hexdigest(), poll_s, start_thread)
 
     def parse(self, content: bytes) -> dict[str, str]:
         return parse_api_keys(content, self.path)
 
     def accept(self, old: dict[str, str], new: dict[str, str], digest: str) -> dict[str, str]:
-        logger.info("output-rate: API keys reloaded from %s (sha256 %s): %d key(s), "
-                    "%d added, %d removed", self.path, digest[:12], len(new),
+        logger.info("output-rate: %s reloaded from %s (sha256 %s): %d key(s), "
+                    "%d added, %d removed", self.what, self.path, digest[:12], len(new),
                     len(set(new) - set(old)), len(set(old) - set(new)))
         return new
+
+
+class AdminKeysWatcher(ApiKeysWatcher):
+    """``--output-rate-admin-keys``: operators' keys (the API keys file's
+    format; the names are only counted), reloaded the same way. They read
+    ``/output-rate/``; they are no keys for ``/v1``."""
+
+    option = ADMIN_KEYS_OPTION
+    thread_name = "output-rate-admin-keys"
+    what = "admin keys"
 
 
 # -- the identity rules -------------------------------------------------------------
@@ -163,10 +190,44 @@ class Identity:
     #: whether the project's traces are on (``settings.traces_requested``):
     #: then each request's ``traceparent`` / ``tracestate`` go to the engine
     carry_trace: bool = False
+    #: operators' keys (``--output-rate-admin-keys``)
+    admin_keys: ApiKeysWatcher | None = None
+    #: who reads ``/output-rate/`` (``access.introspection_mode``; None:
+    #: its default for the keys this server has)
+    introspection: str | None = None
 
     @property
     def trusted(self) -> bool:
         return self.user_header is not None or self.api_keys is not None
+
+    def read_mode(self) -> str:
+        return self.introspection or access.introspection_mode(None, self.has_keys())
+
+    def has_keys(self) -> bool:
+        return bool(self.api_keys is not None or self.service_digests or self.admin_keys is not None)
+
+    def reader(self, headers: dict[str, str]) -> tuple[str | None, str | None]:
+        """``(kind, own user)`` of a ``/output-rate/`` caller: OPERATOR (a
+        service or admin key; its user is the header's, if any), TENANT (a
+        listed key; its user), or None (no key, an unknown one, or a server
+        without keys; the user header's user, if any)."""
+        token = _bearer(headers.get("authorization"))
+        if token is not None:
+            digest = key_digest(token)
+            if self._service_token(token) or (
+                    self.admin_keys is not None and digest in self.admin_keys.current):
+                return OPERATOR, self._header_user(headers)
+            if self.api_keys is not None:
+                user = self.api_keys.current.get(digest)
+                if user is not None:
+                    return TENANT, user
+        return None, (self._header_user(headers) if not self.has_keys() else None)
+
+    def _header_user(self, headers: dict[str, str]) -> str | None:
+        if self.user_header is None:
+            return None
+        value = (headers.get(self.user_header.lower()) or "").strip()
+        return value[:MAX_USER_LEN] or None
 
     def _service_token(self, token: str) -> bool:
         digest = key_digest(token).encode()
@@ -199,16 +260,10 @@ class Identity:
         return ANONYMOUS_USER, None, False
 
     def allowed(self, headers: dict[str, str]) -> bool:
-        """Whether a request may read ``/output-rate/...``: the key rules of
-        ``/v1`` (open when the server has no keys)."""
-        if self.api_keys is None and not self.service_digests:
-            return True
-        token = _bearer(headers.get("authorization"))
-        if token is None:
-            return False
-        if self._service_token(token):
-            return True
-        return self.api_keys is not None and key_digest(token) in self.api_keys.current
+        """Whether a request's key lets it read anything under
+        ``/output-rate/`` (open when the server has no keys); what it may
+        read is ``access.decide_read``'s."""
+        return not self.has_keys() or self.reader(headers)[0] is not None
 
 
 def _bearer(value: str | None) -> str | None:
@@ -232,11 +287,52 @@ _options: dict[str, Any] | None = None
 #: returning (status, JSON-able body).
 Route = Callable[[str, dict[str, str]], Awaitable[tuple[int, Any]]]
 _routes: dict[str, Route] = {}
+#: user -> its own budget as the engine has it in force (``limit``, ``tier``,
+#: ``listed``, ``ready_in_s``), or None when not known yet
+SelfView = Callable[[str], Awaitable[dict[str, Any] | None]]
+_self_view: SelfView | None = None
+#: the limits this process parsed (the fallback of the RateLimit headers)
+_config: Any = None
 
 
 def register_route(name: str, handler: Route) -> None:
     """Serve ``GET /output-rate/<name>[/...]`` with ``handler``. Idempotent."""
     _routes[name] = handler
+
+
+def register_self_view(view: SelfView) -> None:
+    """Where the RateLimit headers read a caller's own budget. Idempotent."""
+    global _self_view
+    _self_view = view
+
+
+def set_config(config: Any) -> None:
+    """The limits this process parsed or inherited (``OutputRateConfig``):
+    what the RateLimit headers say while no self view answers."""
+    global _config
+    _config = config
+
+
+def note_user(user: str) -> None:
+    """The serving entry says whose request this is (when the body decides)."""
+    holder = RESPONSE_USER.get()
+    if holder is not None and holder[0] is None:
+        holder[0] = user
+
+
+async def ratelimit_for(user: str) -> list[tuple[bytes, bytes]]:
+    """The RateLimit headers of ``user``'s own budget (empty when unknown)."""
+    view = None
+    if _self_view is not None:
+        view = await _self_view(user)
+    if view is None and _config is not None:
+        budget = _config.charged_user(user)
+        view = {"limit": _config.rate_of(budget), "tier": _config.tier_of(budget),
+                "listed": budget in _config.user_rates, "ready_in_s": 0.0}
+    if view is None:
+        return []
+    return access.ratelimit_headers(access.limit_fraction(view["limit"]), view.get("tier"),
+                                    bool(view.get("listed")), view.get("ready_in_s") or 0.0)
 
 
 def settings_from_args(args: Any) -> dict[str, Any]:
@@ -250,6 +346,7 @@ def settings_from_args(args: Any) -> dict[str, Any]:
     header = getattr(args, "output_rate_user_header", None)
     require = bool(getattr(args, "output_rate_require_user", False))
     keys_path = getattr(args, "output_rate_api_keys", None)
+    admin_path = getattr(args, "output_rate_admin_keys", None)
     tokens = [t for t in (getattr(args, "api_key", None) or []) if t]
     if not tokens and os.environ.get("VLLM_API_KEY"):
         tokens = [os.environ["VLLM_API_KEY"]]
@@ -259,7 +356,9 @@ def settings_from_args(args: Any) -> dict[str, Any]:
         os.environ.pop("VLLM_API_KEY", None)
     return {"user_header": header, "require_user": require,
             "api_keys": os.path.abspath(keys_path) if keys_path else None,
-            "service_sha256": [key_digest(t) for t in tokens], "guards": guards}
+            "service_sha256": [key_digest(t) for t in tokens], "guards": guards,
+            "admin_keys": os.path.abspath(admin_path) if admin_path else None,
+            "introspection": getattr(args, "output_rate_introspection", None)}
 
 
 def configure_frontend(options: dict[str, Any], feature_on: bool,
@@ -271,10 +370,12 @@ def configure_frontend(options: dict[str, Any], feature_on: bool,
     global _identity, _options
     header, require = options.get("user_header"), bool(options.get("require_user"))
     keys_path = options.get("api_keys")
+    admin_path, wanted = options.get("admin_keys"), options.get("introspection")
     if not feature_on:
-        if header or require or keys_path:
+        if header or require or keys_path or admin_path or wanted:
             raise OutputRateConfigError(
-                f"{HEADER_OPTION}, {REQUIRE_OPTION} and {API_KEYS_OPTION} need limits "
+                f"{HEADER_OPTION}, {REQUIRE_OPTION}, {API_KEYS_OPTION}, {ADMIN_KEYS_OPTION} "
+                f"and {INTROSPECTION_OPTION} need limits "
                 f"(--default-user-output-tokens-per-second or --output-rate-limits-file)")
         return None
     if require and not header:
@@ -282,14 +383,23 @@ def configure_frontend(options: dict[str, Any], feature_on: bool,
             f"{REQUIRE_OPTION} needs {HEADER_OPTION}: it refuses requests without that header")
     if header is not None:
         check_header_name(header)
+    mode = access.introspection_mode(
+        wanted, bool(keys_path or admin_path or options.get("service_sha256")))
     identity = _identity
     if identity is None or identity.user_header != header or identity.require_user != require or (
             (identity.api_keys.path if identity.api_keys else None) != keys_path):
-        if identity is not None and identity.api_keys is not None:
-            identity.api_keys.close()
+        if identity is not None:
+            for watcher in (identity.api_keys, identity.admin_keys):
+                if watcher is not None:
+                    watcher.close()
         # (the keys' watcher re-reads the file on SIGHUP too)
         identity = Identity(header, require, ApiKeysWatcher(keys_path) if keys_path else None)
+    if (identity.admin_keys.path if identity.admin_keys else None) != admin_path:
+        if identity.admin_keys is not None:
+            identity.admin_keys.close()
+        identity.admin_keys = AdminKeysWatcher(admin_path) if admin_path else None
     identity.service_digests = tuple(options.get("service_sha256") or ())
+    identity.introspection = mode
     identity.guards = bool(options.get("guards"))
     identity.carry_trace = settings.traces_requested()
     _identity, _options = identity, dict(options)
@@ -313,8 +423,10 @@ def forget_identity() -> None:
     watcher stopped): for tools that check one option set after another in
     one process (``tools.stress``), never called while serving."""
     global _identity, _options
-    if _identity is not None and _identity.api_keys is not None:
-        _identity.api_keys.close()
+    if _identity is not None:
+        for watcher in (_identity.api_keys, _identity.admin_keys):
+            if watcher is not None:
+                watcher.close()
     _identity, _options = None, None
 
 
@@ -352,20 +464,28 @@ class OutputRateMiddleware:
 
     async def _serve(self, identity: Identity, scope: dict, receive: Any, send: Any,
                      path: str, headers: dict[str, str]) -> None:
-        if not identity.trusted or scope.get("method") == "OPTIONS" or not path.startswith(GUARDED_PREFIX):
+        if scope.get("method") == "OPTIONS" or not path.startswith(GUARDED_PREFIX):
             await self.app(scope, receive, send)
             return
-        user, refusal, listed = identity.decide(headers)
-        if refusal is not None:
-            await _send_json(send, 401, {"error": {"message": refusal, "type": "Unauthorized",
-                                                   "code": 401}})
-            return
+        user, listed = None, False
+        if identity.trusted:
+            user, refusal, listed = identity.decide(headers)
+            if refusal is not None:
+                await _send_json(send, 401, {"error": {"message": refusal,
+                                                       "type": "Unauthorized", "code": 401}})
+                return
+        holder = None
+        if scope.get("method") == "POST" and path.rstrip("/") in COMPLETION_PATHS:
+            holder = [user]
+            send = _with_ratelimit(send, holder)
         token = IDENTITY.set(user)
         source = IDENTITY_SOURCE.set(
             None if user is None else "api_key" if listed else "header")
+        response_user = RESPONSE_USER.set(holder)
         try:
             await self.app(scope, receive, send)
         finally:
+            RESPONSE_USER.reset(response_user)
             IDENTITY_SOURCE.reset(source)
             IDENTITY.reset(token)
 
@@ -374,23 +494,45 @@ class OutputRateMiddleware:
         if scope.get("method") not in ("GET", "HEAD"):
             await _send_json(send, 405, {"error": "only GET"})
             return
-        if not identity.allowed(headers):
-            await _send_json(send, 401, {"error": "Unauthorized"})
-            return
-        name, _, tail = rest.partition("/")
-        handler = _routes.get(name)
-        if handler is None:
-            await _send_json(send, 404, {"error": f"no such endpoint; try {sorted(_routes)}"})
-            return
         from urllib.parse import parse_qsl, unquote
 
+        name, _, tail = rest.partition("/")
+        kind, own = identity.reader(headers)
+        read = access.decide_read(identity.read_mode(), kind, own, name, unquote(tail))
+        if read.status != 200:
+            await _send_json(send, read.status, {"error": read.message})
+            return
+        handler = _routes.get(read.name)
+        if handler is None:
+            await _send_json(send, 404, {"error": f"no such endpoint; try "
+                                                  f"{sorted([*_routes, access.ME])}"})
+            return
         query = dict(parse_qsl((scope.get("query_string") or b"").decode("latin-1")))
         try:
-            status, body = await handler(unquote(tail), query)
+            status, body = await handler(read.tail, query)
         except Exception:
             logger.exception("output-rate: /output-rate/%s failed", name)
             status, body = 500, {"error": "internal error (logged)"}
         await _send_json(send, status, body)
+
+
+def _with_ratelimit(send: Any, holder: list) -> Any:
+    """``send``, adding the caller's RateLimit headers to a 2xx response's
+    start (the serving entry has named the user by then)."""
+
+    async def send_with(message: dict) -> None:
+        if (message.get("type") == "http.response.start" and holder[0] is not None
+                and 200 <= message.get("status", 0) < 300):
+            try:
+                extra = await ratelimit_for(holder[0])
+            except Exception:  # never fail a response for its headers
+                logger.exception("output-rate: RateLimit headers failed")
+                extra = []
+            if extra:
+                message = {**message, "headers": [*message.get("headers", ()), *extra]}
+        await send(message)
+
+    return send_with
 
 
 async def _send_json(send: Any, status: int, body: Any) -> None:

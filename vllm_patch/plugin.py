@@ -40,10 +40,11 @@ from vllm_output_rate.config import (
     USER_FIELD,
     OutputRateConfigError,
     config_of,
+    resolve_user,
     to_wire,
     user_field_error,
 )
-from vllm_output_rate import frontend, observers, settings
+from vllm_output_rate import access, frontend, observers, settings, user_label
 from vllm_output_rate.shared_settings import parse_shared_state
 from vllm_output_rate.internals import UnsupportedVllmVersion, check_vllm_version
 
@@ -202,6 +203,40 @@ def add_output_rate_args(parser: Any) -> Any:
         "Keys of vLLM's --api-key stay valid as service keys (their user comes "
         "from the header option or the body). Reloaded when it changes.",
     )
+    group.add_argument(
+        access.ADMIN_KEYS_OPTION,
+        dest="output_rate_admin_keys",
+        default=None,
+        type=str,
+        help="Operators' keys, in the format of --output-rate-api-keys (reloaded the "
+        "same way): besides vLLM's --api-key keys, they read every user's state and "
+        "the limits under /output-rate/. They are no keys for /v1.",
+    )
+    group.add_argument(
+        access.INTROSPECTION_OPTION,
+        dest="output_rate_introspection",
+        default=None,
+        choices=access.INTROSPECTION_MODES,
+        help="Who reads /output-rate/: 'own' (default with keys: a listed key reads "
+        "only its own user's state, operator keys read all), 'operators' (operator "
+        "keys only) or 'off' (closed). A server without keys leaves them open.",
+    )
+    group.add_argument(
+        user_label.LABEL_OPTION,
+        dest="output_rate_user_label",
+        default=None,
+        choices=user_label.MODES,
+        help="How a user's id shows in the per-user 'user' label of /metrics and on "
+        "spans: 'raw' (default), 'hashed' (a stable salted hash; needs "
+        f"{user_label.SALT_OPTION}) or 'off' (no per-user series, only totals).",
+    )
+    group.add_argument(
+        user_label.SALT_OPTION,
+        dest="output_rate_user_label_salt_file",
+        default=None,
+        type=str,
+        help="A file holding the secret salt (at least 16 bytes) of hashed user labels.",
+    )
     return parser
 
 
@@ -227,8 +262,10 @@ def _patch_engine_args() -> None:
             getattr(args, "output_rate_unlisted_users", None),
             getattr(args, "output_rate_shared_state", None),
         )
-        frontend.configure_frontend(frontend.settings_from_args(args),
-                                    config is not None or _inherited_config() is not None, args)
+        feature_on = config is not None or _inherited_config() is not None
+        frontend.configure_frontend(frontend.settings_from_args(args), feature_on, args)
+        configure_user_label(getattr(args, "output_rate_user_label", None),
+                             getattr(args, "output_rate_user_label_salt_file", None), feature_on)
         if config is not None:
             engine_args.additional_config = {
                 **(engine_args.additional_config or {}),
@@ -264,6 +301,21 @@ def _patch_engine_args() -> None:
 
 
 # -- configuration ------------------------------------------------------------
+
+
+def configure_user_label(mode: Any, salt_file: Any, feature_on: bool) -> None:
+    """Check ``--output-rate-user-label`` and its salt file now (start-up
+    errors name the option and the value) and hand them to the engine core
+    through the environment, as its other settings travel."""
+    if not feature_on:
+        if mode is not None or salt_file:
+            raise OutputRateConfigError(
+                f"{user_label.LABEL_OPTION} and {user_label.SALT_OPTION} need limits "
+                f"(--default-user-output-tokens-per-second or --output-rate-limits-file)")
+        return
+    user_label.check_options(mode, salt_file)
+    os.environ.update(user_label.child_settings(mode, salt_file))
+    user_label.forget()
 
 
 def _inherited_config() -> dict[str, Any] | None:
@@ -408,6 +460,7 @@ def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
         ACTIVE_CONFIG=json.dumps({"pid": os.getpid(), "config": wire,
                                   "frontend": frontend.current_options()})))
     _feature_on = True
+    frontend.set_config(config)
     if config.limits_file is not None:
         # `kill -HUP` on this process reaches the engine core (which reloads).
         from vllm_output_rate.limits_watch import install_sighup
@@ -464,6 +517,8 @@ def _patch_beam_search() -> None:
                             from vllm.exceptions import VLLMValidationError
 
                             raise VLLMValidationError(error, parameter="vllm_xargs")
+                        # whose RateLimit headers the response gets
+                        frontend.note_user(resolve_user(self.vllm_xargs))
                     trace = frontend.TRACE_CONTEXT.get()
                     if trace is not None:
                         # the request's W3C trace context, for the engine's

@@ -71,6 +71,13 @@ def _text(raw: str) -> str | None:
     return raw.strip() or None
 
 
+def _user_label(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("raw", "hashed", "off"):
+        raise ValueError("takes raw, hashed or off")
+    return value
+
+
 @dataclass(frozen=True)
 class Setting:
     key: str
@@ -99,6 +106,12 @@ SETTINGS: tuple[Setting, ...] = (
             "directory made by the serving process)"),
     Setting("TOP_K_USERS", 100, _non_negative_int, "telemetry",
             "users with a `user` label of their own besides the configured ones"),
+    Setting("USER_LABEL", "raw", _user_label, "telemetry",
+            "how a user's id shows on `/metrics` and spans: raw, hashed (a salted hash) or off "
+            "(no per-user series); set by `--output-rate-user-label`"),
+    Setting("USER_LABEL_SALT_FILE", None, _text, "telemetry",
+            "the salt file of hashed user labels (at least 16 bytes, kept secret); set by "
+            "`--output-rate-user-label-salt-file`"),
     Setting("EVENTS", None, _text, "telemetry",
             "a file: the engine appends its per-step token events there (JSON lines), "
             "for `vllm-output-rate verify`"),
@@ -118,6 +131,10 @@ SETTINGS: tuple[Setting, ...] = (
 )
 
 BY_KEY: dict[str, Setting] = {s.key: s for s in SETTINGS}
+#: the settings that existed under ``LEGACY_PREFIX`` before 0.1.0
+LEGACY_KEYS = ("FORCE_ASYNC_SCHEDULING", "ACTIVE_CONFIG", "TELEMETRY", "TELEMETRY_DIR",
+               "TOP_K_USERS", "EVENTS", "TRACES_FILE", "TRACE_REFUSAL_STEP_EVERY",
+               "TRACE_THROTTLE_MIN_S", "PY_SPY", "EXTRA")
 
 
 def name(key: str) -> str:
