@@ -5,8 +5,9 @@ seconds while a load runs, and reports the share of the engine loop's samples
 (the engine core's main thread, the one running ``run_busy_loop``) in:
 
 - ``schedule()``      vLLM's ``Scheduler.schedule`` (and the limiter's wrapper of it)
-- ``limiter``         this plugin's scheduler code (``vllm_patch/scheduler.py``,
-                      ``limiter.py``, ``config.py``), wherever vLLM calls it
+- ``limiter``         this plugin's scheduler code (``vllm_patch/scheduler.py``
+                      and the modules its steps call: ``_LIMITER_FILES``),
+                      wherever vLLM calls it
 - ``telemetry``       this plugin's telemetry and tracing (``telemetry/``, ``tracing/``)
 - ``update_from_output()``  vLLM's ``Scheduler.update_from_output``
 - ``model wait``      the executor: sending the step to the worker process and
@@ -148,9 +149,12 @@ def parse_raw(lines: Iterable[str]) -> list[Stack]:
 #: The engine plugin's files, as a checkout (``vllm_patch/``, editable
 #: install) or a wheel (``vllm_output_rate/``) names them.
 _ENGINE_PKGS = ("vllm_patch/", "vllm_output_rate/")
+#: the scheduler's mixin and what its steps call
+_SCHEDULER_MODULES = ("scheduler.py", "ordering.py")
 _LIMITER_FILES = tuple(pkg + name for pkg in _ENGINE_PKGS
-                       for name in ("scheduler.py", "limiter.py", "config.py"))
-_SCHEDULER_FILES = tuple(pkg + "scheduler.py" for pkg in _ENGINE_PKGS)
+                       for name in (*_SCHEDULER_MODULES, "limiter.py", "config.py",
+                                    "request_fields.py"))
+_SCHEDULER_FILES = tuple(pkg + name for pkg in _ENGINE_PKGS for name in _SCHEDULER_MODULES)
 _TELEMETRY_DIRS = ("telemetry/", "tracing/")
 _SCHED_DIR = "vllm/v1/core/"
 _MODEL_DIRS = ("vllm/v1/executor/", "vllm/v1/worker/", "vllm/model_executor/",
