@@ -41,8 +41,8 @@ from vllm_output_rate.config import (
     OutputRateConfigError,
     config_of,
     to_wire,
-    user_field_error,
 )
+from vllm_output_rate.request_fields import user_field_error
 from vllm_output_rate import frontend, observers, settings
 from vllm_output_rate.shared_settings import parse_shared_state
 from vllm_output_rate.internals import UnsupportedVllmVersion, check_vllm_version

@@ -43,9 +43,8 @@ from vllm_output_rate.config import (
     OutputRateConfig,
     OutputRateConfigError,
     config_of,
-    resolve_user,
-    trusted_source,
 )
+from vllm_output_rate.request_fields import resolve_user, trusted_source
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock, take_from
 from vllm_output_rate.ordering import longest_waiting_first, rotated, throttled_victim
