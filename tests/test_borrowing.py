@@ -343,3 +343,22 @@ def test_a_pair_changed_live_is_in_force_at_the_next_step(tmp_path, monkeypatch,
     assert sched._orl_lender is None
     again = phase("default: 1000\nusers: {a: {rate: 5, ceiling: unlimited}}\n")
     assert rate(again) == pytest.approx(400, rel=0.02)
+
+
+def test_kv_exhaustion_preempts_borrowers_first():
+    """Under KV pressure (FCFS), vLLM preempts the tail of ``running``: the
+    borrower goes before a throttled request and a request with budget."""
+    sched, drv, clock, steps = setup(limits(1000, {"a": 1, "c": 1}, {"a": UNLIMITED}), False,
+                                     num_blocks=10, block_size=16, max_num_batched_tokens=256)
+    reqs = {}
+    for user in ("a", "c", "b"):
+        reqs[user] = make_request(user, prompt_len=31, max_tokens=300, block_size=16)
+        drv.add(reqs[user])
+        drv.step()
+    for _ in range(100):
+        out = drv.step()
+        if out.preempted_req_ids:
+            assert out.preempted_req_ids == {reqs["a"].request_id}
+            assert any(s.borrowed for s in steps)  # a was borrowing
+            return
+    raise AssertionError("no preemption happened")
