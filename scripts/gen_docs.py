@@ -51,7 +51,8 @@ def metrics_page() -> str:
     rows = []
     for x in m.METRICS:
         labels = ", ".join(f"`{label}`" for label in x.labels) or "-"
-        note = " Shared-budget mode only." if x.only_in == "shared_state" else ""
+        note = {"shared_state": " Shared-budget mode only.",
+                "borrowing": " Only with borrowing (a limit with a ceiling)."}.get(x.only_in or "", "")
         rows.append((f"`{x.full_name}`", x.kind, x.unit, labels, x.help + note))
     lines = [
         "# Metrics",

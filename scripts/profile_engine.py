@@ -150,10 +150,10 @@ def parse_raw(lines: Iterable[str]) -> list[Stack]:
 #: install) or a wheel (``vllm_output_rate/``) names them.
 _ENGINE_PKGS = ("vllm_patch/", "vllm_output_rate/")
 #: the scheduler's mixin and what its steps call
-_SCHEDULER_MODULES = ("scheduler.py", "ordering.py")
+_SCHEDULER_MODULES = ("scheduler.py", "ordering.py", "lending.py", "preemption.py")
 _LIMITER_FILES = tuple(pkg + name for pkg in _ENGINE_PKGS
                        for name in (*_SCHEDULER_MODULES, "limiter.py", "config.py",
-                                    "request_fields.py"))
+                                    "request_fields.py", "borrowing.py"))
 _SCHEDULER_FILES = tuple(pkg + name for pkg in _ENGINE_PKGS for name in _SCHEDULER_MODULES)
 _TELEMETRY_DIRS = ("telemetry/", "tracing/")
 _SCHED_DIR = "vllm/v1/core/"

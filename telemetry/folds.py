@@ -17,6 +17,8 @@ update the per-user books (``telemetry.books``) and the labels. The spans
 
 from __future__ import annotations
 
+from collections import Counter
+
 from collections.abc import Iterable
 from typing import Any
 
@@ -102,6 +104,10 @@ class Folds:
                       self._user_of)
         if charged:
             counters[("engine_tokens_charged", ())] += len(charged)
+        if record.borrowed:  # (borrowing only: a limit with a ceiling)
+            counters[("engine_tokens_borrowed", ())] += len(record.borrowed)
+            for user, n in Counter(record.borrowed.values()).items():
+                self.series.borrow(user, n)
         if record.refunded:
             labeler = self.series.labeler
             for _req_id, user, reason in record.refunded:

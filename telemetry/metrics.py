@@ -68,6 +68,13 @@ METRICS: tuple[Metric, ...] = (
            ("user",)),
     Metric("engine_tokens_charged", "counter", "tokens",
            "Output tokens charged to all users (exact total, no label cap)."),
+    Metric("tokens_borrowed", "counter", "tokens",
+           "Output tokens lent to a user over its guaranteed rate, under its ceiling, from "
+           "capacity nobody within its guaranteed rate used (not in tokens_charged).",
+           ("user",), renamed=False, only_in="borrowing"),
+    Metric("engine_tokens_borrowed", "counter", "tokens",
+           "Output tokens lent to all users (exact total); over tokens charged plus borrowed: "
+           "the share of the engine's tokens that were borrowed.", renamed=False, only_in="borrowing"),
     Metric("tokens_refunded", "counter", "tokens",
            "Charged tokens given back because the request was not dispatched.",
            ("user", "reason")),

@@ -26,7 +26,7 @@ Labels = tuple[str, ...]
 #: Why a charged token was given back (see the scheduler's refund point).
 REFUND_REASONS = ("not_scheduled", "preempted")
 #: The counters of a user that end when it loses its label.
-_USER_COUNTERS = ("tokens_charged", "tokens_refunded", "requests_skipped")
+_USER_COUNTERS = ("tokens_charged", "tokens_refunded", "requests_skipped", "tokens_borrowed")
 
 
 class Series:
@@ -41,6 +41,7 @@ class Series:
         #: user -> counter key (bounded; cleared when labels change)
         self._charged_keys: dict[str, tuple] = {}
         self._skipped_keys: dict[str, tuple] = {}
+        self._borrowed_keys: dict[str, tuple] = {}
         #: label -> its throttle_episode_seconds histogram (cleared when labels change)
         self._episode_hists: dict[str, Histogram] = {}
         #: label -> its inter_token_seconds histogram (same objects as in
@@ -52,6 +53,8 @@ class Series:
         counters = self.counters
         for name in ("engine_tokens_charged", "engine_tokens_refunded", "engine_requests_skipped"):
             counters[(name, ())] += 0
+        if view.limits().borrowing:
+            counters[("engine_tokens_borrowed", ())] += 0
         counters[("telemetry_dropped", ("export_failed",))] += 0
         counters[("telemetry_dropped", ("fold_failed",))] += 0
         if events_on:
@@ -96,6 +99,9 @@ class Series:
 
     def charge(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._charged_keys, "tokens_charged", user)] += n
+
+    def borrow(self, user: str, n: int) -> None:
+        self.counters[self._user_key(self._borrowed_keys, "tokens_borrowed", user)] += n
 
     def skip(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._skipped_keys, "requests_skipped", user)] += n
@@ -145,8 +151,9 @@ class Series:
         self.set_limits()
         self._charged_keys.clear()
         self._skipped_keys.clear()
+        self._borrowed_keys.clear()
         self._episode_hists.clear()
 
     def key_count(self) -> int:
         """Users in the counter-key caches (for ``state_sizes``)."""
-        return len(self._charged_keys) + len(self._skipped_keys)
+        return len(self._charged_keys) + len(self._skipped_keys) + len(self._borrowed_keys)

@@ -17,8 +17,8 @@ from vllm_output_rate.config import (
     OutputRateConfigError,
     parse_rate,
     parse_user_rates,
-    resolve_user,
 )
+from vllm_output_rate.request_fields import resolve_user
 
 
 @pytest.mark.parametrize(
@@ -119,7 +119,8 @@ def test_one_rule_for_the_user_field(value):
     resolves are the same rule: a value the entry lets through resolves to
     the user it names; a refused one never reaches the engine, and would be
     the anonymous user there."""
-    from vllm_output_rate.config import USER_FIELD, user_field_error, user_of_field
+    from vllm_output_rate.config import USER_FIELD
+    from vllm_output_rate.request_fields import user_field_error, user_of_field
 
     error = user_field_error({USER_FIELD: value})
     if error is None:
@@ -132,11 +133,8 @@ def test_one_rule_for_the_user_field(value):
 
 
 def test_carried_trace_headers_are_read_only_when_well_formed():
-    from vllm_output_rate.config import (
-        TRACEPARENT_FIELD,
-        TRACESTATE_FIELD,
-        carried_trace_headers,
-    )
+    from vllm_output_rate.config import TRACEPARENT_FIELD, TRACESTATE_FIELD
+    from vllm_output_rate.request_fields import carried_trace_headers
 
     parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
     assert carried_trace_headers({TRACEPARENT_FIELD: parent}) == {"traceparent": parent}

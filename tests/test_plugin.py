@@ -270,7 +270,8 @@ def test_only_the_server_says_a_user_is_trusted(monkeypatch):
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
     from vllm_output_rate import frontend
-    from vllm_output_rate.config import TRUSTED_FIELD, trusted_source
+    from vllm_output_rate.config import TRUSTED_FIELD
+    from vllm_output_rate.request_fields import trusted_source
 
     plugin.register()
     monkeypatch.setattr(plugin, "_feature_on", True)

@@ -14,6 +14,7 @@ from vllm.v1.request import RequestStatus
 
 from harness import Driver, VirtualClock, make_request, make_scheduler, observe_steps, scheduled_ids
 from vllm_output_rate import config as orl_config
+from vllm_output_rate import request_fields
 from vllm_output_rate import scheduler as orl_scheduler
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
@@ -204,7 +205,7 @@ def test_refused_user_is_asked_once_per_step(is_async, monkeypatch):
 
 def test_user_is_resolved_once_per_request(monkeypatch):
     calls = []
-    real = orl_config.resolve_user
+    real = request_fields.resolve_user
     monkeypatch.setattr(orl_scheduler, "resolve_user", lambda x: calls.append(x) or real(x))
     sched, drv, _ = setup(limits(50))
     reqs = [make_request("a", max_tokens=30), make_request(None, max_tokens=30)]

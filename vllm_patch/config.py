@@ -87,6 +87,13 @@ def parse_rate(value: Any, option: str) -> Fraction:
     return rate
 
 
+def parse_ceiling(value: Any, option: str) -> Fraction | str:
+    """A ceiling: a limit (``parse_rate``) or ``unlimited``."""
+    if isinstance(value, str) and value.strip().lower() == UNLIMITED:
+        return UNLIMITED
+    return parse_rate(value, option)
+
+
 def parse_user_rates(value: Any, option: str = USERS_OPTION) -> dict[str, Fraction]:
     """The per-user overrides: a JSON object of user id -> tokens per second."""
     if value is None:
@@ -141,7 +148,13 @@ _CONFIG_KEYS = {
     "digest",
     "unlisted_users",
     "shared_state",
+    "ceilings",
+    "tier_ceilings",
+    "default_ceiling",
 }
+
+#: A ceiling no token count bounds (the limits file's ``ceiling: unlimited``).
+UNLIMITED = "unlimited"
 
 
 @dataclass(frozen=True)
@@ -155,6 +168,14 @@ class OutputRateConfig:
     the SHA-256 of what the limits were read from. ``shared_state``: the
     store URL of shared-budget mode (``vllm_output_rate.shared_limiter``), or
     None (each engine its own budgets).
+
+    Borrowing (``vllm_output_rate.borrowing``): a limit written as a pair
+    ``{rate: R, ceiling: C}`` makes R the guaranteed rate and C (a number or
+    ``UNLIMITED``) the ceiling up to which the user may use capacity nobody
+    within its guaranteed rate uses. ``ceilings`` holds the listed users'
+    ceilings (a listed user without one does not borrow),
+    ``default_ceiling`` that of unlisted users (None: they do not borrow),
+    ``tier_ceilings`` where they came from.
     """
 
     default_rate: Fraction
@@ -165,6 +186,9 @@ class OutputRateConfig:
     digest: str = ""
     unlisted_users: str = "own"
     shared_state: str | None = None
+    ceilings: dict[str, Fraction | str] = field(default_factory=dict)
+    tier_ceilings: dict[str, Fraction | str] = field(default_factory=dict)
+    default_ceiling: Fraction | str | None = None
 
     def __post_init__(self) -> None:
         if not self.digest:
@@ -179,6 +203,25 @@ class OutputRateConfig:
                 parse_shared_state(self.shared_state)
             except SharedStateError as exc:
                 raise OutputRateConfigError(str(exc)) from None
+        for user, ceiling in [*self.ceilings.items(), (None, self.default_ceiling)]:
+            rate = self.default_rate if user is None else self.rate_of(user)
+            if ceiling not in (None, UNLIMITED) and ceiling < rate:
+                raise OutputRateConfigError(
+                    f"{'default' if user is None else f'users.{user}'}: ceiling {ceiling} "
+                    f"is below the rate {rate} (a ceiling bounds what is borrowed above it)")
+        if self.shared_state is not None and self.borrowing:
+            raise OutputRateConfigError(
+                f"{SHARED_STATE_OPTION}: borrowing (a limit with a ceiling) is not "
+                f"available with shared budgets yet; give plain rates")
+
+    @property
+    def borrowing(self) -> bool:
+        """Whether any user may borrow (a ceiling is set somewhere)."""
+        return bool(self.ceilings) or self.default_ceiling is not None
+
+    def ceiling_of(self, user: str) -> Fraction | str | None:
+        """``user``'s ceiling: a rate, ``UNLIMITED``, or None (no borrowing)."""
+        return self.ceilings.get(user) if user in self.user_rates else self.default_ceiling
 
     @classmethod
     def from_options(
@@ -237,6 +280,12 @@ class OutputRateConfig:
             data["tiers"] = {t: str(r) for t, r in self.tiers.items()}
         if self.user_tiers:
             data["user_tiers"] = dict(self.user_tiers)
+        if self.ceilings:
+            data["ceilings"] = {u: str(c) for u, c in self.ceilings.items()}
+        if self.tier_ceilings:
+            data["tier_ceilings"] = {t: str(c) for t, c in self.tier_ceilings.items()}
+        if self.default_ceiling is not None:
+            data["default_ceiling"] = str(self.default_ceiling)
         return data
 
     def to_dict(self) -> dict[str, Any]:
@@ -282,6 +331,12 @@ class OutputRateConfig:
             digest=str(data.get("digest") or ""),
             unlisted_users=_unlisted_mode(data.get("unlisted_users") or "own"),
             shared_state=data.get("shared_state"),
+            ceilings={str(u): parse_ceiling(c, f"{where} (ceiling of {u!r})")
+                      for u, c in (data.get("ceilings") or {}).items()},
+            tier_ceilings={str(t): parse_ceiling(c, f"{where} (ceiling of tier {t!r})")
+                           for t, c in (data.get("tier_ceilings") or {}).items()},
+            default_ceiling=(None if data.get("default_ceiling") is None else
+                             parse_ceiling(data["default_ceiling"], f"{where} (default ceiling)")),
         )
 
     def rate_of(self, user: str) -> Fraction:
@@ -422,26 +477,43 @@ def parse_limits_document(content: bytes, path: str) -> OutputRateConfig:
             f"{path}: 'default' is required (the limit of users not listed)"
         )
 
-    def rate(value: Any, where: str) -> Fraction:
+    def limit(value: Any, where: str) -> tuple[Fraction, Fraction | str | None]:
+        """A rate, or a pair ``{rate: R, ceiling: C}``: (rate, ceiling)."""
+        ceiling = None
+        if isinstance(value, dict):
+            extra = sorted(set(map(str, value)) - {"rate", "ceiling"})
+            if extra or "rate" not in value:
+                raise fail(where, f"expected a limit or {{rate: R, ceiling: C}}, got {value!r}")
+            if value.get("ceiling") is not None:
+                try:
+                    ceiling = parse_ceiling(value["ceiling"], f"{where}.ceiling")
+                except OutputRateConfigError as exc:
+                    raise OutputRateConfigError(f"{path}: {exc}") from None
+            value = value["rate"]
+            where = f"{where}.rate"
         try:
-            return parse_rate(value, where)
+            return parse_rate(value, where), ceiling
         except OutputRateConfigError as exc:
             raise OutputRateConfigError(f"{path}: {exc}") from None
 
-    default = rate(data["default"], "default")
+    default, default_ceiling = limit(data["default"], "default")
     tiers_in = data.get("tiers") or {}
     if not isinstance(tiers_in, dict):
         raise fail("tiers", f"expected a mapping of tier name -> limit, got {tiers_in!r}")
     tiers: dict[str, Fraction] = {}
+    tier_ceilings: dict[str, Fraction | str] = {}
     for name, value in tiers_in.items():
         if not isinstance(name, str) or not name:
             raise fail("tiers", f"tier names must be non-empty strings, got {name!r}")
-        tiers[name] = rate(value, f"tiers.{name}")
+        tiers[name], ceiling = limit(value, f"tiers.{name}")
+        if ceiling is not None:
+            tier_ceilings[name] = ceiling
     users_in = data.get("users") or {}
     if not isinstance(users_in, dict):
         raise fail("users", f"expected a mapping of user id -> limit or tier, got {users_in!r}")
     user_rates: dict[str, Fraction] = {}
     user_tiers: dict[str, str] = {}
+    ceilings: dict[str, Fraction | str] = {}
     for user, value in users_in.items():
         if isinstance(user, bool) or not isinstance(user, (str, int)) or user == "":
             raise fail("users", f"user ids must be non-empty strings, got {user!r}")
@@ -451,6 +523,8 @@ def parse_limits_document(content: bytes, path: str) -> OutputRateConfig:
         if isinstance(value, str) and value.strip() in tiers:
             user_tiers[user] = value.strip()
             user_rates[user] = tiers[value.strip()]
+            if value.strip() in tier_ceilings:
+                ceilings[user] = tier_ceilings[value.strip()]
             continue
         if isinstance(value, str):
             try:
@@ -458,86 +532,13 @@ def parse_limits_document(content: bytes, path: str) -> OutputRateConfig:
             except (ValueError, ZeroDivisionError):
                 raise fail(f"users.{user}", f"{value!r} is neither a limit nor a tier "
                            f"(tiers: {', '.join(tiers) or 'none'})") from None
-        user_rates[user] = rate(value, f"users.{user}")
-    return OutputRateConfig(default, user_rates, tiers=tiers, user_tiers=user_tiers,
-                            limits_file=path, digest=hashlib.sha256(content).hexdigest())
-
-
-def user_of_field(value: Any) -> str:
-    """The user a value of the user field names: the one rule, used where
-    requests are served (to refuse) and in the engine (to resolve).
-
-    None or empty -> the shared anonymous user; a string -> itself, cut to
-    ``MAX_USER_LEN`` characters; a number -> its string form. Anything else
-    (a boolean, a list, an object) is not a user: ``UserFieldError``.
-    """
-    if value is None or value == "":
-        return ANONYMOUS_USER
-    if isinstance(value, str):
-        return value[:MAX_USER_LEN]
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return str(value)[:MAX_USER_LEN]
-    raise UserFieldError(
-        f"vllm_xargs.{USER_FIELD} must be a string (the user the output-rate "
-        f"limit applies to), got {type(value).__name__}"
-    )
-
-
-class UserFieldError(ValueError):
-    """A request's user field holds something that is not a user id."""
-
-
-def user_field_error(xargs: Any) -> str | None:
-    """Why a request's ``vllm_xargs`` user field is unusable, or None (also
-    when it is absent): what the serving entry refuses with HTTP 400."""
-    if not isinstance(xargs, dict) or USER_FIELD not in xargs:
-        return None
+        user_rates[user], ceiling = limit(value, f"users.{user}")
+        if ceiling is not None:
+            ceilings[user] = ceiling
     try:
-        user_of_field(xargs[USER_FIELD])
-    except UserFieldError as exc:
-        return str(exc)
-    return None
-
-
-def trusted_source(extra_args: Any) -> str | None:
-    """Where the user of a request was taken from by the API server
-    ("header", "api_key"), or None (the body field: not authenticated)."""
-    if not extra_args:
-        return None
-    try:
-        value = extra_args.get(TRUSTED_FIELD)
-    except AttributeError:
-        return None
-    return value if value in ("header", "api_key") else None
-
-
-def carried_trace_headers(extra_args: Any) -> dict[str, str] | None:
-    """The W3C trace headers the API server carried in a request's
-    ``extra_args`` (``TRACEPARENT_FIELD``, ``TRACESTATE_FIELD``), as vLLM's
-    ``trace_headers`` would hold them; None without a ``traceparent``."""
-    if not extra_args:
-        return None
-    try:
-        parent = extra_args.get(TRACEPARENT_FIELD)
-        state = extra_args.get(TRACESTATE_FIELD)
-    except AttributeError:
-        return None
-    if not isinstance(parent, str) or not parent:
-        return None
-    headers = {"traceparent": parent}
-    if isinstance(state, str) and state:
-        headers["tracestate"] = state
-    return headers
-
-
-def resolve_user(extra_args: Any) -> str:
-    """The user of a request from ``SamplingParams.extra_args``, by
-    ``user_of_field``. Never raises: a malformed field must not fail a
-    request in the engine (the serving entry refused it already; other
-    entries get the anonymous user)."""
-    if not extra_args:
-        return ANONYMOUS_USER
-    try:
-        return user_of_field(extra_args.get(USER_FIELD))
-    except (AttributeError, UserFieldError):
-        return ANONYMOUS_USER
+        return OutputRateConfig(default, user_rates, tiers=tiers, user_tiers=user_tiers,
+                                limits_file=path, digest=hashlib.sha256(content).hexdigest(),
+                                ceilings=ceilings, tier_ceilings=tier_ceilings,
+                                default_ceiling=default_ceiling)
+    except OutputRateConfigError as exc:
+        raise OutputRateConfigError(f"{path}: {exc}") from None

@@ -172,7 +172,7 @@ from collections.abc import Mapping
 from importlib import metadata
 from typing import Any
 
-from vllm_output_rate.config import carried_trace_headers
+from vllm_output_rate.request_fields import carried_trace_headers
 from vllm_output_rate.observers import EngineView, LimitsStatus, RequestFacts
 
 # The supported versions are one list, in ``versions`` (the Makefile's version

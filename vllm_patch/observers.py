@@ -46,6 +46,9 @@ class StepReport:
     charged: dict[str, str] = field(default_factory=dict)
     #: (request id, user, reason) for every token given back
     refunded: list[tuple[str, str, str]] = field(default_factory=list)
+    #: request id -> user, for every token lent in this step (over the
+    #: user's guaranteed rate, under its ceiling: not in ``charged``)
+    borrowed: dict[str, str] = field(default_factory=dict)
     #: ids of running requests skipped because their user had no budget
     throttled: list[str] = field(default_factory=list)
     #: those of ``throttled`` that were not throttled in the step before

@@ -40,10 +40,9 @@ from vllm_output_rate.config import (
     USER_FIELD,
     OutputRateConfigError,
     config_of,
-    resolve_user,
     to_wire,
-    user_field_error,
 )
+from vllm_output_rate.request_fields import resolve_user, user_field_error
 from vllm_output_rate import access, frontend, observers, settings, user_label
 from vllm_output_rate.shared_settings import parse_shared_state
 from vllm_output_rate.internals import UnsupportedVllmVersion, check_vllm_version

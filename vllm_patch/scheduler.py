@@ -43,12 +43,14 @@ from vllm_output_rate.config import (
     OutputRateConfig,
     OutputRateConfigError,
     config_of,
-    resolve_user,
-    trusted_source,
 )
+from vllm_output_rate.request_fields import resolve_user, trusted_source
+from vllm_output_rate.borrowing import Lender
+from vllm_output_rate.lending import LendingMixin
+from vllm_output_rate.preemption import PriorityPreemptionMixin
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock, take_from
-from vllm_output_rate.ordering import longest_waiting_first, rotated, throttled_victim
+from vllm_output_rate.ordering import longest_waiting_first, rotated
 from vllm_output_rate.observers import (
     LimitsChange,
     OutputRateObserver,
@@ -65,7 +67,7 @@ MAX_IDLE_WAIT_S = 0.05
 _RUNNING = RequestStatus.RUNNING
 
 
-class OutputRateSchedulerMixin:
+class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
     """Per-user output-token rate limit over vLLM's V1 scheduler."""
 
     #: Monotonic ns clock; tests replace it on the instance.
@@ -90,6 +92,9 @@ class OutputRateSchedulerMixin:
     _orl_held = 0
     _orl_capped = False
     _orl_limiter_begin: Callable[[int], None] | None = None
+    _orl_lender: Lender | None = None
+    #: borrowers at the tail of ``running``, after the throttled requests
+    _orl_lent_tail = 0
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -102,6 +107,8 @@ class OutputRateSchedulerMixin:
             )
         self.output_rate_config = config
         self.output_rate_limiter = self._orl_new_limiter(config)
+        #: borrowing's ceilings and counters, when a limit has a ceiling
+        self._orl_lender = Lender(config) if config.borrowing else None
         # Shared-budget mode: leases taken up at every step boundary.
         self._orl_limiter_begin = getattr(self.output_rate_limiter, "begin_step", None)
         if config.limits_file is not None:
@@ -183,6 +190,8 @@ class OutputRateSchedulerMixin:
         request.output_rate_throttled_step = -1
         # When a token was last dispatched for it (rotation, cross-user order).
         request.output_rate_served_ns = 0
+        # The step it may borrow in (set when the scheduler lends to it).
+        request.output_rate_borrow_step = -1
         super().add_request(request)
         observer = self.output_rate_observer
         if observer is not None:
@@ -201,11 +210,15 @@ class OutputRateSchedulerMixin:
         # order) or when more requests are resident than may run.
         was_short = bool(self._orl_refused)
         self._orl_begin(now)
+        if self._orl_lender is not None:
+            self._orl_begin_lending()
         running = len(self.running)
         # Only when more are resident than may run can the active cap bind.
         self._orl_capped = running > self._orl_base_active
         throttled = None
-        if running > 1 and (was_short or self._orl_capped):
+        if running > 1 and (was_short or self._orl_capped) or (
+                running and self._orl_lender is not None):
+            # (with borrowing every step: who borrows is decided here)
             throttled = self._orl_order_running()
         held = self._orl_hold_back(throttled) if throttled else None
         t1 = time.perf_counter()
@@ -249,6 +262,7 @@ class OutputRateSchedulerMixin:
         old = self.output_rate_config
         self.output_rate_limiter.set_limits(config.default_rate, config.user_rates, now)
         self.output_rate_config = config
+        self._orl_set_lender(config, now)
         if "shared" in (old.unlisted_users, config.unlisted_users):
             charged_user = config.charged_user
             for request in self.requests.values():
@@ -286,7 +300,9 @@ class OutputRateSchedulerMixin:
         # user's budget left in this step. Any other limiter (shared budgets)
         # is asked once per user and settled once per step with the net
         # charges, through the two books below.
-        self._orl_direct = type(self.output_rate_limiter) is OutputRateLimiter
+        # With borrowing, the plain limiter is settled once per step too.
+        self._orl_direct = (type(self.output_rate_limiter) is OutputRateLimiter
+                            and self._orl_lender is None)
         # user -> tokens it may still take in this step (asked once per user)
         self._orl_allow: dict[str, int] = {}
         # user -> tokens it could take at the start of this step
@@ -303,6 +319,8 @@ class OutputRateSchedulerMixin:
             dropped = self.output_rate_limiter.cleanup_idle_users(now)
             if dropped:
                 self._orl_forget_states(set(dropped))
+            if self._orl_lender is not None:
+                self._orl_lender.cleanup_idle_users(now)
 
     def _orl_forget_states(self, users: set[str] | None) -> None:
         """The limiter dropped (``users``) or replaced (None: any) some
@@ -347,7 +365,10 @@ class OutputRateSchedulerMixin:
                 throttled.append(request)
         if len(ready) > self._orl_base_active:
             ready = longest_waiting_first(ready, self.running)
-        self.running[:] = ready + throttled
+        if self._orl_lender is not None and self._orl_lending:
+            ready, throttled = self._orl_lend_tail(ready, throttled, budget)
+        else:
+            self.running[:] = ready + throttled
         return throttled if short else None
 
     def _orl_hold_back(self, throttled: list[Request]) -> list[Request] | None:
@@ -364,11 +385,12 @@ class OutputRateSchedulerMixin:
         if not self.output_rate_hold_back or self.lora_config:
             return None
         running = self.running
-        keep = len(running) - len(throttled)
-        need = self._orl_groups * keep + self._orl_step_blocks
+        lent = self._orl_lent_tail  # borrowers after them (borrowing only)
+        keep = len(running) - len(throttled) - lent
+        need = self._orl_groups * (keep + lent) + self._orl_step_blocks
         if self._orl_free_blocks() < need:
             return None
-        del running[keep:]
+        del running[keep:keep + len(throttled)]
         self._orl_held = self._orl_record.held_back = len(throttled)
         refused = self._orl_refused
         mark = self._orl_mark_throttled
@@ -417,7 +439,13 @@ class OutputRateSchedulerMixin:
                 else:
                     taken = self._orl_take(user)
                 if not taken:
-                    return self._orl_refuse(request, user, num_computed_tokens)
+                    if (request.output_rate_borrow_step != self._orl_step_no
+                            or not self._orl_borrow(user)):
+                        return self._orl_refuse(request, user, num_computed_tokens)
+                    self._orl_record.borrowed[req_id] = user
+                    if capped:
+                        self._orl_active += 1
+                    return num_new_tokens
                 charged[req_id] = user
         if capped:
             self._orl_active += 1
@@ -431,16 +459,19 @@ class OutputRateSchedulerMixin:
         if left is None:  # first look at this user in this step
             left = self.output_rate_limiter.available(user, self._orl_now)
             self._orl_allow[user] = self._orl_allow_start[user] = left
+        if self._orl_lender is not None:
+            return min(left, self._orl_ceiling_left(user))
         return left
 
     def _orl_take(self, user: str) -> bool:
         """Charge ``user`` one token now, if it has one left in this step
-        (limiters settled once per step; the plain one is charged at the
-        charge point, on the state kept on the request)."""
-        left = self._orl_left(user)
-        if left <= 0:
+        (limiters settled once per step; the plain one without borrowing is
+        charged at the charge point, on the state kept on the request)."""
+        if self._orl_left(user) <= 0:
             return False
-        self._orl_allow[user] = left - 1
+        self._orl_allow[user] -= 1
+        if self._orl_lender is not None:
+            self._orl_ceil_left[user] -= 1
         return True
 
     def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
@@ -481,6 +512,8 @@ class OutputRateSchedulerMixin:
         user = request.output_rate_user
         if self._orl_left(user) > 0:
             return True
+        if self._orl_lender is not None and self._orl_admit_borrower(request):
+            return True
         self._orl_refused[user] = 0
         if self._orl_chunked and self._can_hold_prefill(request):
             return True
@@ -499,25 +532,6 @@ class OutputRateSchedulerMixin:
             and (request.num_tokens - 1) % self.block_size == 0
         )
 
-    # -- preemption: throttled requests go first --------------------------
-
-    def _orl_allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
-        allocate = self._orl_upstream_allocate
-        blocks = allocate(request, *args, **kwargs)
-        if blocks is not None or request.status != _RUNNING:
-            return blocks
-        while blocks is None:
-            victim = throttled_victim(self.running, request, self._orl_charged,
-                                      self._request_blocks_can_be_freed, self._orl_left)
-            if victim is None:
-                break
-            self.running.remove(victim)
-            self._preempt_request(victim, time.monotonic())
-            self._orl_block_admission = True
-            self._orl_record.preempted_throttled.append(victim.request_id)
-            blocks = allocate(request, *args, **kwargs)
-        return blocks
-
     # -- the refund point and the step record -------------------------------
 
     def _orl_finish(self, scheduled: dict[str, int], preempted: set[str]) -> None:
@@ -535,6 +549,8 @@ class OutputRateSchedulerMixin:
                 allow[user] += 1
             reason = "preempted" if req_id in preempted else "not_scheduled"
             record.refunded.append((req_id, user, reason))
+        if self._orl_lender is not None:
+            self._orl_settle_ceilings(record, scheduled)
         if not direct:
             # Settle the step: the net charge of each user, taken at `now`
             # (the same as one try_take per charge and one refund per

@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,21 +133,27 @@ def child_settings(mode: Any, salt_file: Any) -> dict[str, str]:
     return settings.child_env(**values) if values else {}
 
 
-_policy: UserLabelPolicy | None = None
+#: (the settings' raw values it was made from, the policy)
+_policy: tuple[tuple[str | None, str | None], UserLabelPolicy] | None = None
 
 
 def current() -> UserLabelPolicy:
     """The policy of this process (the engine core's telemetry and spans),
-    from the settings, read once. A setting that cannot be used (the salt
-    file gone since start-up) turns the ids off, logged, never raw."""
+    from the settings: made once for their values (two environment reads a
+    call: called per label and per span, never per token). A setting that
+    cannot be used (the salt file gone since start-up) turns the ids off,
+    logged, never raw."""
     global _policy
-    if _policy is None:
+    key = (os.environ.get(settings.name("USER_LABEL")),
+           os.environ.get(settings.name("USER_LABEL_SALT_FILE")))
+    if _policy is None or _policy[0] != key:
         try:
-            _policy = check_options(None, None)
+            policy = check_options(None, None)
         except OutputRateConfigError as exc:
             logger.error("output-rate: %s; user ids are left out of metrics and spans", exc)
-            _policy = UserLabelPolicy("off")
-    return _policy
+            policy = UserLabelPolicy("off")
+        _policy = (key, policy)
+    return _policy[1]
 
 
 def forget() -> None:

@@ -1,0 +1,364 @@
+"""Borrowing: a guaranteed rate and a ceiling per user, in the real vLLM
+``Scheduler`` / ``AsyncScheduler`` on a virtual clock (see harness).
+
+A limit ``{rate: R, ceiling: C}`` gives a user R for sure and up to C of the
+capacity nobody within its guaranteed rate uses; the ceiling is a second
+GCRA. These tests read what the scheduler dispatched from its step reports
+(``charged``: guaranteed tokens, ``borrowed``: lent ones).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from fractions import Fraction
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from harness import Driver, VirtualClock, make_request, make_scheduler, observe_steps
+from vllm_output_rate.config import (
+    UNLIMITED,
+    OutputRateConfig,
+    OutputRateConfigError,
+    parse_limits_document,
+)
+from vllm_output_rate.limiter import BURST_NS, NS_PER_S
+
+MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
+
+
+def limits(default, users=None, ceilings=None, default_ceiling=None):
+    data = {"default_user_output_tokens_per_second": default,
+            "user_output_tokens_per_second": users or {}}
+    if ceilings:
+        data["ceilings"] = ceilings
+    if default_ceiling is not None:
+        data["default_ceiling"] = default_ceiling
+    return data
+
+
+def setup(lim, is_async=False, step_ms=10.0, **kw):
+    clock = VirtualClock()
+    sched = make_scheduler(lim, clock=clock, async_scheduling=is_async, **kw)
+    steps = []
+    observe_steps(sched, steps.append)
+    return sched, Driver(sched, clock, step_ms=step_ms, is_async=is_async), clock, steps
+
+
+def tokens(steps, user, kind=("charged", "borrowed"), since=0):
+    """(now_ns, n) of ``user``'s dispatched tokens per step."""
+    out = []
+    for s in steps:
+        if s.now_ns < since:
+            continue
+        n = sum(1 for k in kind for u in getattr(s, k).values() if u == user)
+        if n:
+            out.append((s.now_ns, n))
+    return out
+
+
+def rate(spends):
+    """Tokens per second over the span of ``spends`` (first to last)."""
+    n = sum(k for _, k in spends) - spends[0][1]
+    return n / ((spends[-1][0] - spends[0][0]) / NS_PER_S)
+
+
+def check_bound(spends, limit):
+    """The GCRA bound in every window: tokens <= (W + burst) * limit + 1."""
+    times = [t for t, n in spends for _ in range(n)]
+    for i in range(len(times)):
+        for j in range(i, min(len(times), i + 400)):
+            window = Fraction(times[j] - times[i], NS_PER_S)
+            assert j - i + 1 <= math.floor((window + Fraction(BURST_NS, NS_PER_S)) * limit + 1), (
+                times[i], times[j], j - i + 1)
+
+
+# -- the limits file ------------------------------------------------------------
+
+
+def test_pairs_in_the_limits_file(tmp_path):
+    text = ("default: {rate: 5, ceiling: 20}\n"
+            "tiers: {gold: {rate: 200, ceiling: 800}, free: {rate: 5, ceiling: unlimited}}\n"
+            "users: {alice: gold, bob: free, carol: {rate: 10, ceiling: 30}, dave: 7}\n")
+    config = parse_limits_document(text.encode(), "limits.yaml")
+    assert config.rate_of("alice") == 200 and config.ceiling_of("alice") == 800
+    assert config.ceiling_of("bob") == UNLIMITED
+    assert config.ceiling_of("carol") == 30
+    assert config.ceiling_of("dave") is None  # a plain rate: guaranteed and ceiling at once
+    assert config.ceiling_of("someone") == 20 and config.rate_of("someone") == 5
+    assert config.tier_ceilings == {"gold": 800, "free": UNLIMITED}
+    again = OutputRateConfig.from_dict(config.to_dict())
+    assert again == config and again.borrowing
+    plain = parse_limits_document(b"default: 5\nusers: {a: 7}\n", "limits.yaml")
+    assert not plain.borrowing and "ceilings" not in plain.to_dict()
+
+
+@pytest.mark.parametrize("text, match", [
+    ("default: {rate: 5, ceiling: 2}\n", r"limits.yaml: default: ceiling 2 is below the rate 5"),
+    ("default: 5\nusers: {a: {rate: 5, ceil: 9}}\n", r"users.a: expected a limit or"),
+    ("default: 5\nusers: {a: {ceiling: 9}}\n", r"users.a: expected a limit or"),
+    ("default: 5\nusers: {a: {rate: 5, ceiling: lots}}\n", r"users.a.ceiling"),
+    ("default: 5\nusers: {a: {rate: -1, ceiling: 9}}\n", r"users.a.rate"),
+])
+def test_bad_pairs_are_refused_naming_the_key(text, match):
+    with pytest.raises(OutputRateConfigError, match=match):
+        parse_limits_document(text.encode(), "limits.yaml")
+
+
+def test_borrowing_is_refused_with_shared_budgets():
+    with pytest.raises(OutputRateConfigError, match="borrowing"):
+        OutputRateConfig(Fraction(5), default_ceiling=UNLIMITED, shared_state="redis://127.0.0.1:1/0")
+
+
+# -- lending in the scheduler -----------------------------------------------------
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_a_user_alone_borrows_what_the_engine_has(is_async):
+    """Unlimited ceiling, nobody else: as fast as with the feature off."""
+    sched, drv, clock, steps = setup(limits(1000, {"a": 5}, {"a": UNLIMITED}), is_async)
+    drv.add(*[make_request("a", max_tokens=200) for _ in range(4)])
+    drv.run(150)
+    spends = tokens(steps, "a")
+    assert rate(spends) == pytest.approx(400, rel=0.01)  # 4 streams, a token each per 10 ms step
+    borrowed = sum(n for _, n in tokens(steps, "a", ("borrowed",)))
+    assert borrowed > 0.9 * sum(n for _, n in spends)
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_a_finite_ceiling_is_a_gcra_of_its_own(is_async):
+    sched, drv, clock, steps = setup(limits(1000, {"a": 5}, {"a": 50}), is_async)
+    drv.add(*[make_request("a", max_tokens=400) for _ in range(4)])
+    drv.run(600)
+    spends = tokens(steps, "a")
+    check_bound(spends, 50)
+    assert rate(spends) >= 0.98 * 50
+    # the guaranteed GCRA was charged only for its share: 5 tok/s
+    guaranteed = tokens(steps, "a", ("charged",))
+    check_bound(guaranteed, 5)
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_a_guaranteed_user_arriving_gets_its_rate_at_once(is_async):
+    """a borrows every active slot; b (no ceiling) arrives and is served at
+    its guaranteed rate from its first step, while a keeps the rest."""
+    sched, drv, clock, steps = setup(limits(1000, {"a": 5, "b": 20}, {"a": UNLIMITED}),
+                                     is_async, max_num_seqs=32, max_num_active_seqs=4)
+    drv.add(*[make_request("a", max_tokens=2000) for _ in range(8)])
+    drv.run(100)
+    assert rate(tokens(steps, "a")) == pytest.approx(400, rel=0.02)  # 4 active slots
+    arrival = clock()
+    reqs = [make_request("b", max_tokens=100) for _ in range(4)]
+    drv.add(*reqs)
+    drv.run(300)
+    b = tokens(steps, "b", since=arrival)
+    first = b[0][0]
+    assert first - arrival <= (2 if is_async else 1) * 10_000_000  # its first step
+    check_bound(b, 20)
+    assert rate(b) >= 0.99 * 20
+    assert not tokens(steps, "b", ("borrowed",))
+    # a keeps what b leaves of the 4 active slots
+    a_after = tokens(steps, "a", since=first + 10**9)
+    assert rate(a_after) >= 0.9 * (400 - 20)
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_leftover_is_split_in_proportion_to_guaranteed_rates(is_async):
+    sched, drv, clock, steps = setup(
+        limits(1000, {"a": 10, "c": 30}, {"a": UNLIMITED, "c": UNLIMITED}),
+        is_async, max_num_seqs=32, max_num_active_seqs=4)
+    drv.add(*[make_request(u, max_tokens=3000) for u in ("a", "c") for _ in range(8)])
+    drv.run(500)
+    since = steps[100].now_ns
+    a, c = rate(tokens(steps, "a", since=since)), rate(tokens(steps, "c", since=since))
+    assert a + c == pytest.approx(400, rel=0.02)
+    assert c / a == pytest.approx(3, rel=0.05)
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_no_lending_while_a_user_with_budget_waits(is_async):
+    """A waiting request whose user has budget: the step lends nothing."""
+    sched, drv, clock, steps = setup(limits(1000, {"a": 5}, {"a": UNLIMITED}), is_async,
+                                     max_num_seqs=4)
+    drv.add(*[make_request("a", max_tokens=500) for _ in range(4)])
+    drv.run(50)
+    drv.add(make_request("b", max_tokens=20))  # resident slots full: b waits
+    before = len(steps)
+    drv.run(5)
+    for s in steps[before:]:
+        assert not s.borrowed
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    users=st.lists(st.tuples(st.sampled_from([2, 5, 20, 50]),
+                             st.sampled_from([None, 10, 100, UNLIMITED]),
+                             st.integers(1, 6), st.integers(0, 40)),
+                   min_size=2, max_size=4),
+    active=st.sampled_from([3, 6, 16]),
+    is_async=st.booleans(),
+)
+def test_borrowers_never_displace_a_request_within_its_guaranteed_rate(users, active, is_async):
+    """In every step that lends, every user got every guaranteed token it
+    had budget and live requests for."""
+    check_no_displacement(users, active, is_async)
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_the_displacement_check_sees_lending_steps(is_async):
+    """The property above is not vacuous: this workload lends in most steps
+    (and the same check holds)."""
+    users = [(5, UNLIMITED, 6, 0), (20, None, 3, 10), (2, 100, 4, 30)]
+    assert check_no_displacement(users, 4, is_async) >= 60
+
+
+def check_no_displacement(users, active, is_async) -> int:
+    """Run ``users`` (rate, ceiling, requests, first step) for 120 steps;
+    the number of steps that lent."""
+    rates, ceilings = {}, {}
+    for i, (r, c, _, _) in enumerate(users):
+        rates[f"u{i}"] = r
+        if c is not None and (c == UNLIMITED or c >= r):
+            ceilings[f"u{i}"] = c
+    sched, drv, clock, steps = setup(limits(1000, rates, ceilings), is_async,
+                                     max_num_seqs=16, max_num_active_seqs=active)
+    budget_at = {}
+
+    def before_step():
+        limiter, now = sched.output_rate_limiter, clock()
+        budget_at[len(steps)] = {u: min(limiter.available(u, now),
+                                        sched._orl_lender.available(u, now) if sched._orl_lender else 10**9)
+                                 for u in rates}
+
+    arrivals = sorted((start, f"u{i}", n) for i, (_, _, n, start) in enumerate(users))
+    lent = 0
+    for step in range(120):
+        for start, user, n in arrivals:
+            if start == step:
+                drv.add(*[make_request(user, max_tokens=60, prompt_len=8) for _ in range(n)])
+        # requests that may get a token in this step (with async scheduling,
+        # one whose tokens in flight already reach max_tokens may not)
+        live = Counter(r.output_rate_user for r in list(sched.running) + list(sched.waiting)
+                       if r.num_output_tokens + getattr(r, "num_output_placeholders", 0)
+                       < r.sampling_params.max_tokens)
+        before_step()
+        index = len(steps)
+        drv.step()
+        report = steps[index]
+        if not report.borrowed:
+            continue
+        lent += 1
+        got = Counter(report.charged.values())
+        for user, n in live.items():
+            assert got[user] >= min(budget_at[index][user], n), (step, user, got, live)
+    return lent
+
+
+# -- telemetry ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_charged_plus_borrowed_equals_delivered_on_the_metrics(tmp_path, is_async):
+    from harness import attach_telemetry
+
+    clock = VirtualClock()
+    sched = make_scheduler(limits(1000, {"a": 5, "b": 20}, {"a": UNLIMITED}), clock=clock,
+                           async_scheduling=is_async, max_num_seqs=16, max_num_active_seqs=4)
+    tel = attach_telemetry(sched, str(tmp_path), top_k=100, start_thread=False)
+    drv = Driver(sched, clock, step_ms=10.0, is_async=is_async)
+    reqs = [make_request("a", max_tokens=120) for _ in range(4)] + [
+        make_request("b", max_tokens=40) for _ in range(2)]
+    drv.add(*reqs)
+    drv.run_until_done()
+    tel.snapshot()  # folds what was handed over
+
+    def counter(name, *labels):
+        return tel.counters.get((name, tuple(labels)), 0)
+
+    for user, expected in (("a", 480), ("b", 80)):
+        delivered = sum(drv.count(r.request_id) for r in reqs if r.output_rate_user == user)
+        assert delivered == expected
+        assert counter("tokens_charged", user) + counter("tokens_borrowed", user) == delivered
+    assert counter("tokens_borrowed", "a") > 0.8 * 480
+    assert counter("tokens_borrowed", "b") == 0
+    assert counter("engine_tokens_borrowed") == counter("tokens_borrowed", "a")
+    assert counter("engine_tokens_charged") + counter("engine_tokens_borrowed") == 560
+
+
+def test_without_ceilings_no_borrowing_series(tmp_path):
+    from harness import attach_telemetry
+
+    sched = make_scheduler(limits(1000, {"a": 5}), clock=VirtualClock())
+    tel = attach_telemetry(sched, str(tmp_path), start_thread=False)
+    assert not any(name.endswith("borrowed") for name, _ in tel.counters)
+    assert sched._orl_lender is None and sched._orl_direct
+
+
+# -- a live change ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_a_pair_changed_live_is_in_force_at_the_next_step(tmp_path, monkeypatch, is_async):
+    import os
+
+    from vllm_output_rate.config import load_limits_file
+    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+
+    monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
+    path = tmp_path / "limits.yaml"
+
+    def write(text):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+    write("default: 1000\nusers: {a: {rate: 5, ceiling: unlimited}}\n")
+    clock = VirtualClock()
+    sched = make_scheduler(load_limits_file(str(path)).to_dict(), clock=clock,
+                           async_scheduling=is_async)
+    steps = []
+    observe_steps(sched, steps.append)
+    drv = Driver(sched, clock, step_ms=10.0, is_async=is_async)
+    drv.add(*[make_request("a", max_tokens=5000) for _ in range(4)])
+    watcher = sched.output_rate_limits_watcher
+
+    def phase(text, n=300):
+        if text is not None:
+            write(text)
+            assert watcher.check() == "loaded"
+        start = clock()
+        drv.run(n)
+        return tokens(steps, "a", since=start + 2 * 10_000_000)
+
+    assert rate(phase(None)) == pytest.approx(400, rel=0.02)
+    capped = phase("default: 1000\nusers: {a: {rate: 5, ceiling: 50}}\n")
+    check_bound(capped, 50)
+    assert rate(capped) >= 0.98 * 50
+    plain = phase("default: 1000\nusers: {a: 5}\n", 600)
+    assert not tokens(steps, "a", ("borrowed",), since=plain[0][0])
+    check_bound(plain, 5)
+    assert sched._orl_lender is None
+    again = phase("default: 1000\nusers: {a: {rate: 5, ceiling: unlimited}}\n")
+    assert rate(again) == pytest.approx(400, rel=0.02)
+
+
+def test_kv_exhaustion_preempts_borrowers_first():
+    """Under KV pressure (FCFS), vLLM preempts the tail of ``running``: the
+    borrower goes before a throttled request and a request with budget."""
+    sched, drv, clock, steps = setup(limits(1000, {"a": 1, "c": 1}, {"a": UNLIMITED}), False,
+                                     num_blocks=10, block_size=16, max_num_batched_tokens=256)
+    reqs = {}
+    for user in ("a", "c", "b"):
+        reqs[user] = make_request(user, prompt_len=31, max_tokens=300, block_size=16)
+        drv.add(reqs[user])
+        drv.step()
+    for _ in range(100):
+        out = drv.step()
+        if out.preempted_req_ids:
+            assert out.preempted_req_ids == {reqs["a"].request_id}
+            assert any(s.borrowed for s in steps)  # a was borrowing
+            return
+    raise AssertionError("no preemption happened")

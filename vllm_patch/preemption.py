@@ -1,0 +1,42 @@
+"""With ``--scheduling-policy priority``: throttled requests are preempted
+first. vLLM's PRIORITY policy preempts by priority and arrival, so when a
+request finds no KV blocks, a throttled request of the lowest priority
+(``ordering.throttled_victim``) is preempted in place of vLLM's choice. The
+wrap (``_orl_allocate_slots`` over the KV cache manager's
+``allocate_slots``) is set once when the scheduler starts, never per step;
+with FCFS none of this runs: throttled requests sit at the tail of
+``running``, where vLLM looks first. Mixed into
+``scheduler.OutputRateSchedulerMixin``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm.v1.request import Request, RequestStatus
+
+from vllm_output_rate.ordering import throttled_victim
+
+_RUNNING = RequestStatus.RUNNING
+
+
+class PriorityPreemptionMixin:
+    """The PRIORITY policy's victim choice (see the module)."""
+
+    def _orl_allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
+        allocate = self._orl_upstream_allocate
+        blocks = allocate(request, *args, **kwargs)
+        if blocks is not None or request.status != _RUNNING:
+            return blocks
+        while blocks is None:
+            victim = throttled_victim(self.running, request, self._orl_charged,
+                                      self._request_blocks_can_be_freed, self._orl_left)
+            if victim is None:
+                break
+            self.running.remove(victim)
+            self._preempt_request(victim, time.monotonic())
+            self._orl_block_admission = True
+            self._orl_record.preempted_throttled.append(victim.request_id)
+            blocks = allocate(request, *args, **kwargs)
+        return blocks
