@@ -11,7 +11,11 @@ from the same data (never read back from disk), so they cannot drift:
 - ``grafana-dashboards.yaml``: a ``ConfigMap`` for Grafana's dashboard
   sidecar (label ``grafana_dashboard: "1"``), one key per dashboard JSON;
 - ``vllm.yaml``: the example Deployment (the image of ``Dockerfile`` here,
-  ``vllm-output-rate serve`` with limit flags) and its Service;
+  ``vllm-output-rate serve`` with limit flags), its Service and a
+  ``NetworkPolicy`` that lets only the operator namespace (Prometheus) and
+  the tenants' gateway reach it: ``/metrics`` and ``/output-rate/`` belong
+  on an operator network, and the gateway (the nginx example,
+  ``proxy.py``) refuses them on the tenants' port;
 - ``kustomization.yaml``: all of the above, for ``kubectl apply -k``.
 
 The knobs (names, selector labels, port name, scrape interval, the labels
@@ -44,6 +48,11 @@ LIMIT_ARGS = [
     "--default-user-output-tokens-per-second", "100",
     "--user-output-tokens-per-second", json.dumps({"user-a": 100, "user-b": 500}),
 ]
+#: who may reach the engines (``NetworkPolicy``; edit to your cluster): the
+#: namespace of the Prometheus that scrapes ``/metrics`` and of the
+#: operators' tools, and the pods of the tenants' gateway
+OPERATOR_NAMESPACE = "monitoring"
+GATEWAY_LABELS = {"app.kubernetes.io/component": "gateway"}
 FILES = ("vllm.yaml", "servicemonitor.yaml", "prometheusrule.yaml", "grafana-dashboards.yaml")
 
 
@@ -126,7 +135,23 @@ def example(k8s: dict[str, Any]) -> list[dict[str, Any]]:
         "spec": {"selector": labels,
                  "ports": [{"name": port, "port": PORT, "targetPort": port, "protocol": "TCP"}]},
     }
-    return [deployment, service]
+    policy = {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _meta(k8s, k8s["name"]),
+        "spec": {
+            "podSelector": {"matchLabels": labels},
+            "policyTypes": ["Ingress"],
+            "ingress": [{
+                "from": [
+                    {"namespaceSelector": {"matchLabels": {
+                        "kubernetes.io/metadata.name": OPERATOR_NAMESPACE}}},
+                    {"podSelector": {"matchLabels": dict(GATEWAY_LABELS)}},
+                ],
+                "ports": [{"port": port, "protocol": "TCP"}],
+            }],
+        },
+    }
+    return [deployment, service, policy]
 
 
 def kustomization() -> dict[str, Any]:

@@ -78,6 +78,16 @@ http {{
     }}
     server {{
         listen {listen};
+        # This port faces tenants: /metrics (every user's series) and the
+        # /output-rate/ introspection endpoints belong on an operator
+        # network (Prometheus scrapes the replicas directly); a tenant learns
+        # its own limit from the RateLimit headers of its completions.
+        location = /metrics {{
+            return 404;
+        }}
+        location ^~ /output-rate/ {{
+            return 404;
+        }}
         location / {{
             proxy_pass http://vllm_replicas;
             proxy_http_version 1.1;

@@ -34,7 +34,7 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 #: file -> the kinds it holds, in order
 KINDS = {
-    "vllm.yaml": ["Deployment", "Service"],
+    "vllm.yaml": ["Deployment", "Service", "NetworkPolicy"],
     "servicemonitor.yaml": ["ServiceMonitor"],
     "prometheusrule.yaml": ["PrometheusRule"],
     "grafana-dashboards.yaml": ["ConfigMap"],
@@ -42,6 +42,7 @@ KINDS = {
 }
 API_VERSIONS = {
     "Deployment": "apps/v1", "Service": "v1", "ConfigMap": "v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
     "ServiceMonitor": "monitoring.coreos.com/v1", "PrometheusRule": "monitoring.coreos.com/v1",
     "Kustomization": "kustomize.config.k8s.io/v1beta1",
 }
@@ -221,7 +222,7 @@ def test_the_kubernetes_knobs_reach_every_manifest():
                                  "scrape_interval": "10s"})
     with generate.using(custom):
         out = generate.outputs()
-    deployment, service = outputs_docs(out, "vllm.yaml")
+    deployment, service, policy = outputs_docs(out, "vllm.yaml")
     (monitor,) = outputs_docs(out, "servicemonitor.yaml")
     (rule,) = outputs_docs(out, "prometheusrule.yaml")
     (configmap,) = outputs_docs(out, "grafana-dashboards.yaml")
@@ -230,6 +231,9 @@ def test_the_kubernetes_knobs_reach_every_manifest():
                                                "scheme": "http", "interval": "10s"}
     assert service["spec"]["ports"][0]["name"] == service["spec"]["ports"][0]["targetPort"] == "openai"
     assert _container(deployment)["ports"][0]["name"] == "openai"
+    # only the operator namespace and the gateway reach the engines' port
+    assert policy["spec"]["podSelector"]["matchLabels"] == {"app": "llm-a", "tier": "gpu"}
+    assert policy["spec"]["ingress"][0]["ports"] == [{"port": "openai", "protocol": "TCP"}]
     assert deployment["spec"]["template"]["metadata"]["labels"] == {"app": "llm-a", "tier": "gpu"}
     for doc in (monitor, rule):
         assert doc["metadata"]["labels"]["release"] == "monitoring"

@@ -167,3 +167,15 @@ def test_each_user_lands_on_one_engine_at_its_limit(fleet):
                                   log.dispatch_lower_bounds(t for t, _ in spends))
         assert worst["excess"] <= 0, (user, worst)
         assert rate >= 0.9 * LIMIT, (user, rate)
+
+
+def test_the_tenant_port_refuses_metrics_and_introspection(fleet):
+    """The rendered configuration keeps /metrics and /output-rate/ off the
+    port tenants use; the engines answer them directly (the operator
+    network) and /v1 goes through."""
+    base_url, engines, _ = fleet
+    for path in ("/metrics", "/output-rate/limits", "/output-rate/users?limit=5"):
+        assert httpx.get(base_url + path, timeout=10).status_code == 404, path
+    assert httpx.get(engines[0].base_url + "/metrics", timeout=10).status_code == 200
+    assert httpx.get(base_url + "/v1/models", headers={"X-User-Id": "someone"},
+                     timeout=10).status_code == 200
