@@ -291,3 +291,21 @@ def test_telemetry_follows_a_reload(tmp_path):
     assert change["limits"] == {"user-a": 40.0, "fresh": 7.0}
     assert change["added"] == ["fresh"] and change["removed"] == ["gone"]
     assert change["changed"] == ["user-a"] and change["sha256"] == new_digest
+
+
+def test_sighup_ignored_by_nohup_is_taken_over():
+    """Under ``nohup`` SIGHUP is ignored (and stays ignored in every child
+    process): reloading on it is what such an operator wants too."""
+    saved = limits_watch._hup_installed
+    before = signal.getsignal(signal.SIGHUP)
+    limits_watch._hup_installed = False
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert limits_watch.install_sighup()
+        assert signal.getsignal(signal.SIGHUP) is limits_watch._on_sighup
+        signal.signal(signal.SIGHUP, lambda *a: None)  # another program's own handler
+        limits_watch._hup_installed = False
+        assert not limits_watch.install_sighup()
+    finally:
+        signal.signal(signal.SIGHUP, before)
+        limits_watch._hup_installed = saved

@@ -244,7 +244,9 @@ def install_sighup(watcher: WatchedFile | None = None) -> bool:
         return True
     if not hasattr(signal, "SIGHUP") or threading.current_thread() is not threading.main_thread():
         return False
-    if signal.getsignal(signal.SIGHUP) not in (signal.SIG_DFL, None):
+    # (SIG_IGN too: under ``nohup`` the process must not die of a hangup,
+    # and reloading does not; another program's own handler is kept)
+    if signal.getsignal(signal.SIGHUP) not in (signal.SIG_DFL, signal.SIG_IGN, None):
         return False
     signal.signal(signal.SIGHUP, _on_sighup)
     _hup_installed = True
