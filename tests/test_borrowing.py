@@ -341,8 +341,16 @@ def test_a_pair_changed_live_is_in_force_at_the_next_step(tmp_path, monkeypatch,
     assert not tokens(steps, "a", ("borrowed",), since=plain[0][0])
     check_bound(plain, 5)
     assert sched._orl_lender is None
+    # the plain steps held the throttled streams back and put each back once
+    assert sorted(map(id, sched.running)) == sorted(set(map(id, sched.running)))
+    assert len(sched.running) == 4
     again = phase("default: 1000\nusers: {a: {rate: 5, ceiling: unlimited}}\n")
     assert rate(again) == pytest.approx(400, rel=0.02)
+    # straight from every stream borrowing to none: the throttled streams
+    # are held back and put back once each
+    check_bound(phase("default: 1000\nusers: {a: 5}\n", 100), 5)
+    assert sorted(map(id, sched.running)) == sorted(set(map(id, sched.running)))
+    assert len(sched.running) == 4
 
 
 def test_kv_exhaustion_preempts_borrowers_first():

@@ -19,15 +19,9 @@ from vllm_output_rate.tools.twin_calibrate import CalibrationError, calibrate_fr
 from vllm_output_rate.tools.twin_compare import CompareError, parse_configs, run_compare
 from vllm_output_rate.tools.workload import WorkloadError, convert_burstgpt, read_workload
 
+from test_twin import FLOOD, gen
+
 DATA = REPO / "tests" / "data"
-FLOOD = ["flood", "--duration", "4", "--streams", "6", "--users", "2", "--rate", "1",
-         "--prompt-tokens", "40", "--max-tokens", "48", "--flood-max-tokens", "60"]
-
-
-def gen(tmp_path, args, seed=1, name="wl.jsonl"):
-    path = tmp_path / name
-    assert workload.main([*args, "--out", str(path), "--seed", str(seed)]) == 0
-    return path
 
 
 # --------------------------------------------------------------------------- compare

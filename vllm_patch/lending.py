@@ -32,6 +32,7 @@ class LendingMixin:
         """Reloaded limits: borrowing starts, stops or takes new ceilings."""
         if not config.borrowing:
             self._orl_lender = None
+            self._orl_lent_tail = 0  # (no step orders borrowers any more)
         elif self._orl_lender is None:
             self._orl_lender = Lender(config)
         else:
@@ -55,8 +56,8 @@ class LendingMixin:
         then the borrowers (throttled requests, and prefill chunks out of
         budget whose final chunk may borrow the first token); the two lists
         without the borrowers."""
-        waiting = [r for r in ready if r.is_prefill_chunk and budget[r.output_rate_user] <= 0]
-        borrowers = self._orl_borrowers(throttled + waiting)
+        prefilling = [r for r in ready if r.is_prefill_chunk and budget[r.output_rate_user] <= 0]
+        borrowers = self._orl_borrowers(throttled + prefilling)
         if borrowers:
             ids = {id(r) for r in borrowers}
             ready = [r for r in ready if id(r) not in ids]

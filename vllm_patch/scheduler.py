@@ -438,15 +438,13 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
                     taken = take_from(st, self._orl_now)
                 else:
                     taken = self._orl_take(user)
-                if not taken:
-                    if (request.output_rate_borrow_step != self._orl_step_no
-                            or not self._orl_borrow(user)):
-                        return self._orl_refuse(request, user, num_computed_tokens)
+                if taken:
+                    charged[req_id] = user
+                elif (request.output_rate_borrow_step == self._orl_step_no
+                        and self._orl_borrow(user)):
                     self._orl_record.borrowed[req_id] = user
-                    if capped:
-                        self._orl_active += 1
-                    return num_new_tokens
-                charged[req_id] = user
+                else:
+                    return self._orl_refuse(request, user, num_computed_tokens)
         if capped:
             self._orl_active += 1
         return num_new_tokens
