@@ -108,3 +108,97 @@ def test_without_refused_users_the_loop_is_vllms(monkeypatch):
     engine.driver.add(make_request("a", max_tokens=20))
     _until_nothing_runs(engine)
     assert engine.input_queue.waits == []
+
+
+class VirtualWaitQueue(RecordingQueue):
+    """An empty input queue whose wait passes in virtual time: ``get``
+    moves the fake clock on by the timeout it was given and times out. It
+    also notes when each wait began and the budget it waited for."""
+
+    def __init__(self, sched, clock) -> None:
+        super().__init__()
+        self.sched, self.clock = sched, clock
+        self.log: list[tuple[int, float | None, int | None]] = []
+
+    def get(self, block: bool = True, timeout: float | None = None):
+        self.log.append((self.clock(), timeout, self.sched.output_rate_wake_target_ns()))
+        if timeout is not None:
+            self.clock.now_ns += round(timeout * 1e9)
+        return super().get(block, timeout)
+
+
+class _VirtualNap:
+    """``time`` for vLLM's engine-core module: its 1 ms nap after a step
+    that ran no model passes in virtual time (everything else is time's)."""
+
+    def __init__(self, clock) -> None:
+        self.clock = clock
+
+    def sleep(self, seconds: float) -> None:
+        self.clock.now_ns += round(seconds * 1e9)
+
+    def __getattr__(self, name):
+        import time
+
+        return getattr(time, name)
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_a_throttled_engine_sleeps_until_the_next_budget_in_virtual_time(is_async, monkeypatch):
+    """test_e2e's engine-core-does-not-spin scenario in virtual time: one
+    user at 0.5 tok/s, two streams of 5 tokens, nothing else to do. vLLM's
+    own loop (its 1 ms nap after an idle step passing in virtual time too)
+    would go round a thousand times a second; ours waits on the input queue
+    for exactly the time to the next budget, capped at 50 ms: at most 20
+    idle rounds a second plus one per budget, and each token dispatched at
+    the very moment its budget comes. (The end-to-end test measures the
+    engine core's CPU; this is the exact count behind it.)"""
+    import vllm.v1.engine.core as core_mod
+
+    from harness import observe_steps
+
+    clock = VirtualClock()
+    sched = make_scheduler({"default_user_output_tokens_per_second": 0.5}, clock=clock,
+                           async_scheduling=is_async)
+    # a step that runs a model takes 10 ms; one that runs nothing, no time
+    driver = Driver(sched, clock, is_async=is_async,
+                    step_ms_of=lambda out: 10.0 if out.total_num_scheduled_tokens else 0.0)
+    engine = EngineStandIn(sched, driver)
+    engine.input_queue = VirtualWaitQueue(sched, clock)
+    monkeypatch.setattr(core_mod, "time", _VirtualNap(clock))
+    charges: list[int] = []
+    observe_steps(sched, lambda report: charges.extend([report.now_ns] * len(report.charged)))
+    requests = [make_request("user-slow", max_tokens=5) for _ in range(2)]
+    driver.add(*requests)
+    t0 = clock()
+    rounds = idle_rounds = unwaited = 0
+    while sched.has_requests():
+        rounds += 1
+        assert rounds < 20_000, "the loop spins"
+        waits = len(engine.input_queue.log)
+        if not EngineCoreProc._process_engine_step(engine):
+            idle_rounds += 1
+            if len(engine.input_queue.log) == waits:
+                # (only once nobody is refused: the run's last rounds, that
+                # finish the requests)
+                assert sched.output_rate_idle_wait_s() is None, rounds
+                unwaited += 1
+    driver.flush()
+    elapsed_s = (clock() - t0) / 1e9
+    assert [driver.count(r.request_id) for r in requests] == [5, 5]
+    # 10 tokens at 0.5 tok/s: the first at once, the second 1.9 s later
+    # (GCRA's 0.1 s burst), then one every 2 s, exactly
+    assert charges[0] == t0
+    assert [b - a for a, b in zip(charges, charges[1:])] == [1_900_000_000] + [2_000_000_000] * 8
+    assert 17.9 <= elapsed_s <= 18.0
+    # every idle round waited, for min(50 ms, time to the next budget);
+    # zero only when vLLM's 1 ms nap reached the budget (the next step
+    # dispatches then, at that very time)
+    waits = engine.input_queue.log
+    assert len(waits) == idle_rounds - unwaited and unwaited <= 2
+    for now, timeout, target in waits:
+        assert timeout == pytest.approx(max(0.0, min(0.05, (target - now) / 1e9)), abs=1e-9)
+    zeros = [now for now, timeout, _ in waits if timeout == 0]
+    assert set(zeros) <= set(charges)
+    # no spin: 20 idle rounds a second, one more per budget that cut a wait short
+    assert idle_rounds <= 20 * elapsed_s + len(charges) + 1

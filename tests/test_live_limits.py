@@ -128,6 +128,114 @@ def test_a_changed_file_is_in_force_at_the_next_step(tmp_path, is_async):
     check_piecewise_bound(charges, "user-a", schedule)
 
 
+def check_piecewise_bound_on_log(log, user, schedule, lag):
+    """``check_piecewise_bound`` on the engine's event log, as the end-to-end
+    test reads it: tokens are stamped when their step's output is processed,
+    charged when the step was dispatched, at or after the output ``lag``
+    steps before (``dispatch_lower_bounds``). A window of stamps i..j holds
+    charges within [dispatch bound of i, stamp of j]: the tokens <= the
+    limits' integral over that + the burst at the larger limit about the
+    last charge + 1. No other slack. Returns the worst window's share of
+    its bound."""
+    spends = log.user_spends(user)
+    stamps = [t for t, _ in spends]
+    starts = log.dispatch_lower_bounds(stamps, lag)
+    burst = Fraction(BURST_NS, NS_PER_S)
+    worst = Fraction(0)
+    for i in range(len(spends)):
+        tokens = 0
+        for j in range(i, min(len(spends), i + 150)):
+            tokens += spends[j][1]
+            a, b = starts[i], stamps[j]
+            last = max(limit_at(schedule, max(starts[j], schedule[0][0])), limit_at(schedule, b))
+            bound = limit_integral(schedule, max(a, schedule[0][0]), b) + last * burst + 1
+            assert tokens <= math.floor(bound), (user, a, b, tokens, float(bound))
+            worst = max(worst, tokens / bound)
+    return worst
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_the_bound_holds_on_the_engine_event_log_across_live_changes(tmp_path, monkeypatch,
+                                                                      is_async):
+    """test_e2e_live_limits' scenario in virtual time, read as it reads it
+    (the engine telemetry's event log): user-a's four streams at 20 tok/s;
+    the file rewritten to 40, then broken, then 40 again (unchanged), then
+    10 with the same size and modification time (polling sees nothing; a
+    SIGHUP does). Each change is in force, and logged, at exactly the first
+    step after it was read; each phase runs at its limit; the piecewise
+    GCRA bound holds in every window of the log with only the dispatch
+    slack (one step, two with async scheduling)."""
+    from harness import attach_telemetry
+    from vllm_output_rate.telemetry.events import EngineLog
+
+    path = tmp_path / "limits.yaml"
+    write(path, "default: 100000\nusers:\n  user-a: 20\n")
+    clock = VirtualClock()
+    monkeypatch.setattr(time, "monotonic_ns", clock)  # the telemetry's stamps
+    sched = make_scheduler(load_limits_file(str(path)).to_dict(), clock=clock,
+                           async_scheduling=is_async, max_num_seqs=16)
+    events = tmp_path / "events.jsonl"
+    tel = attach_telemetry(sched, str(tmp_path), start_thread=False, events_path=str(events))
+    # a synchronous step's tokens are stamped when its output is processed,
+    # a step later than their charge (as in the engine)
+    drv = Driver(sched, clock, step_ms=10.0, is_async=is_async, stamp_at_end=True)
+    watcher = sched.output_rate_limits_watcher
+    drv.add(*[make_request("user-a", max_tokens=5000) for _ in range(4)])
+    t_start = clock()
+
+    def run(seconds):
+        for _ in range(int(seconds * 10)):
+            drv.run(10)
+            tel.export()  # the exporter, about once a second
+
+    in_force = {}
+    run(4)
+    write(path, "default: 100000\nusers:\n  user-a: 40\n")
+    assert watcher.check() == "loaded"
+    in_force[40] = clock()  # the next step's time
+    run(4)
+    write(path, "default: 100000\nusers:\n  user-a: [40]\n")
+    assert watcher.check() == "invalid"
+    run(1.5)
+    write(path, "default: 100000\nusers:\n  user-a: 40\n")
+    assert watcher.check() == "unchanged"
+    run(1)
+    st = os.stat(path)
+    with open(path, "r+") as f:
+        text = f.read().replace("user-a: 40", "user-a: 10")
+        f.seek(0)
+        f.write(text)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert watcher.check() is None  # polling sees nothing ...
+    run(1)
+    watcher.request_reload()  # ... what SIGHUP does
+    assert watcher.check() == "loaded"
+    in_force[10] = clock()
+    run(4)
+    end = clock()
+    tel.export()
+    assert watcher.results == {"loaded": 2, "unchanged": 1, "invalid": 1, "unreadable": 0}
+    counters = {(n, tuple(l)): v for n, l, v in tel.snapshot()["counters"]}
+    assert [counters[("limits_reloads", (r,))] for r in ("loaded", "unchanged", "invalid")] == [2, 1, 1]
+
+    log = EngineLog.read(events)
+    assert not log.bad_lines
+    changes = [(c["t_ns"], c["limits"]["user-a"]) for c in log.limit_changes]
+    assert changes == [(in_force[40], 40.0), (in_force[10], 10.0)]
+    schedule = [(t_start, Fraction(20)), (in_force[40], Fraction(40)), (in_force[10], Fraction(10))]
+    # each phase, from a second after its change (the lowered limit's debt
+    # paid) to the next: the limit exactly, within a token at each end (a
+    # token is stamped a step after its charge)
+    bounds = [in_force[40], in_force[10], end]
+    for (begin, limit), stop in zip(schedule, bounds):
+        lo = begin + (NS_PER_S if begin != t_start else 0)
+        got = sum(n for t, n in log.user_spends("user-a", lo) if t < stop)
+        assert abs(got - limit * Fraction(stop - lo, NS_PER_S)) <= 2, (limit, got)
+    worst = check_piecewise_bound_on_log(log, "user-a", schedule, 2 if is_async else 1)
+    assert worst > Fraction(9, 10)  # (the bound is tight: the limit was reached)
+    sched.shutdown()
+
+
 def test_sighup_reads_the_file_even_when_its_stat_is_unchanged(tmp_path):
     path = tmp_path / "limits.json"
     write(path, '{"default": 5}')

@@ -457,3 +457,84 @@ def test_a_changed_limit_keeps_the_debt_in_tokens_at_the_store(store_url):
     got = store.lease("e1", [LeaseAsk("u", Fraction(1000), 1000)], epoch,
                       now_us=now + 2000).granted["u"][0]
     assert 240 <= got <= 251
+
+
+@needs_redis
+@pytest.mark.parametrize("is_async", MODES)
+def test_two_real_schedulers_through_a_store_outage_on_one_clock(redis_server, is_async,
+                                                                  monkeypatch):
+    """test_e2e_shared_state's outage, on vLLM's own schedulers sharing one
+    fake clock: user-a's four streams over two engines, the store stopped
+    3 s in and started again empty 5 s later. Serving never stops; during
+    the outage each engine runs user-a at its fallback share (20 / 2), the
+    fleet at 20; after it they share again at the limit; and the fleet
+    bound holds in every window across the outage and the reset. The
+    store's time is the fake clock's (the lease rounds run between steps),
+    so nothing here depends on how promptly this process runs."""
+    import redis
+
+    from harness import Driver, VirtualClock, make_request, make_scheduler
+    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+
+    if redis_server.proc is None:
+        redis_server.start()
+    redis.Redis.from_url(redis_server.url).flushdb()
+    monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
+    clock = VirtualClock()
+    limits = {"default_user_output_tokens_per_second": 20,
+              "shared_state": redis_server.url + "?timeout_ms=50"}
+    drivers = []
+    for _ in range(2):
+        sched = make_scheduler(limits, clock=clock, async_scheduling=is_async)
+        drivers.append(Driver(sched, None, is_async=is_async))
+        for _ in range(2):
+            sched.add_request(make_request("user-a", max_tokens=2000))
+    t0 = clock()
+    spends: list[list[tuple[int, int]]] = [[], []]  # per engine: (now, tokens)
+    marks = {}
+    s = NS_PER_S
+    for i in range(1200):  # 12 s at 10 ms
+        now = clock()
+        if now == t0 + 3 * s:
+            marks["down"] = now
+            redis_server.stop()
+        if now == t0 + 8 * s:
+            redis_server.start()  # back, and empty: a store that lost its data
+            marks["up"] = now
+        for k, drv in enumerate(drivers):
+            limiter = drv.scheduler.output_rate_limiter
+            if i % 5 == 0 or limiter.starved:
+                limiter.thread.tick(now_us=now / 1000)
+            drv.step()
+            n = sum(1 for u in drv.scheduler.output_rate_last_step.charged.values() if u == "user-a")
+            if n:
+                spends[k].append((now, n))
+        clock.advance_ms(10)
+    fleet = sorted(spends[0] + spends[1])
+
+    def tokens(of, lo, hi):
+        return sum(n for t, n in of if lo <= t < hi)
+
+    # serving never stopped: every engine spent in every second
+    for k in range(2):
+        assert all(tokens(spends[k], t0 + j * s, t0 + (j + 1) * s) > 0 for j in range(12)), k
+    # during the outage (from a second after it began): each engine at its
+    # fallback share, the fleet at the limit
+    lo, hi = marks["down"] + s, marks["up"]
+    seconds = (hi - lo) / s
+    for k in range(2):
+        share = tokens(spends[k], lo, hi) / seconds
+        assert abs(share - 10) <= 1 / seconds, (k, share)  # to a token
+    # after it (from a second after the restart): shared again, at the limit
+    seconds = (clock() - marks["up"] - s) / s
+    after = tokens(fleet, marks["up"] + s, clock()) / seconds
+    assert abs(after - 20) <= 1 / seconds, after
+    # the same bound across the outage and the reset
+    excess, window = worst_window_excess(fleet, Fraction(20), 0.5, 0.25)
+    assert excess <= 0, (excess, window)
+    for drv in drivers:
+        stats = drv.scheduler.output_rate_limiter.stats()
+        assert stats["fallback_episodes"] == 1 and stats["fallback"] == 0.0, stats
+        assert stats["failed_calls"] >= 2 and stats["unleased"] > 0, stats
+        assert drv.scheduler.output_rate_limiter.book.spent > 0
+        drv.scheduler.shutdown()
