@@ -26,8 +26,12 @@ tools:
 demo: venv
 	$(PY) -m vllm_output_rate.tools.demo
 
+# Two test workers (pytest-xdist), each module on one of them: the modules
+# that start engines mostly wait on paced streams, so two share two cores
+# (tests/README.md: durations with one worker and with two)
+TEST_WORKERS ?= 2
 test: venv tools
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 	$(MAKE) --no-print-directory test-versions
 
 # The version matrix: one run of the scheduler-level suites per wheel version.

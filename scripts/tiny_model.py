@@ -16,8 +16,11 @@ tied embeddings).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 VOCAB_SIZE = 1024
@@ -106,17 +109,36 @@ def default_model_dir() -> Path:
     return cache_dir() / "tiny-llama"
 
 
+@contextlib.contextmanager
+def _building(out: Path) -> Iterator[None]:
+    """One process at a time builds ``out`` (two test workers, or a demo
+    beside a test run, may ask for the same model at once)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _is_built(out: Path, want: str) -> bool:
+    stamp = out / "vllm_output_rate_stamp.json"
+    return stamp.exists() and json.loads(stamp.read_text()).get("stamp") == want
+
+
 def ensure_tiny_model(out_dir: str | os.PathLike[str] | None = None) -> Path:
     """Create the model in ``out_dir`` (default: ``default_model_dir()``)
     unless it is already there."""
     out = Path(out_dir) if out_dir is not None else default_model_dir()
-    stamp = out / "vllm_output_rate_stamp.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("stamp") == _STAMP:
+    if _is_built(out, _STAMP):
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(out)
-    build_model(out)
-    stamp.write_text(json.dumps({"stamp": _STAMP}))
+    with _building(out):
+        if not _is_built(out, _STAMP):
+            out.mkdir(parents=True, exist_ok=True)
+            build_tokenizer(out)
+            build_model(out)
+            (out / "vllm_output_rate_stamp.json").write_text(json.dumps({"stamp": _STAMP}))
     return out
 
 
@@ -159,12 +181,13 @@ def build_second_model(out: Path) -> None:
 def ensure_second_model(out_dir: str | os.PathLike[str] | None = None) -> Path:
     """The second model in ``out_dir`` (default: beside the tiny one)."""
     out = Path(out_dir) if out_dir is not None else cache_dir() / "second-llama"
-    stamp = out / "vllm_output_rate_stamp.json"
-    if stamp.exists() and json.loads(stamp.read_text()).get("stamp") == _SECOND_STAMP:
+    if _is_built(out, _SECOND_STAMP):
         return out
-    out.mkdir(parents=True, exist_ok=True)
-    build_second_model(out)
-    stamp.write_text(json.dumps({"stamp": _SECOND_STAMP}))
+    with _building(out):
+        if not _is_built(out, _SECOND_STAMP):
+            out.mkdir(parents=True, exist_ok=True)
+            build_second_model(out)
+            (out / "vllm_output_rate_stamp.json").write_text(json.dumps({"stamp": _SECOND_STAMP}))
     return out
 
 

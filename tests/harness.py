@@ -210,3 +210,20 @@ class OtlpSpanReceiver(OtlpHttpReceiver):
 
     def named(self, name: str) -> list[dict[str, Any]]:
         return [r for r in self.records if r["name"] == name]
+
+
+def scrape_until(base_url: str, ready, timeout_s: float = 30.0):
+    """``/metrics`` of ``base_url`` once ``ready(samples)`` holds (the engine
+    exports about once a second; how soon this process gets to look does
+    not matter), or the last scrape after ``timeout_s`` (the caller's
+    assertion then says what is missing)."""
+    import time
+
+    from vllm_output_rate.tools.client import scrape_metrics
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        samples = scrape_metrics(base_url)
+        if ready(samples) or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.25)

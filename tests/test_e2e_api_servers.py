@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from harness import REPO, tiny_model
+from harness import REPO, scrape_until, tiny_model
 from vllm_output_rate.tools.client import Server, metric_value, run_load, scrape_metrics
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +43,10 @@ def test_every_api_server_shows_the_engine_metrics_once(server):
     assert all(r.error is None and r.completion_tokens == r.max_tokens for r in results)
     delivered = {u: sum(r.completion_tokens for r in results if r.user == u)
                  for u in ("user-a", "user-b")}
-    time.sleep(2.5)  # one engine export interval and then some
+    # one engine export, however late this process looks
+    scrape_until(server.base_url, lambda s: all(
+        metric_value(s, "vllm_output_rate_tokens_charged_total", user=u) >= n
+        for u, n in delivered.items()))
     for _ in range(12):
         # A new connection each time: the kernel spreads connections over
         # the API servers (SO_REUSEPORT); 12 all on one server: p = 2**-11.
@@ -73,10 +76,16 @@ def test_every_api_server_shows_the_limits_in_force_after_a_reload(server):
     tmp.write_text(json.dumps({"default": 100000, "users": {"user-a": 30, "user-new": 5}}))
     tmp.replace(path)
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    time.sleep(3.0)  # in force within a second; one engine export after that
+    # in force within a second; one engine export after that (waited for on
+    # the engine's side, however late this process looks)
+    deadline = time.monotonic() + 30
+    while metric_value(scrape_metrics(server.base_url), "vllm_output_rate_limits_info",
+                       sha256=digest) != 1:
+        assert time.monotonic() < deadline, "the reloaded limits never showed"
+        time.sleep(0.25)
     for _ in range(12):  # new connections, spread over both API servers
         limits = httpx.get(f"{server.base_url}/output-rate/limits", timeout=30).json()
-        assert limits.get("sha256") == digest, limits and limits["agree"] is True
+        assert limits.get("sha256") == digest and limits["agree"] is True, limits
         assert limits["users"] == {"user-a": 30, "user-new": 5}
         samples = scrape_metrics(server.base_url)
         assert metric_value(samples, "vllm_output_rate_limits_info", sha256=digest) == 1

@@ -21,10 +21,10 @@ from fractions import Fraction
 import httpx
 import pytest
 
-from harness import REPO, limit_integral, tiny_model
+from harness import REPO, limit_integral, scrape_until, tiny_model
 from vllm_output_rate.limiter import BURST_NS, NS_PER_S
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics, stream_chat
+from vllm_output_rate.tools.client import Server, metric_value, stream_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -102,8 +102,9 @@ def test_a_limit_changes_live_and_the_bound_holds_across_changes(tmp_path):
         time.sleep(4)
         load.stop()
         assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
-        time.sleep(2.5)  # one engine export
-        samples = scrape_metrics(server.base_url)
+        samples = scrape_until(server.base_url, lambda s: [
+            metric_value(s, "vllm_output_rate_limits_reloads_total", result=r)
+            for r in ("loaded", "unchanged", "invalid")] == [2, 1, 1])
         log_text = server.log_path.read_text(errors="replace")
 
     reloads = {r: metric_value(samples, "vllm_output_rate_limits_reloads_total", result=r)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import REPO, tiny_model
-from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics
+from harness import REPO, scrape_until, tiny_model
+from vllm_output_rate.tools.client import Server, metric_value
 
 PACKAGES = ("vllm_output_rate/", "vllm_output_rate-")  # the module and its dist-info
 
@@ -121,8 +121,8 @@ def test_serve_from_the_wheel_limits_and_reports(fresh_venv, tmp_path):
         assert answer["usage"]["completion_tokens"] == 40
         # 40 tokens at 20 tok/s with a 0.1 s burst: at least (40 - 1) / 20 - 0.1 s
         assert took >= (40 - 1) / 20 - 0.1 - 0.05
-        time.sleep(2.5)  # one engine export
-        samples = scrape_metrics(server.base_url)
+        samples = scrape_until(server.base_url, lambda s: metric_value(  # one engine export
+            s, "vllm_output_rate_tokens_charged_total", user="slow") >= 40)
         assert metric_value(samples, "vllm_output_rate_tokens_charged_total", user="slow") == 40
         log = server.log_path.read_text(errors="replace")
         assert "Unknown vLLM environment variable detected: VLLM_OUTPUT_RATE" not in log

@@ -87,20 +87,21 @@ def test_the_memory_checks_pass_a_flat_run_and_fail_growth_or_leaked_state():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model,minutes", [("tiny", 1.5), ("second", 0.75)])
+@pytest.mark.parametrize("model,minutes", [("tiny", 0.75), ("second", 0.5)])
 def test_a_short_soak_against_a_real_engine(tmp_path, model, minutes):
     """The short variant: every check of the 30-minute soak, on the demo's
-    model and on a second one with another tokenizer and shape."""
+    model and on a second one with another tokenizer and shape (a sample
+    every 5 s; the long runs are `vllm-output-rate soak`'s, RELIABILITY.md)."""
     out = tmp_path / "soak"
     path = tiny_model() if model == "tiny" else second_model()
-    code = soak.main(["--model", path, "--minutes", str(minutes), "--sample-s", "10",
+    code = soak.main(["--model", path, "--minutes", str(minutes), "--sample-s", "5",
                       "--churn-s", "0.5", "--out", str(out)])
     doc = json.loads((out / "report.json").read_text())
     print("\n" + (out / "report.md").read_text())
     failed = [c for c in doc["checks"] if not c["ok"]]
     assert code == 0 and failed == [], failed
     assert len(doc["checks"]) == 7
-    assert len(doc["samples"]) >= minutes * 6
+    assert len(doc["samples"]) >= minutes * 60 / 5
     assert doc["requests"]["churn"]["completed"] >= minutes * 60
     assert {"soak-slow", "soak-mid", "churn-*"} <= set(doc["conformance"])
     # the engine reports its own state sizes on /metrics

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 import yaml
 
-from harness import second_model
+from harness import scrape_until, second_model
 from vllm_output_rate.tools import demo, loadgen
 from vllm_output_rate.tools import profile_engine as prof
-from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics
+from vllm_output_rate.tools.client import Server, metric_value
 from vllm_output_rate.tools.loadgen import load_scenario
 
 pytestmark = pytest.mark.e2e
@@ -46,7 +45,10 @@ def test_the_demo_on_a_second_model(capsys):
     rows = {m.group(1): float(m.group(2)) for m in re.finditer(
         r"^(user-[abc])\s+\S+\s+\d+\s+\d+\s+\S+\s+\S+\s+(\S+)", out, re.M)}
     assert set(rows) == {"user-a", "user-b", "user-c"}
-    assert 0.9 <= rows["user-a"] <= 1.1 and 0.9 <= rows["user-b"] <= 1.1  # rate / limit
+    # rate / limit as the demo's client sees it (chunks reach it late by
+    # varying amounts on two shared cores): near 1, far from what an
+    # unlimited stream does; the exact rate is test_telemetry's
+    assert 0.8 <= rows["user-a"] <= 1.2 and 0.8 <= rows["user-b"] <= 1.2
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +74,9 @@ def test_loadgen_and_profile_on_a_second_model(scenario, tmp_path):
         assert all(r["completion_tokens"] == r["max_tokens"] for r in requests)
         long = [r for r in requests if r["prompt"] == "long"]
         assert long and all(r["prompt_tokens"] >= 900 for r in long)  # the model's own tokens
-        time.sleep(2.5)  # one engine export
-        charged = metric_value(scrape_metrics(server.base_url),
-                               "vllm_output_rate_tokens_charged_total", user="user-a")
+        charged = metric_value(scrape_until(server.base_url, lambda s: metric_value(  # one export
+            s, "vllm_output_rate_tokens_charged_total", user="user-a") >= 2 * 40 + 64),
+            "vllm_output_rate_tokens_charged_total", user="user-a")
         assert charged == 2 * 40 + 64
         # the profiler on the same engine core, under load of its own
         core = prof.find_engine_core(server.proc.pid, timeout_s=30)
