@@ -10,7 +10,7 @@ SCHEDULER_SUITES := tests/test_scheduler.py tests/test_live_limits.py tests/test
                     tests/test_frontend.py tests/test_shared_state.py tests/test_engine_loop.py \
                     tests/test_twin.py tests/test_twin_tools.py tests/test_borrowing.py
 
-.PHONY: venv tools demo test test-versions bench pictures docs clean
+.PHONY: venv tools demo test test-all test-versions bench pictures docs clean
 
 venv:
 	@scripts/setup/bootstrap.sh
@@ -33,6 +33,12 @@ TEST_WORKERS ?= 2
 test: venv tools
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 	$(MAKE) --no-print-directory test-versions
+
+# Everything: make test, then the long runs behind RELIABILITY.md (the stress
+# runner's full profile, about 21 minutes, and the 30-minute soak, about 36)
+test-all: test
+	$(PY) -m vllm_output_rate.tools.stress --profile full --out reports/stress-full
+	$(PY) -m vllm_output_rate.tools.soak --minutes 30 --sample-s 60 --out reports/soak-30
 
 # The version matrix: one run of the scheduler-level suites per wheel version.
 test-versions: venv

@@ -52,6 +52,26 @@ def spend_rate(spends: list[tuple[int, int]]) -> float:
     return (sum(n for _, n in spends) - spends[0][1]) / ((spends[-1][0] - spends[0][0]) / 1e9)
 
 
+def rate_while_stepping(spends: list[tuple[int, int]], step_times: list[int], limit: float) -> float:
+    """``spend_rate`` over the time the engine was stepping: a gap between
+    two of the user's steps in which the engine took no step at all (no
+    user's tokens: the machine did not run it) counts only one token's
+    spacing at ``limit``. A limiter that holds the user back while others
+    step keeps its gaps; the exact rate is checked in virtual time."""
+    import bisect
+
+    if len(spends) < 2:
+        return 0.0
+    spacing_ns = 1e9 / limit
+    stalled_ns = 0.0
+    for (t0, _), (t1, _) in zip(spends, spends[1:]):
+        between = bisect.bisect_left(step_times, t1) - bisect.bisect_right(step_times, t0)
+        if between == 0 and t1 - t0 > spacing_ns:
+            stalled_ns += t1 - t0 - spacing_ns
+    span_ns = spends[-1][0] - spends[0][0] - stalled_ns
+    return (sum(n for _, n in spends) - spends[0][1]) / (span_ns / 1e9)
+
+
 def second_model() -> str:
     """Another tokenizer (Unigram) and shape: tools are tried on it too."""
     from vllm_output_rate.tools.tiny_model import ensure_second_model

@@ -18,7 +18,7 @@ from fractions import Fraction
 import httpx
 import pytest
 
-from harness import REPO, spend_rate, tiny_model
+from harness import REPO, rate_while_stepping, spend_rate, tiny_model
 from test_proxy import nginx_binary
 from vllm_output_rate.dashboards import proxy
 from vllm_output_rate.limiter import NS_PER_S
@@ -165,11 +165,12 @@ def test_each_user_lands_on_one_engine_at_its_limit(fleet):
     # stamp each step; a proxy between them and the client delays chunks
     # unevenly): the GCRA bound in every window, one engine step of slack
     # (the upper side: over these 4 s runs the burst alone allows a rate
-    # 5% above the limit), and most of the limit (the lower side, wide: 80%;
-    # two engines share this machine's two cores with nginx and the clients,
-    # and one stall of 200 ms in a 4 s run costs 5% for good: GCRA's burst of
-    # 100 ms does not give it back; 16.0 tok/s was seen once in the full
-    # suite. The exact rate is test_telemetry's, in virtual time)
+    # 5% above the limit), and most of the limit over the time its engine
+    # was stepping (the lower side: two engines share this machine's two
+    # cores with nginx and the clients, and one stall of 200 ms in a 4 s
+    # run costs 5% for good: GCRA's burst of 100 ms does not give it back;
+    # 16.0 tok/s first to last was seen once in the full suite). The exact
+    # rate is test_telemetry's, in virtual time
     logs = [EngineLog.read(path) for path in events]
     for user in USERS:
         log = logs[observed[user]]
@@ -180,7 +181,8 @@ def test_each_user_lands_on_one_engine_at_its_limit(fleet):
         worst = gcra_worst_window(spends, Fraction(LIMIT),
                                   log.dispatch_lower_bounds(t for t, _ in spends))
         assert worst["excess"] <= 0, (user, worst)
-        assert rate >= 0.8 * LIMIT, (user, rate)
+        stepping = rate_while_stepping(spends, [t for t, _ in log.steps], LIMIT)
+        assert stepping >= 0.85 * LIMIT, (user, rate, stepping)
 
 
 def test_the_tenant_port_refuses_metrics_and_introspection(fleet):
