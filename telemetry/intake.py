@@ -129,6 +129,10 @@ class Intake(Inbox, OutputRateObserver):
         self._cur: Any = ()
         self._cur_ns = 0
         self._cur_by: dict[str, str] = {}
+        #: the time and charges of the step before that one: with async
+        #: scheduling, the step whose outputs an update brings
+        self._prev_ns = 0
+        self._prev_by: dict[str, str] = {}
         #: the step of the last report seen (None: none yet)
         self._last_step: int | None = None
         #: the next step reads the engine for an export (the exporter sets it)
@@ -183,6 +187,8 @@ class Intake(Inbox, OutputRateObserver):
         if episodes and charged:
             cur = list(filter(episodes.__contains__, charged))
         self._cur = cur
+        self._prev_ns = end_ns
+        self._prev_by = ended_by
         self._cur_ns = now
         self._cur_by = charged
         opened: Any = ()
@@ -268,7 +274,10 @@ class Intake(Inbox, OutputRateObserver):
                    if o.finish_reason is not None or len(o.new_token_ids) > 1]
         # A request that finished with an episode open (its last token was
         # dispatched inside it): the episode ends at that dispatch, now,
-        # before the request's own spans are made.
+        # before the request's own spans are made. The dispatch is the last
+        # step's, or with async scheduling the step before it (the last
+        # step was scheduled while this update's tokens were in flight, and
+        # may have throttled the request again: its stop was not known).
         closing = None
         episodes = self._episodes
         if episodes and special:
@@ -276,8 +285,10 @@ class Intake(Inbox, OutputRateObserver):
                     if o.finish_reason is not None and o.request_id in episodes]
             if done:
                 starts = list(map(episodes.pop, done))
-                end_ns = self._cur_ns
-                closing = (done, starts, end_ns, self._cur_by,
+                end_ns, by_id = self._cur_ns, self._cur_by
+                if done[0] not in by_id:  # (one update: the tokens of one step)
+                    end_ns, by_id = self._prev_ns, self._prev_by
+                closing = (done, starts, end_ns, by_id,
                            None if self.spans is None else self._held(done, starts, end_ns))
         self._post(self._fold_outputs, cur, special, outputs if self._log_outputs else None,
                    time.monotonic_ns(), running, None if running else self._engine_reads([]),

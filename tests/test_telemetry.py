@@ -324,6 +324,64 @@ def test_throttle_episodes_are_timed_per_user(tmp_path, monkeypatch):
     assert not tel._episodes  # every episode ended
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["folded-at-once", "deferred"])
+@pytest.mark.parametrize("stop", ["max_tokens", "eos"])
+def test_async_a_request_finishing_while_its_user_is_throttled(tmp_path, stop, defer):
+    """Async scheduling: the next step is scheduled while a request's last
+    token is in flight. Three streams of "a" pacing at 20 tok/s beside an
+    unlimited user: each request's one throttle episode is booked under
+    "a" (none under the overflow label), from its first refusal to its last
+    dispatch (not the step after). Stopped by ``max_tokens``, the request
+    is not throttled again after its last dispatch (vLLM's ``schedule()``
+    passes it by: no false skip); stopped by EOS (not
+    known when the next step is scheduled), it may be refused once more
+    there, and only those refusals the scheduler reported are counted."""
+    clock = VirtualClock()
+    sched = make_scheduler(limits(100_000, a=20), clock=clock, async_scheduling=True)
+    assert isinstance(sched, OutputRateAsyncScheduler)
+    tel = attach_telemetry(sched, str(tmp_path), start_thread=False, defer=defer)
+    drv = Driver(sched, clock, step_ms=10.0, is_async=True)
+    steps = []  # (now, charged ids, throttled ids)
+    observe_steps(sched, lambda r: steps.append((r.now_ns, set(r.charged), list(r.throttled))))
+    eos = stop == "eos"
+    a = [make_request("a", max_tokens=40 if eos else 10, ignore_eos=not eos) for _ in range(3)]
+    ids = {r.request_id for r in a}
+    if eos:  # the model samples EOS as each one's 10th token
+        real = drv._apply
+
+        def apply(out, mro):
+            for i, rid in enumerate(mro.req_ids):
+                if rid in ids and mro.sampled_token_ids[i] and drv.count(rid) == 9:
+                    mro.sampled_token_ids[i] = [1]
+            real(out, mro)
+
+        drv._apply = apply
+    drv.add(*a, make_request("b", max_tokens=60))
+    drv.run_until_done()
+    tel.drain()
+    tel.folds.fold()
+    assert all(drv.count(rid) == 10 for rid in ids)
+    took, late = [], 0
+    for rid in ids:
+        first_refused = min(t for t, _, thr in steps if rid in thr)
+        last_dispatch = max(t for t, charged, _ in steps if rid in charged)
+        took.append(last_dispatch - first_refused)
+        late += sum(thr.count(rid) for t, _, thr in steps if t > last_dispatch)
+    episodes = tel.histograms[("throttle_episode_seconds", ("a",))]
+    assert episodes.count == 3
+    assert episodes.sum == pytest.approx(sum(took) / 1e9)
+    other = tel.histograms.get(("throttle_episode_seconds", (OTHER,)))
+    assert other is None or other.count == 0
+    assert not tel._episodes and not tel.folds.book.bases
+    refused = sum(thr.count(rid) for _, _, thr in steps for rid in ids)
+    assert counter(tel, "requests_skipped", "a") == refused
+    assert counter(tel, "requests_skipped", OTHER) == 0
+    if eos:
+        assert 1 <= late <= 3  # (the case this checks happened: refused once more)
+    else:
+        assert late == 0  # no false skip
+
+
 def test_the_event_logs_start_line_says_whether_the_scheduler_runs_ahead(tmp_path, monkeypatch):
     """The verifier allows one more update of lag under async scheduling:
     it reads the mode from the engine, not from how the server was started."""

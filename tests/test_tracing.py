@@ -231,17 +231,7 @@ def test_a_user_pacing_at_its_limit_gets_one_over_limit_period(tmp_path, exporte
                for s in spans(exporter, "output_rate.over_limit"))
 
 
-ASYNC_EPISODES_BUG = (
-    "under async scheduling a request whose last token is in flight is throttled again in "
-    "the next step, so its episode closes when its output comes, with the charges of that "
-    "next step: booked to no user (throttle_episode_seconds under __other__, missing from "
-    "the over-limit period) and ended a step late")
-
-
-@pytest.mark.parametrize("is_async", [
-    pytest.param(False, id="sync"),
-    pytest.param(True, id="async", marks=pytest.mark.xfail(strict=True, reason=ASYNC_EPISODES_BUG)),
-])
+@pytest.mark.parametrize("is_async", [False, True], ids=["sync", "async"])
 @pytest.mark.usefixtures("telemetry_mode")
 def test_the_end_to_end_trace_scenario_in_virtual_time(tmp_path, exporter, monkeypatch, is_async):
     """test_e2e_traces' load, exactly: user-a (20 tok/s) with three streams

@@ -158,11 +158,15 @@ requests per user over ``Scheduler.requests``).
 Request fields read: ``request_id``, ``status``, ``priority``,
 ``arrival_time``, ``num_tokens``, ``num_computed_tokens``,
 ``num_output_tokens``, ``is_prefill_chunk``, ``trace_headers``,
-``sampling_params.extra_args``. Fields set on ``Request`` (ours, all named
-``output_rate_*``, set in ``add_request``): the identity, whether it is
-trusted, the charged user, that user's limiter state (kept for the charge
-point, forgotten when the limiter drops or replaces it), when it was last
-dispatched, the last step that throttled it.
+``sampling_params.extra_args``; with ``AsyncScheduler``,
+``num_output_placeholders``, ``num_prompt_tokens`` and ``max_tokens``: a
+request whose last token is in flight, which ``schedule()``'s running loop
+passes by (the same test, unchanged on 0.32, 0.33 and 0.34), is neither
+given budget nor throttled when ``running`` is ordered. Fields set on
+``Request`` (ours, all named ``output_rate_*``, set in ``add_request``): the
+identity, whether it is trusted, the charged user, that user's limiter state
+(kept for the charge point, forgotten when the limiter drops or replaces
+it), when it was last dispatched, the last step that throttled it.
 """
 
 from __future__ import annotations

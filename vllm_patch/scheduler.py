@@ -95,6 +95,9 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
     _orl_lender: Lender | None = None
     #: borrowers at the tail of ``running``, after the throttled requests
     _orl_lent_tail = 0
+    #: vLLM's ``AsyncScheduler`` below: a request's last token may be in
+    #: flight when the next step is scheduled
+    _orl_async = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -354,9 +357,17 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
             running = rotated(running)
         ready: list[Request] = []
         throttled: list[Request] = []
+        in_flight = self._orl_async
         for request in running:
             user = request.output_rate_user
             if request.is_prefill_chunk:
+                ready.append(request)
+            elif in_flight and request.num_output_placeholders and (
+                    request.num_computed_tokens + 2 - request.num_output_placeholders
+                    >= request.num_prompt_tokens + request.max_tokens):
+                # Async scheduling: its last token is in flight, and vLLM's
+                # schedule() passes it by (the same test as vLLM's). It
+                # waits for no budget: it takes none and is not throttled.
                 ready.append(request)
             elif budget[user] > 0:
                 budget[user] -= 1
@@ -593,3 +604,5 @@ class OutputRateScheduler(OutputRateSchedulerMixin, Scheduler):
 
 class OutputRateAsyncScheduler(OutputRateSchedulerMixin, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` with per-user output-rate limits."""
+
+    _orl_async = True
