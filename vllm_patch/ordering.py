@@ -14,6 +14,15 @@ from collections.abc import Callable, Container
 from typing import Any
 
 
+def last_token_in_flight(request: Any) -> bool:
+    """Async scheduling: the request's last token is in flight, and vLLM's
+    ``schedule()`` passes it by (vLLM's own test, the same in 0.32 to 0.34).
+    It waits for no budget: it takes none and is not throttled."""
+    return bool(request.num_output_placeholders) and (
+        request.num_computed_tokens + 2 - request.num_output_placeholders
+        >= request.num_prompt_tokens + request.max_tokens)
+
+
 def rotated(running: list[Any]) -> list[Any]:
     """``running`` with each (user, priority) group's streams rotated so the
     one after the stream served last goes first; the groups keep their

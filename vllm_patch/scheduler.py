@@ -50,7 +50,7 @@ from vllm_output_rate.lending import LendingMixin
 from vllm_output_rate.preemption import PriorityPreemptionMixin
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock, take_from
-from vllm_output_rate.ordering import longest_waiting_first, rotated
+from vllm_output_rate.ordering import last_token_in_flight, longest_waiting_first, rotated
 from vllm_output_rate.observers import (
     LimitsChange,
     OutputRateObserver,
@@ -133,10 +133,9 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
         self._orl_step_blocks = groups * (-(-self.max_num_scheduled_tokens // self.block_size) + 1)
         self._orl_groups = groups
         self._orl_free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks
-        # With FCFS, vLLM preempts the tail of ``running``, where throttled
-        # requests sit: no wrap. With PRIORITY it picks by priority and
-        # arrival, so a throttled one of the lowest priority is picked here
-        # first (the wrap is set once, never per step).
+        # FCFS preempts the tail of ``running``, where throttled requests
+        # sit: no wrap. PRIORITY picks by priority and arrival: a throttled
+        # one of the lowest priority first (wrapped once, never per step).
         self._orl_upstream_allocate = self.kv_cache_manager.allocate_slots
         if self._orl_priority:
             self.kv_cache_manager.allocate_slots = self._orl_allocate_slots
@@ -178,9 +177,9 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
     # -- requests --------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        # Resolved once per request; read by attribute on every step after.
-        # The identity is who the request says it is; the user is whose
-        # budget it spends (the same, or __unlisted__ in "shared" mode).
+        # Resolved once per request, read by attribute on every step after.
+        # The identity: who the request says it is; the user: whose budget
+        # it spends (the same, or __unlisted__ in "shared" mode).
         extra_args = request.sampling_params.extra_args if request.sampling_params else None
         identity = request.output_rate_identity = resolve_user(extra_args)
         #: "header" / "api_key" when the API server vouches for the user
@@ -208,9 +207,8 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
         watcher = self.output_rate_limits_watcher
         if watcher is not None and watcher.current is not self.output_rate_config:
             self._orl_apply_limits(watcher.current, now)
-        # Reordering only matters once some user ran short (a step refused
-        # someone: until then every sampling stream was served in running
-        # order) or when more requests are resident than may run.
+        # Reordering matters once some user ran short (a step refused
+        # someone) or when more requests are resident than may run.
         was_short = bool(self._orl_refused)
         self._orl_begin(now)
         if self._orl_lender is not None:
@@ -298,12 +296,11 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
         self._orl_record = record
         self._orl_charged = record.charged
         self._orl_refused = record.refused
-        # The plain limiter is charged token by token as the step goes
-        # (``try_take``; a refund gives one back), so its state is always the
-        # user's budget left in this step. Any other limiter (shared budgets)
-        # is asked once per user and settled once per step with the net
-        # charges, through the two books below.
-        # With borrowing, the plain limiter is settled once per step too.
+        # The plain limiter is charged token by token (``try_take``; a refund
+        # gives one back): its state is the user's budget left in this step.
+        # Any other limiter (shared budgets), and the plain one with
+        # borrowing, is asked once per user and settled once per step with
+        # the net charges, through the two books below.
         self._orl_direct = (type(self.output_rate_limiter) is OutputRateLimiter
                             and self._orl_lender is None)
         # user -> tokens it may still take in this step (asked once per user)
@@ -362,13 +359,8 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
             user = request.output_rate_user
             if request.is_prefill_chunk:
                 ready.append(request)
-            elif in_flight and request.num_output_placeholders and (
-                    request.num_computed_tokens + 2 - request.num_output_placeholders
-                    >= request.num_prompt_tokens + request.max_tokens):
-                # Async scheduling: its last token is in flight, and vLLM's
-                # schedule() passes it by (the same test as vLLM's). It
-                # waits for no budget: it takes none and is not throttled.
-                ready.append(request)
+            elif in_flight and last_token_in_flight(request):
+                ready.append(request)  # takes no budget, is not throttled
             elif budget[user] > 0:
                 budget[user] -= 1
                 ready.append(request)
