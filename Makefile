@@ -30,8 +30,9 @@ demo: venv
 # that start engines mostly wait on paced streams, so two share two cores
 # (tests/README.md: durations with one worker and with two)
 TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 test: venv tools
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests
 	$(MAKE) --no-print-directory test-versions
 
 # Everything: make test, then the long runs behind RELIABILITY.md (the stress

@@ -53,23 +53,21 @@ def spend_rate(spends: list[tuple[int, int]]) -> float:
 
 
 def rate_while_stepping(spends: list[tuple[int, int]], step_times: list[int], limit: float) -> float:
-    """``spend_rate`` over the time the engine was stepping: a gap between
-    two of the user's steps in which the engine took no step at all (no
-    user's tokens: the machine did not run it) counts only one token's
-    spacing at ``limit``. A limiter that holds the user back while others
-    step keeps its gaps; the exact rate is checked in virtual time."""
+    """``spend_rate`` over the time the engine was stepping: of every gap
+    between two consecutive engine steps (any user's) within the user's
+    span, only one token's spacing at ``limit`` counts (a longer gap is the
+    machine not running the engine: the user could not have been served,
+    whatever its budget). A limiter that holds the user back while the
+    engine steps keeps its gaps; the exact rate is checked in virtual time."""
     import bisect
 
     if len(spends) < 2:
         return 0.0
+    lo, hi = spends[0][0], spends[-1][0]
+    steps = step_times[bisect.bisect_left(step_times, lo):bisect.bisect_right(step_times, hi)]
     spacing_ns = 1e9 / limit
-    stalled_ns = 0.0
-    for (t0, _), (t1, _) in zip(spends, spends[1:]):
-        between = bisect.bisect_left(step_times, t1) - bisect.bisect_right(step_times, t0)
-        if between == 0 and t1 - t0 > spacing_ns:
-            stalled_ns += t1 - t0 - spacing_ns
-    span_ns = spends[-1][0] - spends[0][0] - stalled_ns
-    return (sum(n for _, n in spends) - spends[0][1]) / (span_ns / 1e9)
+    stalled_ns = sum(max(0.0, b - a - spacing_ns) for a, b in zip(steps, steps[1:]))
+    return (sum(n for _, n in spends) - spends[0][1]) / ((hi - lo - stalled_ns) / 1e9)
 
 
 def second_model() -> str:

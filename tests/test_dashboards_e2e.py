@@ -135,6 +135,12 @@ def stack(tmp_path_factory):
     try:
         prom.start()
         _wait(lambda: prom.instant('up{job="vllm"} == 1', time.time()), "first scrape")
+        # user-b's series first (its load can finish within one export: a
+        # series that appears with its final count shows no increase to a
+        # rate() over the window), then the load
+        spacing = f'{generate.m("inter_token_seconds").full_name}_count{{user="{FREE}"}}'
+        asyncio.run(run_load(server.base_url, [(FREE, 1, 3)]))
+        _wait(lambda: prom.instant(spacing, time.time()), "user-b's first series scraped")
 
         async def load():
             limited = asyncio.create_task(run_load(server.base_url, PLAN_LIMITED))
