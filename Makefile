@@ -50,7 +50,7 @@ test-versions: venv
 test-vllm-%: venv
 	@scripts/setup/ensure_vllm_wheel.sh $*
 	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/.cache/vllm-$* EXPECT_VLLM_MINOR=$(basename $*) \
-	    $(PY) -m pytest -q $(SCHEDULER_SUITES)
+	    $(PY) -m pytest -q -n $(TEST_WORKERS) $(SCHEDULER_SUITES)
 
 bench: venv
 	$(PY) -m vllm_output_rate.tools.bench_scheduler
