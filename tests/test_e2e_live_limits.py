@@ -21,7 +21,7 @@ from fractions import Fraction
 import httpx
 import pytest
 
-from harness import REPO, limit_integral, rate_while_stepping, scrape_until, tiny_model
+from harness import REPO, limit_integral, rate_while_stepping, rewrite_unseen, scrape_until, tiny_model
 from vllm_output_rate.limiter import BURST_NS, NS_PER_S
 from vllm_output_rate.telemetry.events import EngineLog
 from vllm_output_rate.tools.client import Server, metric_value, stream_chat
@@ -88,13 +88,7 @@ def test_a_limit_changes_live_and_the_bound_holds_across_changes(tmp_path):
         write_limits(limits, 40)  # what is in force already: "unchanged"
         time.sleep(1.0)
         # 10 in place of 40: same size; the modification time put back
-        st = os.stat(limits)
-        with open(limits, "r+") as f:
-            text = f.read().replace("user-a: 40", "user-a: 10")
-            f.seek(0)
-            f.write(text)
-        os.utime(limits, ns=(st.st_atime_ns, st.st_mtime_ns))
-        assert os.stat(limits).st_size == st.st_size
+        rewrite_unseen(limits, "user-a: 40", "user-a: 10")
         time.sleep(1.0)  # polling sees nothing ...
         written[10] = [time.monotonic_ns()]
         os.kill(server.proc.pid, signal.SIGHUP)  # ... SIGHUP to the serving process does

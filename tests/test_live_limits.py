@@ -13,6 +13,7 @@ from fractions import Fraction
 import pytest
 
 from harness import (
+    rewrite_unseen,
     Driver,
     VirtualClock,
     limit_at,
@@ -200,12 +201,7 @@ def test_the_bound_holds_on_the_engine_event_log_across_live_changes(tmp_path, m
     write(path, "default: 100000\nusers:\n  user-a: 40\n")
     assert watcher.check() == "unchanged"
     run(1)
-    st = os.stat(path)
-    with open(path, "r+") as f:
-        text = f.read().replace("user-a: 40", "user-a: 10")
-        f.seek(0)
-        f.write(text)
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rewrite_unseen(path, "user-a: 40", "user-a: 10")
     assert watcher.check() is None  # polling sees nothing ...
     run(1)
     watcher.request_reload()  # ... what SIGHUP does
