@@ -1,6 +1,7 @@
-"""The per-user books an export step keeps: tokens charged per user over
-the last 10 s and 60 s, the throttled requests and their KV blocks, and the
-user states ``GET /output-rate/users/NAME`` shows.
+"""The per-user books an export step keeps: tokens charged (and, with
+borrowing, borrowed) per user over the last 10 s and 60 s, the throttled
+requests and their KV blocks, and the user states ``GET
+/output-rate/users/NAME`` shows.
 
 On the data's path after the folds (``telemetry.folds``), at export steps
 and when the engine goes idle, from the engine reads the scheduler's
@@ -25,8 +26,14 @@ NS = 1_000_000_000
 USER_STATES_CAP = 1000
 
 
+def ceiling_value(ceiling: Any) -> float | str | None:
+    """A ceiling as plain data: tok/s, ``"unlimited"``, or None (the user
+    does not borrow)."""
+    return ceiling if ceiling is None or isinstance(ceiling, str) else float(ceiling)
+
+
 def _window_sums(window: Any, now_ns: int) -> tuple[Counter[str], Counter[str]]:
-    """Tokens charged per user over the last 10 s and 60 s of ``window``."""
+    """Tokens charged (or borrowed) per user over the last 10 s and 60 s of ``window``."""
     charged_10: Counter[str] = Counter()
     charged_60: Counter[str] = Counter()
     for t, counts in window:
@@ -50,8 +57,12 @@ class UserBooks:
         self.activity: Counter[str] = Counter()
         #: tokens charged per user since the window's last entry
         self.window_activity: Counter[str] = Counter()
+        #: tokens borrowed per user since the window's last entry (borrowing only)
+        self.window_borrowed: Counter[str] = Counter()
         #: (export step's ns, tokens charged per user in its interval), 60 s
         self._charged_window: deque[tuple[int, dict[str, int]]] = deque()
+        #: the same for tokens borrowed (entries only while someone borrows)
+        self._borrowed_window: deque[tuple[int, dict[str, int]]] = deque()
         #: user -> (throttled requests, their KV blocks) at the last export step
         self.thr_by_user: dict[str, tuple[int, int]] = {}
         #: per-user state for introspection (replaced whole), and when
@@ -116,6 +127,7 @@ class UserBooks:
         while window and now_ns - window[0][0] > 60 * NS:
             window.popleft()
         charged_10, charged_60 = _window_sums(window, now_ns)
+        borrowed_10, borrowed_60 = self._slide_borrowed(now_ns)
         view = self.view
         throttled = self.thr_by_user if requests else {}
         users = list(requests)
@@ -123,7 +135,9 @@ class UserBooks:
             users += [u for u, _ in charged_60.most_common(USER_STATES_CAP - len(users))
                       if u not in requests]
         states = {}
-        rate_of = view.limits().rate_of
+        limits = view.limits()
+        rate_of = limits.rate_of
+        ceiling_of = limits.ceiling_of if limits.borrowing else None
         for user in users[:USER_STATES_CAP]:
             running, waiting = requests.get(user, (0, 0))
             n_thr, blocks = throttled.get(user, (0, 0))
@@ -140,6 +154,10 @@ class UserBooks:
                 "throttled_kv_blocks": blocks,
                 "ready_in_s": max(0.0, (ready - now_ns) / NS) if ready else 0.0,
             }
+            if ceiling_of is not None:
+                states[user].update(ceiling=ceiling_value(ceiling_of(user)),
+                                    borrowed_10s=borrowed_10.get(user, 0),
+                                    borrowed_60s=borrowed_60.get(user, 0))
         self.user_states = states
         self.user_states_at = (now_ns, time.monotonic_ns(), time.time())
 
@@ -150,19 +168,38 @@ class UserBooks:
         now_ns += time.monotonic_ns() - mono
         try:
             window = list(self._charged_window)
+            lent = list(self._borrowed_window)
         except RuntimeError:  # appended to right now: the engine is not idle
             return self.user_states
         charged_10, charged_60 = _window_sums(window, now_ns)
+        borrowed_10, borrowed_60 = _window_sums(lent, now_ns)
         states = {}
         for user, state in self.user_states.items():
             ready_in = max(0.0, state["ready_in_s"] - (now_ns - self.user_states_at[0]) / NS)
             states[user] = {**state, "charged_10s": charged_10.get(user, 0),
                             "charged_60s": charged_60.get(user, 0), "running": 0,
                             "throttled": 0, "throttled_kv_blocks": 0, "ready_in_s": ready_in}
+            if "borrowed_10s" in state:
+                states[user].update(borrowed_10s=borrowed_10.get(user, 0),
+                                    borrowed_60s=borrowed_60.get(user, 0))
         return states
+
+    def _slide_borrowed(self, now_ns: int) -> tuple[Counter[str], Counter[str]]:
+        """The borrowed window at an export step: this interval's entry (if
+        anyone borrowed), the entries older than 60 s dropped, the sums."""
+        lent, window = self.window_borrowed, self._borrowed_window
+        if lent:
+            self.window_borrowed = Counter()
+            if len(lent) > USER_STATES_CAP:
+                lent = Counter(dict(lent.most_common(USER_STATES_CAP)))
+            window.append((now_ns, dict(lent)))
+        while window and now_ns - window[0][0] > 60 * NS:
+            window.popleft()
+        return _window_sums(window, now_ns) if window else (Counter(), Counter())
 
     def sizes(self) -> tuple[int, int, int]:
         """Users held: activity, states, charged window (``state_sizes``)."""
-        return (len(self.activity) + len(self.window_activity),
+        return (len(self.activity) + len(self.window_activity) + len(self.window_borrowed),
                 len(self.user_states) + len(self.thr_by_user),
-                sum(len(d) for _, d in self._charged_window))
+                sum(len(d) for _, d in self._charged_window)
+                + sum(len(d) for _, d in self._borrowed_window))

@@ -21,7 +21,7 @@ from typing import Any
 
 from vllm_output_rate.limits_watch import RESULTS as LIMITS_RESULTS
 from vllm_output_rate.observers import EngineView
-from vllm_output_rate.telemetry.books import UserBooks
+from vllm_output_rate.telemetry.books import UserBooks, ceiling_value
 from vllm_output_rate.telemetry.histograms import Histogram
 from vllm_output_rate.telemetry.metrics import SPACING_BUCKETS, STORE_CALL_BUCKETS
 from vllm_output_rate.telemetry.series import Series
@@ -167,12 +167,20 @@ class SnapshotWriter:
 def limits_document(config: Any) -> dict[str, Any]:
     """The limits as plain data for the snapshot and the introspection
     endpoints: ``default``, ``tiers``, ``users`` (user -> limit),
-    ``user_tiers``, ``unlisted_users``; limits as numbers (tok/s). Made when
-    the limits' digest changes, not per export."""
-    return {
+    ``user_tiers``, ``unlisted_users``; limits as numbers (tok/s); with
+    borrowing also ``ceilings``, ``tier_ceilings`` and ``default_ceiling``.
+    Made when the limits' digest changes, not per export."""
+    doc = {
         "default": float(config.default_rate),
         "tiers": {t: float(r) for t, r in config.tiers.items()},
         "users": {u: float(r) for u, r in config.user_rates.items()},
         "user_tiers": dict(config.user_tiers),
         "unlisted_users": config.unlisted_users,
     }
+    if config.borrowing:
+        # guaranteed rates above; ceilings (tok/s or "unlimited") of the
+        # users, tiers and default that have one
+        doc["ceilings"] = {u: ceiling_value(c) for u, c in config.ceilings.items()}
+        doc["tier_ceilings"] = {t: ceiling_value(c) for t, c in config.tier_ceilings.items()}
+        doc["default_ceiling"] = ceiling_value(config.default_ceiling)
+    return doc

@@ -106,8 +106,10 @@ class Folds:
             counters[("engine_tokens_charged", ())] += len(charged)
         if record.borrowed:  # (borrowing only: a limit with a ceiling)
             counters[("engine_tokens_borrowed", ())] += len(record.borrowed)
+            lent = self.books.window_borrowed
             for user, n in Counter(record.borrowed.values()).items():
                 self.series.borrow(user, n)
+                lent[user] += n
         if record.refunded:
             labeler = self.series.labeler
             for _req_id, user, reason in record.refunded:

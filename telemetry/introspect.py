@@ -13,6 +13,11 @@ every API server of a ``--api-server-count N`` server answers the same.
     ``shared`` unlisted mode), tokens charged over the last 10 s and 60 s,
     requests running, waiting and throttled, KV blocks held while
     throttled, seconds until its budget is next ready; summed over engines.
+    With borrowing (a limit with a ceiling somewhere), both rates: ``limit``
+    is the guaranteed rate, ``ceiling`` the ceiling (tok/s, "unlimited", or
+    None: the user does not borrow), and the tokens borrowed above the
+    guaranteed rate over the last 10 s and 60 s (``borrowed_10s``,
+    ``borrowed_60s``; not charged, so not in ``charged_*``).
 ``GET /output-rate/users``
     The tracked users (live requests first, then the most charged), with
     the same fields, at most ``limit`` (query, default 100).
@@ -43,6 +48,8 @@ from vllm_output_rate.config import ANONYMOUS_USER, UNLISTED_USER
 from vllm_output_rate.telemetry import collector
 
 _COUNTS = ("charged_10s", "charged_60s", "running", "waiting", "throttled", "throttled_kv_blocks")
+#: the counts added with borrowing
+_BORROWED = ("borrowed_10s", "borrowed_60s")
 
 
 def read_snapshots() -> list[dict[str, Any]]:
@@ -67,6 +74,14 @@ def _budget_user(limits: dict[str, Any], user: str) -> str:
     return user
 
 
+def _ceiling(limits: dict[str, Any], user: str) -> float | str | None:
+    """A user's ceiling from the limits document: listed users' own (None:
+    listed without one), the default's for the others."""
+    if user in limits.get("users", {}):
+        return limits["ceilings"].get(user)
+    return limits.get("default_ceiling")
+
+
 def user_view(snapshots: list[dict[str, Any]], user: str) -> tuple[int, dict[str, Any]]:
     status, limits = limits_view(snapshots)
     if status != 200:
@@ -84,12 +99,16 @@ def user_view(snapshots: list[dict[str, Any]], user: str) -> tuple[int, dict[str
         "as_of_unix": max(s.get("users", {}).get("as_of_unix", 0) for s in snapshots),
         "limits_sha256": limits["sha256"],
     }
+    borrowing = "ceilings" in limits
+    if borrowing:
+        out["ceiling"] = _ceiling(limits, budget)
+        out.update(dict.fromkeys(_BORROWED, 0))
     for snap in snapshots:
         state = snap.get("users", {}).get("states", {}).get(budget)
         if state is None:
             continue
         out["tracked"] = True
-        for key in _COUNTS:
+        for key in (*_COUNTS, *_BORROWED) if borrowing else _COUNTS:
             out[key] += state.get(key, 0)
         out["ready_in_s"] = max(out["ready_in_s"], state.get("ready_in_s", 0.0))
     return 200, out

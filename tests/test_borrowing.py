@@ -287,6 +287,60 @@ def test_charged_plus_borrowed_equals_delivered_on_the_metrics(tmp_path, is_asyn
     assert counter("engine_tokens_charged") + counter("engine_tokens_borrowed") == 560
 
 
+@pytest.mark.parametrize("is_async", MODES)
+def test_introspection_shows_both_rates_and_what_was_borrowed(tmp_path, monkeypatch, is_async):
+    """``GET /output-rate/users/NAME`` from the engine's snapshot: the
+    guaranteed rate as ``limit``, the ceiling, and the tokens borrowed over
+    the last 10 s and 60 s beside those charged (they add up to what was
+    delivered); a user without a ceiling shows None and borrows nothing."""
+    import vllm_output_rate.telemetry.engine as engine_mod
+    from harness import attach_telemetry
+    from vllm_output_rate.telemetry import introspect
+
+    clock = VirtualClock()
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", clock)  # the windows' ages
+    lim = limits(1000, {"a": 5, "b": 20, "c": 50}, {"a": UNLIMITED, "b": 40})
+    sched = make_scheduler(lim, clock=clock, async_scheduling=is_async, max_num_seqs=16,
+                           max_num_active_seqs=4)
+    tel = attach_telemetry(sched, str(tmp_path), top_k=100, start_thread=False)
+    drv = Driver(sched, clock, step_ms=10.0, is_async=is_async)
+    reqs = {user: [make_request(user, max_tokens=n) for _ in range(2)]
+            for user, n in (("a", 100), ("b", 60), ("c", 20))}
+    drv.add(*(r for rs in reqs.values() for r in rs))
+    while sched.has_requests():  # an export every 100 steps (the exporter's second)
+        drv.run(100)
+        tel.export()
+    drv.flush()
+    tel.export()  # (the engine is idle: its last states)
+    snap = tel.snapshot()
+    assert snap["limits"]["ceilings"] == {"a": "unlimited", "b": 40.0}
+    assert snap["limits"]["default_ceiling"] is None
+    views = {u: introspect.user_view([snap], u) for u in ("a", "b", "c", "nobody")}
+    assert all(status == 200 for status, _ in views.values())
+    views = {u: v for u, (_, v) in views.items()}
+    for user in ("a", "b", "c"):
+        delivered = sum(drv.count(r.request_id) for r in reqs[user])
+        v = views[user]
+        # the run took under 10 s of virtual time: every token is in both windows
+        assert v["charged_10s"] + v["borrowed_10s"] == delivered, (user, v)
+        assert v["borrowed_60s"] == v["borrowed_10s"]
+        assert v["borrowed_10s"] == counter_of(tel, "tokens_borrowed", user)
+    assert (views["a"]["limit"], views["a"]["ceiling"]) == (5.0, "unlimited")
+    assert (views["b"]["limit"], views["b"]["ceiling"]) == (20.0, 40.0)
+    assert views["a"]["borrowed_10s"] > 0 and views["b"]["borrowed_10s"] > 0
+    assert views["c"]["ceiling"] is None and views["c"]["borrowed_10s"] == 0
+    assert views["nobody"]["ceiling"] is None and views["nobody"]["limit"] == 1000.0
+    # without a ceiling anywhere the fields are not there
+    plain = make_scheduler(limits(1000, {"a": 5}), clock=VirtualClock())
+    tel2 = attach_telemetry(plain, str(tmp_path / "plain"), start_thread=False)
+    status, view = introspect.user_view([tel2.snapshot()], "a")
+    assert status == 200 and "ceiling" not in view and "borrowed_10s" not in view
+
+
+def counter_of(tel, name, *labels):
+    return tel.counters.get((name, tuple(labels)), 0)
+
+
 def test_without_ceilings_no_borrowing_series(tmp_path):
     from harness import attach_telemetry
 
