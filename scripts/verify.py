@@ -197,6 +197,32 @@ class Analysis:
         before = [s for s in self.log.starts if int(s["t_ns"]) <= window[0]]
         return before[-1] if before else self.log.starts[0]
 
+    def limits_in_force(self) -> dict[str, Any] | None:
+        """The start line of the engine that served this run, its limits
+        replaced by the last live change (a reloaded limits file) that
+        engine made after its start line (which states the limits of its
+        moment) and before the run's first event: what the engine enforced
+        when the run began."""
+        start = self.start_event()
+        window = self.run_window_ns()
+        if start is None or window is None:
+            return start
+        t0 = int(start["t_ns"])
+        later = [int(s["t_ns"]) for s in self.log.starts if int(s["t_ns"]) > t0]
+        t1 = min([window[0] + 1, *later])
+        changes = [c for c in self.log.limit_changes if t0 < int(c["t_ns"]) < t1]
+        if not changes:
+            return start
+        last = changes[-1]
+        return {**start, "limits": last["limits"], "default_limit": last.get("default_limit")}
+
+    def limit_changes_in_run(self) -> list[dict[str, Any]]:
+        """Live limit changes put in force while this run's requests ran."""
+        window = self.run_window_ns()
+        if window is None:
+            return []
+        return [c for c in self.log.limit_changes if window[0] < int(c["t_ns"]) <= window[1]]
+
     def alive_count(self, user: str, t_ns: int) -> int:
         """The user's requests generating at ``t_ns`` (first token <= t <= last token)."""
         return sum(1 for rd in self.user_reqs(user)
@@ -403,13 +429,22 @@ def engine_limit(start: dict[str, Any], user: str) -> Fraction | None:
 
 
 def check_limits(a: Analysis, stats: dict[str, UserStats]) -> list[Check]:
-    start = a.start_event()
+    start = a.limits_in_force()
+    changed = a.limit_changes_in_run()
+    window = a.run_window_ns()
     out = []
     for user in a.users_in_run():
         expected = a.scenario.users.get(user)
         got = engine_limit(start, user) if start else None
+        moved = [c for c in changed if engine_limit({**start, **c}, user) != got] if start else []
         if got is None:
             out.append(Check("limits", user, False, "the engine reported no limits"))
+        elif moved:
+            out.append(Check("limits", user, False, "the engine's limit changed during the run: "
+                             + ", ".join(f"{float(engine_limit({**start, **c}, user)):g} tok/s at "
+                                         f"+{(int(c['t_ns']) - window[0]) / 1e9:.1f} s"
+                                         for c in moved)
+                             + f" (was {float(got):g}); the scenario's checks assume one limit"))
         elif expected is not None:
             out.append(Check("limits", user, got == expected,
                              f"engine limit {float(got):g} tok/s, expected {float(expected):g}"))
@@ -821,7 +856,7 @@ def write_report(a: Analysis, checks: list[Check], stats: dict[str, UserStats], 
             notes = [*notes, f"plot {name} failed: {type(exc).__name__}: {exc}"]
     ok = all(c.ok for c in checks)
     sc = a.scenario
-    start = a.start_event() or {}
+    start = a.limits_in_force() or {}
     lines = [f"# Engine-side ITL verification: {'PASS' if ok else 'FAIL'}", "",
              f"Scenario `{sc.name}` ({sc.path}), run `{a.run.run_id}` against {a.run.base_url}; "
              f"{len(a.run.requests)} requests in {len(sc.phases)} phase(s)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -36,14 +37,62 @@ def pytest_configure(config):
 #: from finishing a long module alone at the end. Other modules keep their
 #: order after these.
 SLOW_FIRST = (
-    "test_soak.py", "test_e2e_shared_state.py", "test_verify_e2e.py", "test_stress.py",
-    "test_e2e.py", "test_tools_second_model.py", "test_e2e_traces.py", "test_profile.py",
+    # the engine pool's modules, one unit of work (POOL_SCOPE); verify's
+    # last: its last test stops the engine it used in the middle of a run
+    "test_e2e.py", "test_e2e_live_limits.py", "test_profile.py", "test_verify_e2e.py",
+    "test_soak.py", "test_e2e_shared_state.py", "test_stress.py",
+    "test_tools_second_model.py", "test_e2e_traces.py",
     "test_dashboards_e2e.py", "test_e2e_affinity.py", "test_bench_scheduler.py",
-    "test_e2e_api_servers.py", "test_e2e_identity.py", "test_e2e_live_limits.py",
+    "test_e2e_api_servers.py", "test_e2e_identity.py",
     "test_package.py",
 )
+
+#: The modules that take their engines from the session's pool (the
+#: ``engines`` fixture, tests/engine_pool.py): one unit of work for
+#: pytest-xdist, so that they run on one worker and each pooled
+#: configuration starts once.
+POOL_MODULES = ("test_e2e.py", "test_e2e_live_limits.py", "test_profile.py", "test_verify_e2e.py")
+POOL_SCOPE = "tests/engine-pool"
 
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the pool's modules as one file."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class PoolAwareFileScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return POOL_SCOPE if Path(scope).name in POOL_MODULES else scope
+
+    return PoolAwareFileScheduling(config, log)
+
+
+_POOLS: list = []
+
+
+@pytest.fixture(scope="session")
+def engines(tmp_path_factory):
+    """The session's engine pool (tests/engine_pool.py)."""
+    from engine_pool import EnginePool
+
+    pool = EnginePool(tmp_path_factory.mktemp("engine-pool"))
+    _POOLS.append(pool)
+    yield pool
+    pool.close()
+
+
+def pytest_runtest_teardown(item, nextitem):
+    """The pool's engines stop when its modules are done (they run as one
+    unit of work, one after another): idle engines would hold memory and
+    some CPU while this worker goes on with other modules."""
+    if _POOLS and item.path.name in POOL_MODULES and (
+            nextitem is None or nextitem.path.name not in POOL_MODULES):
+        for pool in _POOLS:
+            pool.close()

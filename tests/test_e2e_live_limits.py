@@ -1,6 +1,8 @@
 """End to end: a limit changed live on the real vLLM CPU engine.
 
-user-a streams at 20 tok/s from a limits file; the file is rewritten to 40
+user-a streams at 20 tok/s from a limits file (the pooled engine's, see
+tests/engine_pool.py: every count here is a difference, every token and
+change one since the test began); the file is rewritten to 40
 mid-run, then broken, then changed to 10 in a way polling cannot see (same
 size, same modification time) and SIGHUP is sent to the serving process.
 Every figure is read engine-side from the engine's event log: when each
@@ -24,7 +26,7 @@ import pytest
 from harness import REPO, limit_integral, rate_while_stepping, rewrite_unseen, scrape_until, tiny_model
 from vllm_output_rate.limiter import BURST_NS, NS_PER_S
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.client import Server, metric_value, stream_chat
+from vllm_output_rate.tools.client import metric_value, scrape_metrics, stream_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -65,44 +67,48 @@ class Load:
         self.thread.join(timeout=30)
 
 
-def test_a_limit_changes_live_and_the_bound_holds_across_changes(tmp_path):
-    limits = tmp_path / "limits.yaml"
-    events = tmp_path / "events.jsonl"
-    write_limits(limits, 20)
-    server = Server(tiny_model(), ["--max-num-seqs", "16", "--max-model-len", "1024",
-                                   "--output-rate-limits-file", str(limits)],
-                    REPO / ".cache" / "logs" / "e2e-live-limits-server.log",
-                    extra_env={"OUTPUT_RATE_TELEMETRY": "1", "OUTPUT_RATE_EVENTS": str(events)})
-    with server:
-        load = Load(server.base_url).start()
-        time.sleep(4)
-        # (before, after) each change was made: the engine's change falls
-        # between the first and a second after the last (a stall of this
-        # process while it writes counts for it, not against the engine)
-        written = {40: [time.monotonic_ns()]}
-        write_limits(limits, 40)
-        written[40].append(time.monotonic_ns())
-        time.sleep(4)
-        limits.write_text("default: 100000\nusers:\n  user-a: [40]\n")  # not a limit
-        time.sleep(1.5)
-        write_limits(limits, 40)  # what is in force already: "unchanged"
-        time.sleep(1.0)
-        # 10 in place of 40: same size; the modification time put back
-        rewrite_unseen(limits, "user-a: 40", "user-a: 10")
-        time.sleep(1.0)  # polling sees nothing ...
-        written[10] = [time.monotonic_ns()]
-        os.kill(server.proc.pid, signal.SIGHUP)  # ... SIGHUP to the serving process does
-        written[10].append(time.monotonic_ns())
-        time.sleep(4)
-        load.stop()
-        assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
-        samples = scrape_until(server.base_url, lambda s: [
-            metric_value(s, "vllm_output_rate_limits_reloads_total", result=r)
-            for r in ("loaded", "unchanged", "invalid")] == [2, 1, 1])
-        log_text = server.log_path.read_text(errors="replace")
+def test_a_limit_changes_live_and_the_bound_holds_across_changes(engines):
+    # the pool's tiny engine (tests/engine_pool.py): its limits file is ours
+    # for this test; everything is read as a difference or since `begin`
+    server = engines.get("tiny", default=100000, users={"user-a": 20})
+    limits, events = server.limits_path, server.events_path
+    # the pool returns once these limits are in force with no reload pending
+    reload_counts = ("loaded", "unchanged", "invalid")
+    s0 = scrape_metrics(server.base_url)
+    before = [metric_value(s0, "vllm_output_rate_limits_reloads_total", result=r)
+              for r in (*reload_counts, "unreadable")]
+    log_offset = server.log_size()
+    begin = time.monotonic_ns()
+    load = Load(server.base_url).start()
+    time.sleep(4)
+    # (before, after) each change was made: the engine's change falls
+    # between the first and a second after the last (a stall of this
+    # process while it writes counts for it, not against the engine)
+    written = {40: [time.monotonic_ns()]}
+    write_limits(limits, 40)
+    written[40].append(time.monotonic_ns())
+    time.sleep(4)
+    limits.write_text("default: 100000\nusers:\n  user-a: [40]\n")  # not a limit
+    time.sleep(1.5)
+    write_limits(limits, 40)  # what is in force already: "unchanged"
+    time.sleep(1.0)
+    # 10 in place of 40: same size; the modification time put back
+    rewrite_unseen(limits, "user-a: 40", "user-a: 10")
+    time.sleep(1.0)  # polling sees nothing ...
+    written[10] = [time.monotonic_ns()]
+    os.kill(server.proc.pid, signal.SIGHUP)  # ... SIGHUP to the serving process does
+    written[10].append(time.monotonic_ns())
+    time.sleep(4)
+    load.stop()
+    assert httpx.get(f"{server.base_url}/health", timeout=5).status_code == 200
+    want = [b + d for b, d in zip(before, (2, 1, 1))]
+    samples = scrape_until(server.base_url, lambda s: [
+        metric_value(s, "vllm_output_rate_limits_reloads_total", result=r)
+        for r in reload_counts] == want)
+    log_text = server.log_text_since(log_offset)
 
-    reloads = {r: metric_value(samples, "vllm_output_rate_limits_reloads_total", result=r)
-               for r in ("loaded", "unchanged", "invalid", "unreadable")}
+    reloads = {r: metric_value(samples, "vllm_output_rate_limits_reloads_total", result=r) - b
+               for r, b in zip((*reload_counts, "unreadable"), before)}
     print("\nreloads:", reloads)
     # 40 (polled), 40 again after the broken file (same content as in force:
     # unchanged), 10 (SIGHUP); the broken file once, logged once
@@ -111,7 +117,10 @@ def test_a_limit_changes_live_and_the_bound_holds_across_changes(tmp_path):
     assert log_text.count("was changed but is not valid") == 1
 
     log = EngineLog.read(events)
-    changes = [(c["t_ns"], c["limits"]["user-a"]) for c in log.limit_changes]
+    # this test's changes (the pool's limits, loaded while the engine was
+    # idle, went in force at the load's first step: "from the next step on")
+    changes = [(c["t_ns"], c["limits"]["user-a"]) for c in log.limit_changes
+               if c["t_ns"] >= written[40][0]]
     assert [limit for _, limit in changes] == [40.0, 10.0]
     for t_ns, limit in changes:
         before, after = written[int(limit)]
@@ -119,11 +128,9 @@ def test_a_limit_changes_live_and_the_bound_holds_across_changes(tmp_path):
         print(f"limit {limit:g} in force {delay * 1e3:.0f} ms after the change "
               f"(made in {(after - before) / 1e6:.0f} ms)")
         assert before <= t_ns and delay <= 1.0
-    start_ns = log.starts[0]["t_ns"]
-    times = sorted(t for t, toks in log.steps for _, user, n in toks if user == "user-a"
-                   for _ in range(n))
-    # (the start line is written at the first export, after the first tokens)
-    start_ns = min(start_ns, times[0])
+    times = sorted(t for t, toks in log.steps if t >= begin for _, user, n in toks
+                   if user == "user-a" for _ in range(n))
+    start_ns = min(begin, times[0])
     schedule = [(start_ns, Fraction(20))] + [(t, Fraction(limit)) for t, limit in changes]
     end_ns = times[-1]
 

@@ -230,27 +230,24 @@ def test_compare_off_needs_own_servers(capsys):
 
 
 @pytest.mark.e2e
-def test_profile_real_engine(tmp_path):
-    """A real tiny-model server with one user throttled: a short recording
-    under load has samples in schedule() and in the limiter, shares add up."""
-    from harness import tiny_model
-
-    from vllm_output_rate.tools.client import Server
-
-    args = prof.serve_args(True, {"user-a": 20}, 100_000)
-    with Server(tiny_model(), args, tmp_path / "server.log") as server:
-        core = prof.find_engine_core(server.proc.pid, timeout_s=30)
-        # Sampling: schedule() is a few percent of the engine loop and the
-        # limiter a fraction of that, so a short recording can miss it by
-        # chance. 1 kHz, and up to three recordings before calling it absent.
-        for attempt in range(3):
-            out = tmp_path / f"attempt-{attempt}"
-            out.mkdir()
-            report = prof.profile_engine(
-                core, out, "on", seconds=5, base_url=server.base_url,
-                plan=[("user-a", 4, 200), ("user-b", 4, 900)], warmup_s=2.0, rate=1000)
-            if report.inclusive_counts[LIMITER] > 0:
-                break
+def test_profile_real_engine(tmp_path, engines):
+    """A real tiny-model server with one user throttled (the pool's tiny
+    engine: `profile_engine.serve_args`' flags, its limits from the file):
+    a short recording under load has samples in schedule() and in the
+    limiter, shares add up."""
+    server = engines.get("tiny", default=100_000, users={"user-a": 20})
+    core = prof.find_engine_core(server.proc.pid, timeout_s=30)
+    # Sampling: schedule() is a few percent of the engine loop and the
+    # limiter a fraction of that, so a short recording can miss it by
+    # chance. 1 kHz, and up to three recordings before calling it absent.
+    for attempt in range(3):
+        out = tmp_path / f"attempt-{attempt}"
+        out.mkdir()
+        report = prof.profile_engine(
+            core, out, "on", seconds=5, base_url=server.base_url,
+            plan=[("user-a", 4, 200), ("user-b", 4, 900)], warmup_s=2.0, rate=1000)
+        if report.inclusive_counts[LIMITER] > 0:
+            break
     print("\n" + prof.format_table({"on": report}))
     assert report.threads == ["MainThread"]
     assert report.total > 0

@@ -376,6 +376,37 @@ def test_the_engine_limits_must_match_the_expectation(good):
     assert "limits[c]" in failed(checks)
 
 
+def test_the_limits_in_force_are_the_last_reload_before_the_run(good):
+    """A limits file reloaded before the run: the engine's limits are the
+    reload's, not its start line's; one reloaded during the run fails the
+    limits check of the users it moved (the scenario assumes one limit)."""
+    sc, run, log, metrics = copy.deepcopy(good)
+    first = min(t for t, _ in log.steps)
+    last = max(t for t, _ in log.steps)
+    start = log.starts[-1]
+    log.starts[-1] = {**start, "limits": {**start["limits"], "a": 5.0}}
+    assert failed(checks_of(sc, run, log, metrics)[0]) == ["limits[a]"]
+    # reloaded back to the expectation before the run's first token: in force
+    log.limit_changes.append({"kind": "limits", "t_ns": first - 1, "limits": dict(start["limits"]),
+                              "default_limit": start["default_limit"]})
+    checks, _ = checks_of(sc, run, log, metrics)
+    assert failed(checks) == []
+    assert "engine limit 20 tok/s, expected 20" in checks["limits[a]"].summary
+    # a change of b's limit in the middle of the run
+    mid = (first + last) // 2
+    log.limit_changes.append({"kind": "limits", "t_ns": mid,
+                              "limits": {**start["limits"], "b": 90.0},
+                              "default_limit": start["default_limit"]})
+    checks, _ = checks_of(sc, run, log, metrics)
+    assert failed(checks) == ["limits[b]"]
+    assert "changed during the run: 90 tok/s at +" in checks["limits[b]"].summary
+    # a change made by an earlier engine (before this engine's start line) is not this one's
+    sc, run, log, metrics = copy.deepcopy(good)
+    log.limit_changes.append({"kind": "limits", "t_ns": int(log.starts[-1]["t_ns"]) - 1,
+                              "limits": {"a": 5.0}, "default_limit": 1.0})
+    assert failed(checks_of(sc, run, log, metrics)[0]) == []
+
+
 def test_events_missing_or_unreadable_fail(good):
     sc, run, log, metrics = copy.deepcopy(good)
     log.starts.clear()

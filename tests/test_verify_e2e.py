@@ -1,9 +1,10 @@
 """End to end: `vllm-output-rate verify` on the real vLLM CPU engine with the
 tiny model, a shortened scenario.
 
-* with ``--model`` (verify starts and stops the server itself), with sync
-  and with async scheduling: every check holds, exit 0, report and plots
-  written;
+* with ``--server`` against the session's pooled engines (tests/engine_pool.py),
+  sync and async scheduling, and with ``--model`` on the second model
+  (verify starts and stops the server itself): every check holds, exit 0,
+  report and plots written;
 * against a server whose user-a limit was raised above the scenario's
   expectation: exit 1, user-a's GCRA-bound check fails, user-b's hold;
 * against a server stopped in the middle of the run: exit 1, the answers
@@ -19,10 +20,8 @@ import time
 import pytest
 import yaml
 
-from harness import REPO, second_model, tiny_model
-from vllm_output_rate import settings
+from harness import second_model
 from vllm_output_rate.tools import verify
-from vllm_output_rate.tools.client import Server
 from vllm_output_rate.tools.loadgen import load_scenario
 
 pytestmark = pytest.mark.e2e
@@ -75,25 +74,35 @@ def verdicts(report_dir):
     return {v["check"]: v for v in json.loads((report_dir / "checks.json").read_text())}
 
 
+def scenario_limits(path):
+    scenario = load_scenario(path)
+    return float(scenario.server.default_limit), scenario.server_limits()
+
+
 @pytest.mark.parametrize("scheduling, model", [("sync", "tiny"), ("async", "tiny"),
                                                ("sync", "second")])
-def test_verify_with_model_passes_on_a_correct_run(short_scenario, tmp_path, scheduling, model):
-    """Also on the second model (a Unigram tokenizer, several tokens per
-    word, another shape): the scenario's sizes are tokens of the model's
-    own tokenizer, so its 400-token prompt fits the 1024 positions there
-    too."""
+def test_verify_passes_on_a_correct_run(short_scenario, tmp_path, scheduling, model, engines):
+    """On the tiny model against the pool's engines (``--server``: sync
+    and async scheduling, the scenario's limits written to the engine's
+    limits file), on the second model with ``--model`` (verify starts and
+    stops the server itself). The second model has a Unigram tokenizer,
+    several tokens per word, another shape: the scenario's sizes are tokens
+    of the model's own tokenizer, so its 400-token prompt fits the 1024
+    positions there too."""
     report = tmp_path / "report"
-    scenario = short_scenario
-    if scheduling == "async":  # vLLM's --async-scheduling: one step dispatched ahead
-        # (vLLM's CPU platform turns the flag off; the setting keeps it on:
-        # the engine's event log says which ran, and verify reads it there)
-        data = yaml.safe_load(short_scenario.read_text())
-        data["server"]["args"] = data["server"]["args"] + ["--async-scheduling"]
-        data["server"]["env"] = settings.child_env(FORCE_ASYNC_SCHEDULING=True)
-        scenario = tmp_path / "short-async.yaml"
-        scenario.write_text(yaml.safe_dump(data, sort_keys=False))
-    rc = verify.main(["--model", tiny_model() if model == "tiny" else second_model(),
-                      "--scenario", str(scenario), "--report", str(report), "--no-progress"])
+    if model == "tiny":
+        default, users = scenario_limits(short_scenario)
+        # vLLM's --async-scheduling: one step dispatched ahead (vLLM's CPU
+        # platform turns the flag off; the pool's engine keeps it on with the
+        # plugin's setting: the engine's event log says which ran, and verify
+        # reads it there)
+        srv = engines.get("tiny" if scheduling == "sync" else "tiny-async",
+                          default=default, users=users)
+        args = ["--server", srv.base_url, "--events", str(srv.events_path)]
+    else:
+        args = ["--model", second_model()]
+    rc = verify.main([*args, "--scenario", str(short_scenario), "--report", str(report),
+                      "--no-progress"])
     checks = verdicts(report)
     assert [c for c, v in checks.items() if not v["ok"]] == [], (report / "report.md").read_text()
     assert rc == 0
@@ -110,18 +119,13 @@ def test_verify_with_model_passes_on_a_correct_run(short_scenario, tmp_path, sch
     print("\n" + "\n".join(f"{c}: {v['summary']}" for c, v in checks.items()))
 
 
-@pytest.fixture(scope="module")
-def raised_server(short_scenario, tmp_path_factory):
-    """A server for the short scenario, but user-a's limit doubled (40 for 20)."""
-    scenario = load_scenario(short_scenario)
-    events = tmp_path_factory.mktemp("events") / "engine-events.jsonl"
-    limits = {**scenario.server_limits(), "user-a": 40}
-    srv = Server(tiny_model(), scenario.server_args(limits),
-                 REPO / ".cache" / "logs" / "e2e-verify-server.log",
-                 extra_env={verify.EVENTS_ENV: str(events), "OUTPUT_RATE_TELEMETRY": "1"})
-    srv.start()
-    yield srv, events
-    srv.stop()
+@pytest.fixture
+def raised_server(short_scenario, engines):
+    """The pool's tiny engine for the short scenario, but user-a's limit
+    doubled (40 for 20)."""
+    default, users = scenario_limits(short_scenario)
+    srv = engines.get("tiny", default=default, users={**users, "user-a": 40})
+    return srv, srv.events_path
 
 
 def test_verify_fails_when_the_server_runs_a_user_above_its_expected_limit(
@@ -140,8 +144,9 @@ def test_verify_fails_when_the_server_runs_a_user_above_its_expected_limit(
 
 
 def test_verify_fails_when_answers_do_not_complete(raised_server, short_scenario, tmp_path):
-    """The server is stopped in the middle of the run (this test runs last:
-    it ends the module's server)."""
+    """The server is stopped in the middle of the run (this test runs
+    last among the pool's users: it ends the pool's tiny engine; the pool
+    would start another for a later user)."""
     srv, events = raised_server
     scenario = {**SHORT, "name": "cut", "phases": [
         {"name": "only", "streams": [
