@@ -133,15 +133,22 @@ def test_one_users_limit_holds_across_two_engines(fleet):
         spends = fleet_tokens(events, user, start)
         assert sum(n for _, n in spends) == {"user-a": 600, "user-b": 1000}[user]
         fleet_rate = spend_rate(spends)
+        # the fleet's steps: a gap in which neither engine stepped, beyond
+        # one token's spacing at the limit, is the machine's
+        steps = sorted(t for p in events for t, _ in EngineLog.read(p).steps if t >= start)
+        stepping = rate_while_stepping(spends, steps, limit)
         print(f"\n{user}: fleet engine-side rate {fleet_rate:.2f} tok/s (limit {limit}), "
+              f"{stepping:.2f} while the fleet was stepping, "
               f"per engine {per_engine_tokens(events, user, start)}")
         # the upper side is the fleet bound below; the lower: most of the
         # limit. A stall of an engine's step loop on a 2-core machine leaves
         # its leases unspent (93.9-100.1% measured, the low one on a loaded
-        # CI machine): how much is the machine's, not the limiter's, so the
-        # floor here only catches leases lost wholesale; the exact lower
-        # side is held in virtual time in test_shared_state (>= 0.97)
-        assert fleet_rate >= 0.8 * limit, (user, fleet_rate)
+        # CI machine; 31.98 tok/s of 40 first to last with three test
+        # workers on two cores): how much is the machine's, not the
+        # limiter's, so the floor here, over the time the fleet was
+        # stepping, only catches leases lost wholesale; the exact lower side
+        # is held in virtual time in test_shared_state (>= 0.97)
+        assert stepping >= 0.8 * limit, (user, stepping, fleet_rate)
         excess, window = worst_window_excess(spends, Fraction(limit), HORIZON_S, LOOKAHEAD_S,
                                              STEP_SLACK)
         assert excess <= 0, (user, excess, window)
