@@ -292,12 +292,18 @@ def test_store_stopped_mid_run_then_back_empty(fleet):
         with open(engine.log_path, "rb") as f:
             f.seek(size)
             log = f.read().decode(errors="replace")
-        # one line per episode, naming the store without secrets: the
-        # outage, and on a loaded machine perhaps a store call that timed out
-        # (an episode of its own); each episode ends with a line of its own
-        down = re.findall(r"shared state: the store at \S+ is unreachable", log)
-        back = re.findall(r"shared state: the store at \S+ answers again; shared budgets resumed", log)
-        assert 1 <= len(down) <= 2 and len(back) == len(down), (down, back)
+        # one line per episode, naming the store without secrets, and each
+        # episode ends with a line of its own: the lines alternate. The
+        # outage is one episode; on a loaded machine a store call that timed
+        # out is one of its own (three workers on two cores: eight such
+        # episodes of an engine in one run, "Timeout reading from" the
+        # store started at nice 10), so their number is the machine's
+        # (one such episode may straddle where the log is read from, or its end)
+        down, back = "is unreachable", "answers again; shared budgets resumed"
+        lines = re.findall(rf"shared state: the store at \S+ ({down}|{back})", log)
+        seen = lines[1:] if lines[:1] == [back] else lines
+        seen = seen[:-1] if seen[-1:] == [down] else seen
+        assert seen and seen == [down, back] * (len(seen) // 2), lines
 
 
 def test_data_parallel_ranks_share_one_budget(tmp_path):
