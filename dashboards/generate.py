@@ -1079,7 +1079,9 @@ def alerts() -> list[Alert]:
             "{{ $value | humanizePercentage }} of its configured output-token limit over the last "
             f"{w}, summed over {per_group()}; the limiter allows at most about "
             f"{100 * over_limit_factor():.1f}% plus one token. Either the limiter is broken or the "
-            "user is served by more than one engine (each engine has its own budget)."),
+            "user is served by more than one engine (each engine has its own budget). Tokens "
+            "borrowed above a guaranteed rate (a limit with a ceiling) are not charged and never "
+            "count here: see the runbook's 'A user is above its rate'."),
         Alert(
             "OutputRateUserThrottledContinuously",
             f"{throttled_share_expr()} > {LONG['share']}",

@@ -135,7 +135,9 @@ def cases() -> list[dict[str, Any]]:
                     "output-token limit over the last 5m, summed over the engines of one instance; "
                     "the limiter allows at most about 105.7% plus one token. Either "
                     "the limiter is broken or the user is served by more than one "
-                    "engine (each engine has its own budget)."),
+                    "engine (each engine has its own budget). Tokens borrowed above a "
+                    "guaranteed rate (a limit with a ceiling) are not charged and never "
+                    "count here: see the runbook's 'A user is above its rate'."),
             ],
         },
         {
@@ -436,7 +438,10 @@ def fleet_cases() -> list[dict[str, Any]]:
                     "configured output-token limit over the last 5m, summed over the "
                     "engines of one instance; the limiter allows at most about 105.7% "
                     "plus one token. Either the limiter is broken or the user is served "
-                    "by more than one engine (each engine has its own budget)."),
+                    "by more than one engine (each engine has its own budget). Tokens "
+                    "borrowed above a guaranteed rate (a limit with a ceiling) are not "
+                    "charged and never count here: see the runbook's 'A user is above its "
+                    "rate'."),
             ],
         },
         {

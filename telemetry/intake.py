@@ -184,6 +184,9 @@ class Intake(Inbox, OutputRateObserver):
         # dispatched now with an episode open: it ends next step, unless
         # the request is throttled again then
         cur: Any = ()
+        lent = record.borrowed
+        if lent:  # (borrowing: a token lent is a dispatch as a charged one is)
+            charged = {**charged, **lent}
         if episodes and charged:
             cur = list(filter(episodes.__contains__, charged))
         self._cur = cur

@@ -337,6 +337,112 @@ def test_introspection_shows_both_rates_and_what_was_borrowed(tmp_path, monkeypa
     assert status == 200 and "ceiling" not in view and "borrowed_10s" not in view
 
 
+def traced(tmp_path, lim, is_async, **kw):
+    """The real scheduler with telemetry and a span recorder (in-memory
+    exporter, every episode a span), and a step tap."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from harness import attach_telemetry
+    from vllm_output_rate.internals import SchedulerView
+    from vllm_output_rate.tracing.recorder import SpanRecorder
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    clock = VirtualClock()
+    sched = make_scheduler(lim, clock=clock, async_scheduling=is_async, **kw)
+    recorder = SpanRecorder(provider.get_tracer("test"), SchedulerView(sched), clock_offset_ns=0)
+    recorder.throttle_min_ns = 0
+    tel = attach_telemetry(sched, str(tmp_path), start_thread=False, spans=recorder)
+    steps = []
+    observe_steps(sched, steps.append)  # (after the telemetry: the tap passes steps on)
+    drv = Driver(sched, clock, step_ms=10.0, is_async=is_async)
+
+    def periods():
+        """Run to the end, building the spans every 50 steps (as the
+        telemetry's worker does about once a second), and the over-limit
+        periods' spans."""
+        while sched.has_requests():
+            drv.run(50)
+            tel.drain()
+            recorder.flush()
+        drv.flush()
+        tel.drain()
+        recorder.flush()
+        assert not tel.counters.get(("telemetry_dropped", ("trace_queue_full",)))
+        return [s for s in exporter.get_finished_spans() if s.name == "output_rate.over_limit"]
+    return tel, drv, steps, periods
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_over_limit_spans_tell_borrowing_from_held_at_the_ceiling(tmp_path, monkeypatch, is_async):
+    """A user over its guaranteed rate gets an over-limit period span as
+    with a plain limit; with a ceiling the span also says how much it
+    borrowed in the period, its ceiling, and whether the ceiling refused it
+    (``held_at``: "ceiling", with the steps it did) or only its guaranteed
+    rate did while nothing was left to lend ("rate")."""
+    import vllm_output_rate.telemetry.engine as engine_mod
+
+    # a alone, 5 guaranteed, ceiling 20: it borrows up to 20 and is held there
+    tel, drv, steps, periods = traced(
+        tmp_path / "a", limits(1000, {"a": 5}, {"a": 20}), is_async, max_num_seqs=8)
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    drv.add(*(make_request("a", max_tokens=60) for _ in range(4)))
+    (span,) = periods()
+    attrs = span.attributes
+    assert attrs["output_rate.limit_tokens_per_second"] == 5.0
+    assert attrs["output_rate.ceiling_tokens_per_second"] == 20.0
+    assert "output_rate.ceiling_unlimited" not in attrs
+    assert attrs["output_rate.held_at"] == "ceiling"
+    at_ceiling = [s for s in steps if "a" in s.at_ceiling and s.now_ns >= span.start_time]
+    assert attrs["output_rate.steps_at_ceiling"] == len(at_ceiling) > 10
+    lent = sum(1 for s in steps if s.now_ns > span.start_time for u in s.borrowed.values() if u == "a")
+    assert attrs["output_rate.tokens_borrowed"] == lent > 100
+    assert attrs["output_rate.tokens_charged"] < lent  # most of its tokens were lent
+    # a token lent is a dispatch as a charged one is: each request paces at
+    # the ceiling in one throttle episode (as at a plain limit) that ends
+    # when it finishes, and the period spans the run
+    assert tel.histograms[("throttle_episode_seconds", ("a",))].count == 4
+    assert span.end_time - span.start_time > 0.95 * (steps[-1].now_ns - steps[0].now_ns)
+
+    # b: 5 guaranteed, no ceiling above it, two requests resident; c
+    # (plain, high) has more requests than fit beside them, waiting within
+    # its budget: no step lends while they wait, b is held by its
+    # guaranteed rate; then it borrows what c leaves
+    tel, drv, steps, periods = traced(
+        tmp_path / "b", limits(1000, {"b": 5, "c": 1000}, {"b": UNLIMITED}), is_async,
+        max_num_seqs=3)
+    monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
+    reqs_b = [make_request("b", max_tokens=100) for _ in range(2)]
+    b_ids = {r.request_id for r in reqs_b}
+    drv.add(*reqs_b, *(make_request("c", max_tokens=100) for _ in range(4)))
+    made = periods()
+    spans_b = [s for s in made if s.attributes.get("output_rate.user") == "b"]
+    assert spans_b
+    for span in spans_b:
+        attrs = span.attributes
+        assert attrs["output_rate.held_at"] == "rate" and attrs["output_rate.steps_at_ceiling"] == 0
+        assert attrs["output_rate.ceiling_unlimited"] is True
+        assert "output_rate.ceiling_tokens_per_second" not in attrs
+    assert not any("b" in s.at_ceiling for s in steps)  # an unlimited ceiling never refuses
+    # a token lent ends a throttle episode as a charged one does: b's
+    # episodes end by its last throttled step, not when its requests finish
+    # after borrowing the rest (two requests: at most twice that span)
+    lent_b = [s.now_ns for s in steps if "b" in s.borrowed.values()]
+    last_throttled = max(s.now_ns for s in steps for r in s.throttled if r.startswith("req-")
+                         and r in b_ids)
+    assert lent_b and lent_b[-1] > last_throttled + 500_000_000
+    episodes = tel.histograms[("throttle_episode_seconds", ("b",))]
+    assert episodes.count == 2
+    assert 0 < episodes.sum <= 2 * (last_throttled - steps[0].now_ns) / 1e9 + 0.1
+    assert sum(s.attributes["output_rate.tokens_borrowed"] for s in spans_b) <= sum(
+        1 for s in steps for u in s.borrowed.values() if u == "b")
+    # c has a plain limit it never reached: no period, no borrowing attributes anywhere else
+    assert all(s.attributes.get("output_rate.user") == "b" for s in made)
+
+
 def counter_of(tel, name, *labels):
     return tel.counters.get((name, tuple(labels)), 0)
 

@@ -162,11 +162,13 @@ class SpanRecorder:
         ``throttle_min_ns`` long; ``sweep`` (every ``sweep_ns``): the users
         with an episode open, for periods to end."""
         now = record.now_ns
-        if ended or opened_users or record.refused or record.preempted_throttled or sweep is not None:
+        if ended or opened_users or record.refused or record.preempted_throttled or sweep is not None \
+                or record.borrowed or record.at_ceiling:
             self._queue(self._replay_step, now, opened_users,
                         ended, starts, record.charged, record.preempted_throttled, held,
                         sweep, now if end_ns is None else end_ns,
-                        record.charged if ended_by is None else ended_by)
+                        record.charged if ended_by is None else ended_by,
+                        record.borrowed, record.at_ceiling)
         if record.refunded or (record.refused and self._sample_refusal()):
             self._queue(self._build_step, now, record.step, len(record.charged), record.refunded,
                         len(record.throttled), list(record.refused))

@@ -20,6 +20,7 @@ from operator import le, lt, sub
 from collections.abc import Callable
 from typing import Any
 
+from vllm_output_rate.config import UNLIMITED
 from vllm_output_rate.observers import EngineView, RequestFacts
 from vllm_output_rate.tracing.attributes import (
     GEN_AI_REQUEST_ID,
@@ -53,7 +54,7 @@ class _Period:
     C; the period holds where they stood when it began."""
 
     __slots__ = ("user", "start_ns", "tokens_before", "episodes_cut", "cut_ns", "cut_max_ns",
-                 "max_requests", "max_blocks")
+                 "max_requests", "max_blocks", "borrowed_before", "ceiling_steps")
 
     def __init__(self, user: str, start_ns: int, tokens_before: int) -> None:
         self.user = user
@@ -68,6 +69,10 @@ class _Period:
         #: most throttled requests and KV blocks they held (at exports)
         self.max_requests = 0
         self.max_blocks = 0
+        #: tokens lent to the user up to then (borrowing), and the steps of
+        #: the period in which its ceiling refused it
+        self.borrowed_before = 0
+        self.ceiling_steps = 0
 
 
 class ThrottleSpans:
@@ -103,6 +108,8 @@ class ThrottleSpans:
         #: user -> tokens charged (users with an open period, and those
         #: charged since the last sweep)
         self._charged: Counter[str] = Counter()
+        #: the same for tokens lent (borrowing only)
+        self._borrowed: Counter[str] = Counter()
         #: the last step's time (scheduler clock), the period sweeps so far
         self._now = 0
         self._sweeps = 0
@@ -114,22 +121,32 @@ class ThrottleSpans:
                     preempted: list[str],
                     held: dict[str, tuple[int, RequestFacts | None]] | None,
                     sweep: set[str | None] | None, end_ns: int,
-                    ended_by: dict[str, str]) -> None:
+                    ended_by: dict[str, str], borrowed: dict[str, str] | None = None,
+                    at_ceiling: list[str] | None = None) -> None:
         """A step's episode events (``SpanRecorder.on_step`` tells what each
-        argument holds)."""
+        argument holds; ``borrowed`` and ``at_ceiling`` are the step's, see
+        ``StepReport``)."""
         self._now = now
         periods = self._periods
         if charged:  # tokens per user: the users of the step's charges, counted in C
             self._charged.update(charged.values())
+        if borrowed:
+            self._borrowed.update(borrowed.values())
         if opened_users:
             # a user with no open period opens one (its tokens from the
             # next step on); the others' are open (found in C)
             new = set(opened_users).difference(periods)
             if new:
-                tokens, last_end = self._charged, self._last_end
+                tokens, lent, last_end = self._charged, self._borrowed, self._last_end
                 for user in new:
-                    periods[user] = _Period(user, now, tokens[user])
+                    period = periods[user] = _Period(user, now, tokens[user])
+                    period.borrowed_before = lent[user]
                     last_end[user] = now
+        if at_ceiling:  # held at the ceiling in this step
+            for user in at_ceiling:
+                period = periods.get(user)
+                if period is not None:
+                    period.ceiling_steps += 1
         if preempted:
             self._preempted.update(preempted)
         if ended:
@@ -228,6 +245,9 @@ class ThrottleSpans:
         if len(self._charged) > 2 * len(periods) + 64:
             tokens = self._charged
             self._charged = Counter({user: tokens[user] for user in periods})
+        if len(self._borrowed) > 2 * len(periods) + 64:
+            lent = self._borrowed
+            self._borrowed = Counter({user: lent[user] for user in periods})
         by_request = self._throttle_ns
         for req_id in list(compress(by_request.keys(), map(le, repeat(THROTTLE_FOLD_AT),
                                                            map(len, by_request.values())))):
@@ -238,9 +258,11 @@ class ThrottleSpans:
         longest = max(ordered[-1] if ordered else 0, period.cut_max_ns)
         seconds = max(end_ns - period.start_ns, 1) / 1e9
         try:
-            limit = float(self.view.limits().rate_of(period.user))
+            limits = self.view.limits()
+            limit = float(limits.rate_of(period.user))
+            ceiling = limits.ceiling_of(period.user) if limits.borrowing else None
         except Exception:  # (a view read from this thread must not stop the builder)
-            limit = 0.0
+            limit, ceiling = 0.0, None
         attributes = {
             "output_rate.limit_tokens_per_second": limit,
             "output_rate.tokens_charged": tokens,
@@ -254,6 +276,18 @@ class ThrottleSpans:
             "output_rate.throttled_requests_max": period.max_requests,
             "output_rate.throttled_kv_blocks_max": period.max_blocks,
         }
+        if ceiling is not None:
+            # a guaranteed rate and a ceiling: over its rate it borrowed
+            # what others left ("rate": held by its guaranteed rate and no
+            # capacity to lend), or its ceiling refused it ("ceiling")
+            if ceiling == UNLIMITED:
+                attributes["output_rate.ceiling_unlimited"] = True
+            else:
+                attributes["output_rate.ceiling_tokens_per_second"] = float(ceiling)
+            attributes["output_rate.tokens_borrowed"] = (self._borrowed[period.user]
+                                                          - period.borrowed_before)
+            attributes["output_rate.steps_at_ceiling"] = period.ceiling_steps
+            attributes["output_rate.held_at"] = "ceiling" if period.ceiling_steps else "rate"
         shown = shown_id(period.user)
         if shown is not None:
             attributes["output_rate.user"] = shown

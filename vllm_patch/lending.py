@@ -46,6 +46,8 @@ class LendingMixin:
         self._orl_ceil_left: dict[str, int] = {}
         self._orl_ceil_start: dict[str, int] = {}
         self._orl_borrowed: dict[str, int] = {}
+        #: users whose ceiling refused them in this step
+        self._orl_at_ceiling: set[str] = set()
         self._orl_lent_tail = 0
         left = self._orl_left
         self._orl_lending = not any(left(r.output_rate_user) > 0 for r in self.waiting)
@@ -70,9 +72,11 @@ class LendingMixin:
         """Whether a waiting request out of guaranteed budget is admitted to
         borrow in this step (then flagged for the charge point)."""
         user = request.output_rate_user
-        if self._orl_lending and self._orl_lender.may_borrow(user) and self._orl_ceiling_left(user) > 0:
-            request.output_rate_borrow_step = self._orl_step_no
-            return True
+        if self._orl_lending and self._orl_lender.may_borrow(user):
+            if self._orl_ceiling_left(user) > 0:
+                request.output_rate_borrow_step = self._orl_step_no
+                return True
+            self._orl_at_ceiling.add(user)
         return False
 
     def _orl_borrowers(self, throttled: list[Request]) -> list[Request]:
@@ -81,8 +85,11 @@ class LendingMixin:
         lender = self._orl_lender
         may = lender.may_borrow
         ceil = self._orl_ceiling_left
-        borrowers = lender.order([r for r in throttled if may(r.output_rate_user)
-                                  and ceil(r.output_rate_user) > 0])
+        may_borrow = [r for r in throttled if may(r.output_rate_user)]
+        borrowers = lender.order([r for r in may_borrow if ceil(r.output_rate_user) > 0])
+        if len(borrowers) < len(may_borrow):  # the others' ceilings are spent
+            self._orl_at_ceiling.update(r.output_rate_user for r in may_borrow
+                                        if self._orl_ceil_left[r.output_rate_user] <= 0)
         step = self._orl_step_no
         for request in borrowers:  # the charge point may lend to these
             request.output_rate_borrow_step = step
@@ -99,6 +106,7 @@ class LendingMixin:
     def _orl_borrow(self, user: str) -> bool:
         """Lend ``user`` one token of this step, if its ceiling allows."""
         if self._orl_ceiling_left(user) <= 0:
+            self._orl_at_ceiling.add(user)
             return False
         self._orl_ceil_left[user] -= 1
         self._orl_borrowed[user] = self._orl_borrowed.get(user, 0) + 1
@@ -108,6 +116,8 @@ class LendingMixin:
         """Give back what was lent but not dispatched, and put the step's
         tokens on the ceilings and the borrowing counters."""
         borrowed, ceil_left, lent = record.borrowed, self._orl_ceil_left, self._orl_borrowed
+        if self._orl_at_ceiling:
+            record.at_ceiling = list(self._orl_at_ceiling)
         for req_id in [r for r in borrowed if r not in scheduled]:
             user = borrowed.pop(req_id)
             ceil_left[user] += 1

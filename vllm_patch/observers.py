@@ -49,6 +49,9 @@ class StepReport:
     #: request id -> user, for every token lent in this step (over the
     #: user's guaranteed rate, under its ceiling: not in ``charged``)
     borrowed: dict[str, str] = field(default_factory=dict)
+    #: users whose ceiling refused them a token in this lending step (out
+    #: of guaranteed budget, their ceiling spent: held at the ceiling)
+    at_ceiling: list[str] = field(default_factory=list)
     #: ids of running requests skipped because their user had no budget
     throttled: list[str] = field(default_factory=list)
     #: those of ``throttled`` that were not throttled in the step before
