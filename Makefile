@@ -26,12 +26,13 @@ tools:
 demo: venv
 	$(PY) -m vllm_output_rate.tools.demo
 
-# Three test workers (pytest-xdist), each module on one of them (the engine
+# Two test workers (pytest-xdist), each module on one of them (the engine
 # pool's modules as one): the modules that start engines mostly wait on
-# paced streams (the suite keeps about one of two cores busy), so three share
-# two cores (tests/README.md: durations with one, two and three workers).
-# The matrix is CPU-bound: two workers.
-TEST_WORKERS ?= 3
+# paced streams (the suite keeps about one of two cores busy). Three were
+# faster (12.7 min of pytest) but, on two cores, left verify's rate checks
+# and a trace period to the machine (tests/README.md, durations). The matrix
+# is CPU-bound: two workers.
+TEST_WORKERS ?= 2
 MATRIX_WORKERS ?= 2
 PYTEST_ARGS ?=
 test: venv tools
