@@ -355,6 +355,7 @@ def users_dashboard() -> Dashboard:
             "(capacity or tier problem).",
             "percentunit",
             [Target(throttled_share_expr(dashboard=True), "{{user}}" + on_group(), "throttled")], w=24),
+        *borrowing_panels(),
         *replicas_per_user_panels(),
         Row("Engine-side inter-token spacing (per user)"),
         Panel(
@@ -464,6 +465,39 @@ def users_dashboard() -> Dashboard:
         "output-rate-users", "Output rate: users",
         "Per-user output-token rate limiting in vLLM's scheduler: rates against limits, "
         "engine-side token spacing, throttled requests holding KV cache.", items)
+
+
+def borrowing_panels() -> list[Panel]:
+    """Borrowing (a limit with a ceiling): what each user got above its
+    guaranteed rate, and the engines' share of borrowed tokens. The series
+    exist only when some limit has a ceiling; empty otherwise."""
+    borrowed = sel("tokens_borrowed")
+    engine_borrowed = sel("engine_tokens_borrowed")
+    engine_charged = sel("engine_tokens_charged")
+    return [
+        Panel(
+            "Borrowed tokens/s per user (above its guaranteed rate)",
+            "Tokens lent to each user per second: capacity nobody within its guaranteed rate "
+            "used, given to users over their guaranteed rate and under their ceiling (limits "
+            "written {rate: R, ceiling: C}). Not charged: the rate panel above shows what is "
+            "charged against R, this one what came on top, at most C - R. Healthy: any value "
+            "(it is idle capacity put to use); it drops to 0 the moment users within their "
+            "guaranteed rates need the engine. Empty when no limit has a ceiling. Runbook: 'A "
+            "user is above its rate'.",
+            TOKS,
+            [Target(f"sum by ({by('user')}) (rate({borrowed}[$__rate_interval]))",
+                    "{{user}}" + on_group(), "data")], stack=True),
+        Panel(
+            "Share of output tokens that were borrowed",
+            "Borrowed tokens over all tokens the engines dispatched (charged plus borrowed). "
+            "Healthy: any value; near 0 while the engine is contended, high on an engine with "
+            "idle capacity and users allowed to borrow it. Empty when no limit has a ceiling.",
+            "percentunit",
+            [Target(f"sum by ({by('model_name')}) (rate({engine_borrowed}[$__rate_interval])) / "
+                    f"(sum by ({by('model_name')}) (rate({engine_charged}[$__rate_interval])) + "
+                    f"sum by ({by('model_name')}) (rate({engine_borrowed}[$__rate_interval])))",
+                    "{{model_name}}" + on_group(), "data")]),
+    ]
 
 
 def replicas_per_user_panels() -> list[Panel]:
