@@ -42,13 +42,19 @@ def test_the_demo_on_a_second_model(capsys):
     out = capsys.readouterr().out
     print(out)
     assert code == 0
-    rows = {m.group(1): float(m.group(2)) for m in re.finditer(
-        r"^(user-[abc])\s+\S+\s+\d+\s+\d+\s+\S+\s+\S+\s+(\S+)", out, re.M)}
-    assert set(rows) == {"user-a", "user-b", "user-c"}
-    # rate / limit as the demo's client sees it (chunks reach it late by
-    # varying amounts on two shared cores): near 1, far from what an
-    # unlimited stream does; the exact rate is test_telemetry's
-    assert 0.8 <= rows["user-a"] <= 1.2 and 0.8 <= rows["user-b"] <= 1.2
+    rows = {m.group(1): m.groups()[1:] for m in re.finditer(
+        r"^(user-[abc])\s+(\S+)\s+(\d+)\s+(\d+)\s+\S+\s+\S+\s+\S+\s+(\d+)/(\d+)\s+(\S+)\s+(\S+)\s*$",
+        out, re.M)}
+    assert set(rows) == {"user-a", "user-b", "user-c"}, out
+    for user, (limit, streams, tokens, done, sent, charged, spacing_ms) in rows.items():
+        assert done == sent and float(charged) == int(tokens), (user, rows[user])
+        if user != "user-c":
+            # held at the limit, read engine-side (the client's rate/limit
+            # column sees chunks bunched on two shared cores: 1.57 once under
+            # a busy process): a stream's mean spacing at least streams /
+            # limit (the burst's few tokens aside), far from what an
+            # unlimited stream does; the exact rate is test_telemetry's
+            assert float(spacing_ms) >= 0.9 * int(streams) * 1000 / float(limit), (user, rows[user])
 
 
 @pytest.fixture(scope="module")
