@@ -32,6 +32,20 @@ def ceiling_value(ceiling: Any) -> float | str | None:
     return ceiling if ceiling is None or isinstance(ceiling, str) else float(ceiling)
 
 
+def _slide(window: deque[tuple[int, dict[str, int]]], counts: Counter[str],
+           now_ns: int) -> tuple[Counter[str], Counter[str]]:
+    """One export step of a 60 s window of per-user counts: this interval's
+    ``counts`` appended (the ``USER_STATES_CAP`` largest; nothing when
+    empty), entries older than 60 s dropped; the sums over 10 s and 60 s."""
+    if counts:
+        if len(counts) > USER_STATES_CAP:
+            counts = Counter(dict(counts.most_common(USER_STATES_CAP)))
+        window.append((now_ns, dict(counts)))
+    while window and now_ns - window[0][0] > 60 * NS:
+        window.popleft()
+    return _window_sums(window, now_ns)
+
+
 def _window_sums(window: Any, now_ns: int) -> tuple[Counter[str], Counter[str]]:
     """Tokens charged (or borrowed) per user over the last 10 s and 60 s of ``window``."""
     charged_10: Counter[str] = Counter()
@@ -60,8 +74,9 @@ class UserBooks:
         #: tokens borrowed per user since the window's last entry (borrowing only)
         self.window_borrowed: Counter[str] = Counter()
         #: (export step's ns, tokens charged per user in its interval), 60 s
+        #: (intervals with some)
         self._charged_window: deque[tuple[int, dict[str, int]]] = deque()
-        #: the same for tokens borrowed (entries only while someone borrows)
+        #: the same for tokens borrowed (entries only in intervals with some)
         self._borrowed_window: deque[tuple[int, dict[str, int]]] = deque()
         #: user -> (throttled requests, their KV blocks) at the last export step
         self.thr_by_user: dict[str, tuple[int, int]] = {}
@@ -120,14 +135,9 @@ class UserBooks:
         ``USER_STATES_CAP`` users (live requests first, then the most
         charged)."""
         activity, self.window_activity = self.window_activity, Counter()
-        if len(activity) > USER_STATES_CAP:
-            activity = Counter(dict(activity.most_common(USER_STATES_CAP)))
-        window = self._charged_window
-        window.append((now_ns, dict(activity)))
-        while window and now_ns - window[0][0] > 60 * NS:
-            window.popleft()
-        charged_10, charged_60 = _window_sums(window, now_ns)
-        borrowed_10, borrowed_60 = self._slide_borrowed(now_ns)
+        charged_10, charged_60 = _slide(self._charged_window, activity, now_ns)
+        lent, self.window_borrowed = self.window_borrowed, Counter()
+        borrowed_10, borrowed_60 = _slide(self._borrowed_window, lent, now_ns)
         view = self.view
         throttled = self.thr_by_user if requests else {}
         users = list(requests)
@@ -183,19 +193,6 @@ class UserBooks:
                 states[user].update(borrowed_10s=borrowed_10.get(user, 0),
                                     borrowed_60s=borrowed_60.get(user, 0))
         return states
-
-    def _slide_borrowed(self, now_ns: int) -> tuple[Counter[str], Counter[str]]:
-        """The borrowed window at an export step: this interval's entry (if
-        anyone borrowed), the entries older than 60 s dropped, the sums."""
-        lent, window = self.window_borrowed, self._borrowed_window
-        if lent:
-            self.window_borrowed = Counter()
-            if len(lent) > USER_STATES_CAP:
-                lent = Counter(dict(lent.most_common(USER_STATES_CAP)))
-            window.append((now_ns, dict(lent)))
-        while window and now_ns - window[0][0] > 60 * NS:
-            window.popleft()
-        return _window_sums(window, now_ns) if window else (Counter(), Counter())
 
     def sizes(self) -> tuple[int, int, int]:
         """Users held: activity, states, charged window (``state_sizes``)."""
