@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 from fractions import Fraction
 
 import pytest
@@ -112,6 +113,27 @@ def test_borrowing_is_refused_with_shared_budgets():
         OutputRateConfig(Fraction(5), default_ceiling=UNLIMITED, shared_state="redis://127.0.0.1:1/0")
 
 
+def test_a_pair_reloaded_with_shared_budgets_is_refused_and_counted(tmp_path):
+    """A limits file changed live to hold a pair, on an engine with shared
+    budgets: refused like any invalid file (counted once, logged, what is in
+    force stays), never an exception in the watcher's thread."""
+    from vllm_output_rate.limits_watch import LimitsWatcher
+
+    path = tmp_path / "limits.yaml"
+    path.write_text("default: 5\nusers: {a: 10}\n")
+    config = replace(parse_limits_document(path.read_bytes(), str(path)),
+                     shared_state="redis://127.0.0.1:1/0")
+    watcher = LimitsWatcher(config, start_thread=False)
+    path.write_text("default: 5\nusers: {a: {rate: 10, ceiling: unlimited}}\n")
+    assert watcher.check() == "invalid"
+    assert watcher.check() is None
+    assert "borrowing" in watcher.last_error
+    assert watcher.current is config and watcher.results["invalid"] == 1
+    path.write_text("default: 5\nusers: {a: 20}\n")
+    assert watcher.check() == "loaded"
+    assert watcher.current.rate_of("a") == 20 and watcher.current.shared_state == config.shared_state
+
+
 # -- lending in the scheduler -----------------------------------------------------
 
 
@@ -199,11 +221,16 @@ def test_no_lending_while_a_user_with_budget_waits(is_async):
                    min_size=2, max_size=4),
     active=st.sampled_from([3, 6, 16]),
     is_async=st.booleans(),
+    kv=st.sampled_from([None, (10, "fcfs"), (10, "priority"), (20, "priority")]),
+    priorities=st.lists(st.integers(0, 1), min_size=4, max_size=4),
 )
-def test_borrowers_never_displace_a_request_within_its_guaranteed_rate(users, active, is_async):
+def test_borrowers_never_displace_a_request_within_its_guaranteed_rate(
+        users, active, is_async, kv, priorities):
     """In every step that lends, every user got every guaranteed token it
-    had budget and live requests for."""
-    check_no_displacement(users, active, is_async)
+    had budget and live requests for; under KV pressure (a few blocks, FCFS
+    or priority), no request of a user with budget is preempted while a
+    request lent tokens in that step keeps its blocks."""
+    check_no_displacement(users, active, is_async, kv, priorities)
 
 
 @pytest.mark.parametrize("is_async", MODES)
@@ -214,16 +241,21 @@ def test_the_displacement_check_sees_lending_steps(is_async):
     assert check_no_displacement(users, 4, is_async) >= 60
 
 
-def check_no_displacement(users, active, is_async) -> int:
+def check_no_displacement(users, active, is_async, kv=None, priorities=(0, 0, 0, 0)) -> int:
     """Run ``users`` (rate, ceiling, requests, first step) for 120 steps;
-    the number of steps that lent."""
+    the number of steps that lent. ``kv``: (KV blocks of 16 tokens, policy)
+    for a cache that runs short, the users' ``priorities`` in order."""
     rates, ceilings = {}, {}
     for i, (r, c, _, _) in enumerate(users):
         rates[f"u{i}"] = r
         if c is not None and (c == UNLIMITED or c >= r):
             ceilings[f"u{i}"] = c
+    pressure = {}
+    if kv is not None:
+        pressure = dict(num_blocks=kv[0], block_size=16, policy=kv[1],
+                        max_num_batched_tokens=256)
     sched, drv, clock, steps = setup(limits(1000, rates, ceilings), is_async,
-                                     max_num_seqs=16, max_num_active_seqs=active)
+                                     max_num_seqs=16, max_num_active_seqs=active, **pressure)
     budget_at = {}
 
     def before_step():
@@ -237,7 +269,10 @@ def check_no_displacement(users, active, is_async) -> int:
     for step in range(120):
         for start, user, n in arrivals:
             if start == step:
-                drv.add(*[make_request(user, max_tokens=60, prompt_len=8) for _ in range(n)])
+                priority = priorities[int(user[1:])]
+                drv.add(*[make_request(user, max_tokens=60, prompt_len=8, priority=priority,
+                                       **({"block_size": 16} if pressure else {}))
+                          for _ in range(n)])
         # requests that may get a token in this step (with async scheduling,
         # one whose tokens in flight already reach max_tokens may not)
         live = Counter(r.output_rate_user for r in list(sched.running) + list(sched.waiting)
@@ -245,8 +280,13 @@ def check_no_displacement(users, active, is_async) -> int:
                        < r.sampling_params.max_tokens)
         before_step()
         index = len(steps)
-        drv.step()
+        out = drv.step()
         report = steps[index]
+        lent_kept = set(report.borrowed) & {r.request_id for r in sched.running}
+        if lent_kept:
+            for req_id in out.preempted_req_ids:
+                user = sched.requests[req_id].output_rate_user
+                assert budget_at[index][user] <= 0, (step, req_id, user, lent_kept)
         if not report.borrowed:
             continue
         lent += 1
@@ -528,5 +568,31 @@ def test_kv_exhaustion_preempts_borrowers_first():
         if out.preempted_req_ids:
             assert out.preempted_req_ids == {reqs["a"].request_id}
             assert any(s.borrowed for s in steps)  # a was borrowing
+            return
+    raise AssertionError("no preemption happened")
+
+
+@pytest.mark.parametrize("priorities", [(0, 0, 0), (0, 1, 1), (1, 0, 0)],
+                         ids=["same-priority", "borrower-above-the-others", "borrower-below-the-others"])
+def test_priority_policy_preempts_borrowers_first(priorities):
+    """With ``--scheduling-policy priority`` vLLM would preempt the lowest
+    priority's latest arrival; the borrower goes first whatever its priority,
+    before the throttled request and the one with budget."""
+    sched, drv, clock, steps = setup(limits(1000, {"a": 1, "c": 1}, {"a": UNLIMITED}), False,
+                                     num_blocks=10, block_size=16, max_num_batched_tokens=256,
+                                     policy="priority")
+    reqs = {}
+    for user, priority in zip(("a", "c", "b"), priorities):
+        reqs[user] = make_request(user, prompt_len=31, max_tokens=300, block_size=16,
+                                  priority=priority)
+        drv.add(reqs[user])
+        drv.step()
+    for _ in range(100):
+        out = drv.step()
+        if out.preempted_req_ids:
+            assert out.preempted_req_ids == {reqs["a"].request_id}, (
+                {u for u, r in reqs.items() if r.request_id in out.preempted_req_ids})
+            assert any(s.borrowed for s in steps)  # a was borrowing
+            assert any(reqs["a"].request_id in s.preempted_throttled for s in steps)
             return
     raise AssertionError("no preemption happened")

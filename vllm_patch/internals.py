@@ -87,7 +87,8 @@ vLLM", has the count before and after). The same on 0.32, 0.33 and 0.34.
 
   With ``--scheduling-policy priority`` only, set once at construction:
   ``KVCacheManager.allocate_slots`` wrapped on the scheduler's own manager
-  (on failure, a throttled request of the lowest priority is preempted with
+  (on failure, a borrower lent tokens in this step, else a throttled
+  request of the lowest priority, is preempted with
   ``Scheduler._preempt_request`` before vLLM picks by priority and arrival;
   ``_request_blocks_can_be_freed`` read). With FCFS none of this: vLLM
   preempts ``running[-1]``, where the throttled requests sit.

@@ -163,7 +163,8 @@ class WatchedFile:
         if digest == self._failed_digest and not forced:
             return None  # the same bad content: logged and counted already
         try:
-            new = self.parse(content)
+            # accept() may refuse too (a ceiling with shared budgets)
+            current = self.accept(self.current, self.parse(content), digest)
         except OutputRateConfigError as exc:
             self._failed_digest = digest
             self.last_error = str(exc)
@@ -173,7 +174,7 @@ class WatchedFile:
             return "invalid"
         self._failed_digest = None
         self.last_error = None
-        self.current = self.accept(self.current, new, digest)
+        self.current = current
         self.digest = digest
         self.loaded_unix = time.time()
         self.results["loaded"] += 1

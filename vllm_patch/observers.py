@@ -65,7 +65,8 @@ class StepReport:
     waiting_skipped: int = 0
     #: running requests left out because the active cap was full
     cap_deferred: int = 0
-    #: ids of throttled requests preempted in place of a request with budget
+    #: ids of throttled requests (or borrowers, which go first) preempted in
+    #: place of a request with budget (``--scheduling-policy priority``)
     preempted_throttled: list[str] = field(default_factory=list)
     #: of ``throttled``, those held out of vLLM's loop for the whole step
     #: (the others were refused at the charge point)

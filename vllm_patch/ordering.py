@@ -65,21 +65,27 @@ def longest_waiting_first(ready: list[Any], running: list[Any]) -> list[Any]:
 
 def throttled_victim(running: list[Any], request: Any, charged: Container[str],
                      can_be_freed: Callable[[Any], bool],
-                     left: Callable[[str], int]) -> Any | None:
-    """A throttled running request to preempt instead of vLLM's PRIORITY
-    choice, for ``request`` that found no KV blocks: of those after it in
-    ``running`` (vLLM's loop index stays valid), not charged in this step,
-    whose blocks can be freed and whose user has no budget left, within the
+                     left: Callable[[str], int],
+                     borrowing: Callable[[Any], bool] | None = None) -> Any | None:
+    """A request to preempt instead of vLLM's PRIORITY choice, for
+    ``request`` that found no KV blocks: of those after it in ``running``
+    (vLLM's loop index stays valid), not charged in this step and whose
+    blocks can be freed, first a request lent tokens in this step
+    (``borrowing``: it uses capacity beyond its user's guaranteed rate),
+    whatever its priority, the lowest priority and latest arrival among
+    them; else a throttled one (its user has no budget left) within the
     lowest priority (the one vLLM would preempt from), the latest arrival.
     None: leave the choice to vLLM."""
     try:
         start = running.index(request) + 1
     except ValueError:
         return None
+    free = [r for r in running[start:] if r.request_id not in charged and can_be_freed(r)]
+    if borrowing is not None:
+        lent = [r for r in free if borrowing(r)]
+        if lent:
+            return max(lent, key=lambda r: (r.priority, r.arrival_time))
     lowest = max(r.priority for r in running)
-    candidates = [
-        r for r in running[start:]
-        if r.priority == lowest and r.request_id not in charged
-        and can_be_freed(r) and left(r.output_rate_user) <= 0
-    ]
+    candidates = [r for r in free
+                  if r.priority == lowest and left(r.output_rate_user) <= 0]
     return max(candidates, key=lambda r: r.arrival_time) if candidates else None

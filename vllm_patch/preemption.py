@@ -1,7 +1,9 @@
 """With ``--scheduling-policy priority``: throttled requests are preempted
-first. vLLM's PRIORITY policy preempts by priority and arrival, so when a
-request finds no KV blocks, a throttled request of the lowest priority
-(``ordering.throttled_victim``) is preempted in place of vLLM's choice. The
+first, and before them a request borrowing in this step (``borrowing``).
+vLLM's PRIORITY policy preempts by priority and arrival, so when a request
+finds no KV blocks, a borrower (any priority), else a throttled request of
+the lowest priority (``ordering.throttled_victim``), is preempted in place
+of vLLM's choice. The
 wrap (``_orl_allocate_slots`` over the KV cache manager's
 ``allocate_slots``) is set once when the scheduler starts, never per step;
 with FCFS none of this runs: throttled requests sit at the tail of
@@ -31,7 +33,8 @@ class PriorityPreemptionMixin:
             return blocks
         while blocks is None:
             victim = throttled_victim(self.running, request, self._orl_charged,
-                                      self._request_blocks_can_be_freed, self._orl_left)
+                                      self._request_blocks_can_be_freed, self._orl_left,
+                                      self._orl_lent_now)
             if victim is None:
                 break
             self.running.remove(victim)
@@ -40,3 +43,7 @@ class PriorityPreemptionMixin:
             self._orl_record.preempted_throttled.append(victim.request_id)
             blocks = allocate(request, *args, **kwargs)
         return blocks
+
+    def _orl_lent_now(self, request: Request) -> bool:
+        """``request`` may borrow in this step (lent tokens, not charged)."""
+        return request.output_rate_borrow_step == self._orl_step_no
