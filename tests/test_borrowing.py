@@ -285,7 +285,10 @@ def check_no_displacement(users, active, is_async, kv=None, priorities=(0, 0, 0,
         lent_kept = set(report.borrowed) & {r.request_id for r in sched.running}
         if lent_kept:
             for req_id in out.preempted_req_ids:
-                user = sched.requests[req_id].output_rate_user
+                victim = sched.requests[req_id]
+                if victim.output_rate_borrow_step == report.step:
+                    continue  # a borrower itself (its user's budget went to another)
+                user = victim.output_rate_user
                 assert budget_at[index][user] <= 0, (step, req_id, user, lent_kept)
         if not report.borrowed:
             continue
