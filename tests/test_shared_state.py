@@ -7,6 +7,7 @@ stopped and restarted empty."""
 from __future__ import annotations
 
 import math
+import threading
 import time
 from fractions import Fraction
 
@@ -319,37 +320,51 @@ def test_a_dead_engine_holds_no_budget_past_the_horizon(store_url):
 
 @needs_redis
 def test_the_lease_thread_keeps_the_scheduler_off_the_network(store_url):
-    """Real threads, real clock: a store that answers slowly delays grants,
-    never the caller of ``available`` / ``settle``."""
+    """Real threads: while a store call hangs (held on an event), the
+    scheduler's side (``begin_step`` / ``available`` / ``settle`` /
+    ``ready_at_ns``) runs 200 steps beside it; once the store answers,
+    grants come through. No wall-clock threshold: the call is provably still
+    in progress while the steps run (60 s joins only catch a hang)."""
     settings_ = parse_shared_state(store_url + "?timeout_ms=100")
     store = RedisStore(settings_)
-    slow_lease = store.lease
+    real_lease = store.lease
+    in_call, release = threading.Event(), threading.Event()
 
-    def slow(*args, **kwargs):
-        time.sleep(0.08)
-        return slow_lease(*args, **kwargs)
+    def held(*args, **kwargs):
+        in_call.set()
+        release.wait()
+        return real_lease(*args, **kwargs)
 
-    store.lease = slow
+    store.lease = held
     limiter = SharedBudgetLimiter(Fraction(50), {}, settings_, store=store)
+
+    def step() -> int:
+        now = time.monotonic_ns()
+        limiter.begin_step(now)
+        n = min(limiter.available("u", now), 4)
+        limiter.settle(now, {"u": n} if n else {})
+        if n < 4:
+            limiter.ready_at_ns("u")
+        return n
+
     try:
-        worst = 0.0
-        spent = 0
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            t0 = time.perf_counter()
-            now = time.monotonic_ns()
-            limiter.begin_step(now)
-            n = min(limiter.available("u", now), 4)
-            limiter.settle(now, {"u": n} if n else {})
-            if n < 4:
-                limiter.ready_at_ns("u")
-            spent += n
-            worst = max(worst, time.perf_counter() - t0)
+        assert in_call.wait(60)  # the lease thread is inside a store call ...
+        done: list[int] = []
+        side = threading.Thread(target=lambda: done.extend(step() for _ in range(200)),
+                                daemon=True)
+        side.start()
+        side.join(60)
+        assert not side.is_alive() and len(done) == 200  # ... and the steps ran beside it
+        assert not release.is_set() and limiter.stats()["calls"] == 0
+        release.set()
+        spent, deadline = 0, time.monotonic() + 60
+        while spent < 60 and time.monotonic() < deadline:
+            spent += step()
             time.sleep(0.005)
-        assert worst < 0.02  # a step never waited for the 80 ms calls
-        assert spent >= 0.6 * 50 * 2.0  # and grants came through all the same
-        assert limiter.stats()["calls"] > 5
+        assert spent >= 60  # grants came through once the store answered
+        assert limiter.stats()["calls"] > 1
     finally:
+        release.set()
         limiter.close()
     assert not limiter.thread._thread.is_alive()
 

@@ -95,6 +95,24 @@ class LendingMixin:
             request.output_rate_borrow_step = step
         return borrowers
 
+    def _orl_lend(self, request: Request, user: str, running: bool, num_new_tokens: int) -> bool:
+        """The charge point, for a request out of guaranteed budget: lend it
+        this step's token if it may borrow in the step, a running one only
+        with KV room, and its ceiling allows."""
+        return (request.output_rate_borrow_step == self._orl_step_no
+                and (not running or self._orl_kv_room(num_new_tokens))
+                and self._orl_borrow(user))
+
+    def _orl_kv_room(self, num_new_tokens: int) -> bool:
+        """Whether the KV cache has the blocks a running borrower's tokens
+        could need (one more than they fill, per KV cache group) without a
+        preemption: a lent token never costs anyone else their blocks (a
+        failed allocation would have vLLM preempt the tail with FCFS, and
+        by priority and arrival, a request already scheduled maybe, with
+        PRIORITY)."""
+        need = self._orl_groups * (-(-num_new_tokens // self.block_size) + 1)
+        return self._orl_free_blocks() >= need
+
     def _orl_ceiling_left(self, user: str) -> int:
         """How many tokens ``user``'s ceiling still allows in this step."""
         left = self._orl_ceil_left.get(user)

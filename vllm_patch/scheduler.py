@@ -443,25 +443,13 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
                     taken = self._orl_take(user)
                 if taken:
                     charged[req_id] = user
-                elif (request.output_rate_borrow_step == self._orl_step_no
-                        and (not running or self._orl_kv_room(num_new_tokens))
-                        and self._orl_borrow(user)):
+                elif self._orl_lend(request, user, running, num_new_tokens):
                     self._orl_record.borrowed[req_id] = user
                 else:
                     return self._orl_refuse(request, user, num_computed_tokens)
         if capped:
             self._orl_active += 1
         return num_new_tokens
-
-    def _orl_kv_room(self, num_new_tokens: int) -> bool:
-        """Whether the KV cache has the blocks a running borrower's tokens
-        could need (one more than they fill, per KV cache group) without a
-        preemption: a lent token never costs anyone else their blocks (a
-        failed allocation would have vLLM preempt the tail with FCFS, and
-        by priority and arrival, a request already scheduled maybe, with
-        PRIORITY)."""
-        need = self._orl_groups * (-(-num_new_tokens // self.block_size) + 1)
-        return self._orl_free_blocks() >= need
 
     def _orl_left(self, user: str) -> int:
         """How many tokens ``user`` may still take in this step."""
