@@ -155,7 +155,8 @@ class Twin:
     """One twin run: ``Twin(argv)`` builds the scheduler, ``run()`` runs it
     and writes the outputs, returning the summary."""
 
-    def __init__(self, argv: list[str], keep_charges: bool = False) -> None:
+    def __init__(self, argv: list[str], keep_charges: bool = False,
+                 admission: Any = None) -> None:
         from vllm_output_rate.tools.scheduler_driver import (
             VirtualClock, config_from_engine_args, scheduler_for_config)
         from vllm_output_rate.tools.step_time import load_step_time
@@ -201,6 +202,12 @@ class Twin:
                                                   clock=self.clock)
         self.limited = hasattr(self.scheduler, "output_rate_clock")
         self.stats = TwinStats(self.scheduler, keep_charges, T0_NS)
+        #: a gate in front of the engine (``fairness.GatewayEmulation``): its
+        #: ``admit(req_id, user, prompt_tokens, max_tokens, now_ns)`` refuses a
+        #: request (counted per user) and ``finished(req_id, prompt_tokens,
+        #: output_tokens, now_ns)`` hears of every admitted one that ends
+        self.admission = admission
+        self._sizes: dict[str, list] = {}
         self.seed = args.seed or 0  # vLLM's --seed: here it seeds the prompts' token ids
         self.rng = random.Random(self.seed)
         self.vocab = max(self.vllm_config.model_config.get_vocab_size(), 32)
@@ -226,9 +233,15 @@ class Twin:
         rng, vocab = self.rng, self.vocab
         prompt = [rng.randrange(10, vocab) for _ in range(req.prompt_tokens)]
         req_id = f"twin-{index}-{req.user}"
+        if self.admission is not None:
+            if not self.admission.admit(req_id, req.user, req.prompt_tokens, req.max_tokens,
+                                        self.clock()):
+                self.stats.on_refused(req.user)
+                return
+            self._sizes[req_id] = [req.prompt_tokens, 0]
         request = make_request(req.user, prompt=prompt, max_tokens=req.max_tokens,
                                arrival_time=self.clock() / NS, block_size=self.block_size,
-                               req_id=req_id)
+                               req_id=req_id, priority=req.priority)
         self.stats.on_arrival(req_id, req.user, self.clock())
         self.driver.add(request)
 
@@ -241,6 +254,21 @@ class Twin:
         watcher = self.scheduler.output_rate_limits_watcher
         self.limit_changes.append({"t": change.t, "in_force_t": None, "result": watcher.check(),
                                    "digest": watcher.digest})
+
+    def _on_update(self, engine_outputs: Any, now: int) -> None:
+        self.stats.on_update(engine_outputs, now)
+        if self.admission is None:
+            return
+        sizes = self._sizes
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                size = sizes.get(o.request_id)
+                if size is None:
+                    continue
+                size[1] += len(o.new_token_ids)
+                if o.finish_reason is not None:
+                    del sizes[o.request_id]
+                    self.admission.finished(o.request_id, size[0], size[1], now)
 
     def _idle_until(self, now: int) -> int:
         """Where the clock goes after a step that ran nothing (the engine
@@ -265,7 +293,7 @@ class Twin:
         sched, clock, stats = self.scheduler, self.clock, self.stats
         self.driver = drv = Driver(sched, clock, is_async=self.is_async,
                                    step_ms_of=self.step_model.step_ms_of(sched),
-                                   stamp_at_end=True, on_update=stats.on_update,
+                                   stamp_at_end=True, on_update=self._on_update,
                                    keep_tokens=False)
         self.pending = deque(self.workload.events)
         self.limit_changes: list[dict[str, Any]] = []

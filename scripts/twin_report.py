@@ -14,7 +14,11 @@ Everything is in virtual time (the twin's clock, ns). Per user:
   ``throttled_request_s`` the same summed over its requests;
 * ``kv_blocks_throttled``: KV blocks its throttled requests held, the most
   at any step (``max``) and the mean over ``throttled_s`` (``mean``), read
-  from the KV cache manager at every step (``kv_block_s`` their integral).
+  from the KV cache manager at every step (``kv_block_s`` their integral);
+* ``borrowed_tokens``: of its output tokens, those lent above its
+  guaranteed rate (a limit with a ceiling); ``refused``: its requests
+  refused in front of the engine (a gate given to the twin: the fairness
+  benchmark's gateway arm).
 
 Quantiles interpolate linearly (``tools.stats.quantile``); null when a user
 has no such sample.
@@ -68,7 +72,11 @@ SUMMARY_SCHEMA: dict[str, Any] = {
             "throttled_s": {"type": "number"}, "throttled_request_s": {"type": "number"},
             "kv_blocks_throttled": {"type": "object", "properties": {
                 "max": {"type": "integer"}, "mean": {"type": ["number", "null"]}}},
-            "kv_block_s": {"type": "number"}}}},
+            "kv_block_s": {"type": "number"},
+            "borrowed_tokens": {"type": "integer", "description": "of output_tokens, those "
+                                "lent above the user's guaranteed rate (borrowing)"},
+            "refused": {"type": "integer", "description": "requests refused in front of the "
+                        "engine (a gateway's limit: the fairness benchmark's gateway arm)"}}}},
         "files": {"type": "object", "description": "the other outputs, relative to --out"},
         "plots": {"type": "object", "description": "the report's plots (rate, ttft, "
                   "kv_throttled: PNG files relative to --out); absent with --no-plots"},
@@ -90,6 +98,8 @@ class _User:
     throttled_req_ns: int = 0
     kv_block_ns: int = 0
     kv_max: int = 0
+    borrowed: int = 0
+    refused: int = 0
 
 
 class TwinStats:
@@ -110,15 +120,27 @@ class TwinStats:
         self.t0_ns = t0_ns
         self.tokens_by_s: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.kv_by_s: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        #: user -> {second: tokens borrowed}
+        self.borrowed_by_s: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
 
     def on_arrival(self, req_id: str, user: str, now_ns: int) -> None:
         self._reqs[req_id] = [user, now_ns, None]
         self.users[user].requests += 1
 
+    def on_refused(self, user: str) -> None:
+        """A request refused before the engine (a gateway in front)."""
+        self.users[user].refused += 1
+
     def on_step(self, record: Any) -> None:
         """One scheduler step's ``StepReport`` (output-rate schedulers only)."""
         now = record.now_ns
         self._close_throttled(now)
+        if record.borrowed:
+            users, by_s = self.users, self.borrowed_by_s
+            second = (now - self.t0_ns) // BUCKET_NS
+            for user in record.borrowed.values():
+                users[user].borrowed += 1
+                by_s[user][second] += 1
         if self.charges is not None and record.charged:
             self.charges.extend((now, u, n) for u, n in record.charged_by_user.items())
         if record.throttled:
@@ -216,6 +238,7 @@ class TwinStats:
                     "max": u.kv_max,
                     "mean": round(u.kv_block_ns / u.throttled_ns, 3) if u.throttled_ns else None},
                 "kv_block_s": round(u.kv_block_ns / NS, 6),
+                "borrowed_tokens": u.borrowed, "refused": u.refused,
             }
         return out
 

@@ -5,10 +5,12 @@ One JSON object a line (``WORKLOAD_SCHEMA``), times in seconds from the
 start of the run (virtual time), sizes in tokens::
 
     {"t": 0.25, "user": "alice", "prompt_tokens": 512, "max_tokens": 128}
+    {"t": 0.5, "user": "bob", "prompt_tokens": 64, "max_tokens": 32, "priority": 1}
     {"t": 30.0, "limits_file": "limits-after.yaml"}
 
 A request line adds one request at ``t`` (it generates exactly
-``max_tokens`` tokens: ``ignore_eos``). A limits line replaces the content
+``max_tokens`` tokens: ``ignore_eos``); ``priority`` (optional, 0) is
+vLLM's request priority, read with ``--scheduling-policy priority``. A limits line replaces the content
 of the run's limits file with that file's (a path relative to the workload
 file) at ``t``, as an operator editing it live: the scheduler's watcher
 reads it then and puts it in force at the next step. Lines are taken in
@@ -64,7 +66,10 @@ WORKLOAD_SCHEMA: dict[str, Any] = {
         {"title": "request", "type": "object", "additionalProperties": False,
          "required": ["t", "user", "prompt_tokens", "max_tokens"],
          "properties": {"t": _TIME, "user": {"type": "string", "minLength": 1},
-                        "prompt_tokens": _POSITIVE_INT, "max_tokens": _POSITIVE_INT}},
+                        "prompt_tokens": _POSITIVE_INT, "max_tokens": _POSITIVE_INT,
+                        "priority": {"type": "integer", "default": 0, "description":
+                                     "vLLM's request priority (lower first; read with "
+                                     "--scheduling-policy priority)"}}},
         {"title": "limits change", "type": "object", "additionalProperties": False,
          "required": ["t", "limits_file"],
          "properties": {"t": _TIME, "limits_file": {
@@ -75,6 +80,8 @@ WORKLOAD_SCHEMA: dict[str, Any] = {
 }
 
 REQUEST_FIELDS = ("t", "user", "prompt_tokens", "max_tokens")
+#: a request line's optional fields
+REQUEST_OPTIONAL = ("priority",)
 LIMITS_FIELDS = ("t", "limits_file")
 
 
@@ -89,6 +96,8 @@ class WorkloadRequest:
     prompt_tokens: int
     max_tokens: int
     line: int
+    #: vLLM's request priority (lower first; with --scheduling-policy priority)
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,11 +138,12 @@ def parse_line(obj: Any, where: str, base_dir: str, line: int) -> WorkloadReques
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
         raise WorkloadError(f"{where}: t: expected a number of seconds >= 0, got {t!r}")
     fields = LIMITS_FIELDS if "limits_file" in obj else REQUEST_FIELDS
+    known = fields if fields is LIMITS_FIELDS else REQUEST_FIELDS + REQUEST_OPTIONAL
     for key in obj:
-        if key not in fields:
+        if key not in known:
             kind = "a limits line" if fields is LIMITS_FIELDS else "a request line"
             raise WorkloadError(f"{where}: {key}: unknown field in {kind} "
-                                f"(fields: {', '.join(fields)})")
+                                f"(fields: {', '.join(known)})")
     for key in fields:
         if key not in obj:
             raise WorkloadError(f"{where}: {key}: missing")
@@ -155,7 +165,11 @@ def parse_line(obj: Any, where: str, base_dir: str, line: int) -> WorkloadReques
     for key in ("prompt_tokens", "max_tokens"):
         if not _positive_int(obj[key]):
             raise WorkloadError(f"{where}: {key}: expected a positive integer, got {obj[key]!r}")
-    return WorkloadRequest(float(t), user, obj["prompt_tokens"], obj["max_tokens"], line)
+    priority = obj.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise WorkloadError(f"{where}: priority: expected an integer, got {priority!r}")
+    return WorkloadRequest(float(t), user, obj["prompt_tokens"], obj["max_tokens"], line,
+                           priority)
 
 
 def read_workload(path: str) -> Workload:
