@@ -46,9 +46,21 @@ CONFIGS = {
 }
 
 
-def limits_yaml(default: float, users: dict[str, float]) -> str:
-    lines = [f"default: {default:g}", "users:" if users else "users: {}"]
-    lines += [f"  {user}: {rate:g}" for user, rate in users.items()]
+Limit = float | dict[str, Any]
+
+
+def limit_yaml(limit: Limit) -> str:
+    """A rate, or a pair ``{"rate": R, "ceiling": C}`` (C a number or
+    ``"unlimited"``), as the limits file writes it."""
+    if isinstance(limit, dict):
+        return "{" + ", ".join(f"{k}: {v:g}" if not isinstance(v, str) else f"{k}: {v}"
+                               for k, v in limit.items()) + "}"
+    return f"{limit:g}"
+
+
+def limits_yaml(default: Limit, users: dict[str, Limit]) -> str:
+    lines = [f"default: {limit_yaml(default)}", "users:" if users else "users: {}"]
+    lines += [f"  {user}: {limit_yaml(limit)}" for user, limit in users.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -87,7 +99,7 @@ class PooledEngine:
         new one for the next user."""
         self.server.stop()
 
-    def use_limits(self, default: float, users: dict[str, float], timeout_s: float = 30.0) -> None:
+    def use_limits(self, default: Limit, users: dict[str, Limit], timeout_s: float = 30.0) -> None:
         """Write the limits file and return once the engine has them in
         force (its export names the file's digest)."""
         text = limits_yaml(default, users)
@@ -123,7 +135,7 @@ class EnginePool:
         self.work_dir, self.log_dir = Path(work_dir), Path(log_dir)
         self.engines: dict[str, PooledEngine] = {}
 
-    def get(self, name: str, *, default: float, users: dict[str, float]) -> PooledEngine:
+    def get(self, name: str, *, default: Limit, users: dict[str, Limit]) -> PooledEngine:
         """The engine of configuration ``name`` with these limits in force."""
         config = CONFIGS[name]
         engine = self.engines.get(name)
@@ -134,7 +146,7 @@ class EnginePool:
         engine.use_limits(default, users)
         return engine
 
-    def _start(self, config: Config, default: float, users: dict[str, float],
+    def _start(self, config: Config, default: Limit, users: dict[str, Limit],
                starts: int) -> PooledEngine:
         tag = f"{config.name}-{starts}"
         limits = self.work_dir / f"limits-{tag}.yaml"
