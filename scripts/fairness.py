@@ -360,6 +360,9 @@ def figures(scenario: Scenario, scale: Scale, result: dict[str, Any],
     users = summary["users"]
     virtual_s = summary["run"]["virtual_s"]
     asked = demand(lines, scale.duration_s)
+    requests: dict[str, int] = defaultdict(int)
+    for line in lines:
+        requests[line["user"]] += 1
     busy_s = scale.duration_s - WARMUP_S
     busy = {u: result["busy_tokens"].get(u, 0) / busy_s for u in asked}
     groups: dict[str, list[str]] = defaultdict(list)
@@ -382,7 +385,7 @@ def figures(scenario: Scenario, scale: Scale, result: dict[str, Any],
             "backlogged_rate_over_limit_min": round(min(held) / limit, 4) if held else None,
             "output_tokens": sum(users.get(u, {}).get("output_tokens", 0) for u in members),
             "borrowed_tokens": sum(users.get(u, {}).get("borrowed_tokens", 0) for u in members),
-            "requests": sum(1 for line in lines if line["user"] in set(members)),
+            "requests": sum(requests[u] for u in members),
             "refused": sum(users.get(u, {}).get("refused", 0) for u in members),
             "ttft_s": {q: (round(quantile(ttft, p) / NS, 4) if ttft else None)
                        for q, p in (("p50", 0.5), ("p99", 0.99))},

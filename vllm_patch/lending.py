@@ -95,11 +95,15 @@ class LendingMixin:
             request.output_rate_borrow_step = step
         return borrowers
 
+    def _orl_lent_now(self, request: Request) -> bool:
+        """``request`` may borrow in this step (lent tokens, not charged)."""
+        return request.output_rate_borrow_step == self._orl_step_no
+
     def _orl_lend(self, request: Request, user: str, running: bool, num_new_tokens: int) -> bool:
         """The charge point, for a request out of guaranteed budget: lend it
         this step's token if it may borrow in the step, a running one only
         with KV room, and its ceiling allows."""
-        return (request.output_rate_borrow_step == self._orl_step_no
+        return (self._orl_lent_now(request)
                 and (not running or self._orl_kv_room(num_new_tokens))
                 and self._orl_borrow(user))
 

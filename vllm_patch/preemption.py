@@ -43,7 +43,3 @@ class PriorityPreemptionMixin:
             self._orl_record.preempted_throttled.append(victim.request_id)
             blocks = allocate(request, *args, **kwargs)
         return blocks
-
-    def _orl_lent_now(self, request: Request) -> bool:
-        """``request`` may borrow in this step (lent tokens, not charged)."""
-        return request.output_rate_borrow_step == self._orl_step_no
