@@ -430,7 +430,7 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
             statistics.fmean(p[1] for p in parts) if parts else None)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     global THROTTLED, CPU, THREAD_CPU, SHARED_STATE
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
@@ -468,7 +468,8 @@ def main() -> None:
                         "on loopback, the lease thread running) vs the plain limiter")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--block-steps", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    SHARED_STATE = None
     THROTTLED = str(args.throttled_rate)
     CPU = args.cpu
     THREAD_CPU = args.thread_cpu

@@ -114,6 +114,9 @@ class CheckSpec:
     rate_min_ratio: float = 0.97
     spacing_tolerance: float = 0.25
     unlimited_max_ratio: float = 1.5
+    #: a throttled request may stall between two tokens at most 4 x its
+    #: expected spacing (streams / limit) plus this many seconds
+    stall_extra_s: float = 1.0
     baseline_phase: str | None = None
     compare_phase: str | None = None
 
@@ -421,7 +424,7 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
     if "checks" in top:
         cm = _mapping(ctx, "checks", top["checks"],
                       {"rate_min_ratio", "spacing_tolerance", "unlimited_max_ratio",
-                       "baseline_phase", "compare_phase"})
+                       "stall_extra_s", "baseline_phase", "compare_phase"})
         names = [p.name for p in phases]
         for key in ("baseline_phase", "compare_phase"):
             if key in cm and cm[key] not in names:
@@ -431,6 +434,7 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
             spacing_tolerance=_float(ctx, "checks.spacing_tolerance", cm.get("spacing_tolerance", 0.25)),
             unlimited_max_ratio=_float(ctx, "checks.unlimited_max_ratio",
                                        cm.get("unlimited_max_ratio", 1.5), 1.0),
+            stall_extra_s=_float(ctx, "checks.stall_extra_s", cm.get("stall_extra_s", 1.0)),
             baseline_phase=cm.get("baseline_phase"), compare_phase=cm.get("compare_phase"))
         if (checks.baseline_phase is None) != (checks.compare_phase is None):
             raise ctx.fail("checks", "baseline_phase and compare_phase go together")

@@ -67,9 +67,9 @@ EVENTS_ENV = settings.name("EVENTS")
 #: "chatcmpl-<X-Request-Id>-<8 hex>".
 ENGINE_ID_PREFIX = "chatcmpl-"
 #: A request may stall between two tokens at most this many times its
-#: expected spacing (streams / limit), plus STALL_EXTRA_S.
+#: expected spacing (streams / limit), plus the scenario's
+#: ``checks.stall_extra_s`` (1 s unless it says otherwise).
 STALL_FACTOR = 4.0
-STALL_EXTRA_S = 1.0
 #: An unlimited user's limit must be this many times above its achieved rate.
 UNLIMITED_HEADROOM = 10.0
 
@@ -618,7 +618,7 @@ def check_resumed(a: Analysis, stats: dict[str, UserStats]) -> list[Check]:
         if not seen_throttled and not skipped:
             details.append("the user was never throttled: the run did not exercise the limit")
         expected_s = max(st.max_streams, 1) / float(st.limit)
-        stall_ns = int((STALL_FACTOR * expected_s + STALL_EXTRA_S) * 1e9)
+        stall_ns = int((STALL_FACTOR * expected_s + a.scenario.checks.stall_extra_s) * 1e9)
         worst = (0, "")
         for rd in a.user_reqs(user):
             if not rd.cancelled and (rd.finished is None or rd.finished.get("reason") == "abort"):
@@ -943,7 +943,7 @@ def write_report(a: Analysis, checks: list[Check], stats: dict[str, UserStats], 
               f"behind would still show as running then).",
               f"- **Resumed**: the user was throttled (requests skipped on /metrics or in the "
               f"engine log), every request it did not cancel finished, and no request waited "
-              f"longer than {STALL_FACTOR:g} x streams/limit + {STALL_EXTRA_S:g} s between two "
+              f"longer than {STALL_FACTOR:g} x streams/limit + {sc.checks.stall_extra_s:g} s between two "
               f"tokens.",
               f"- **Charged**: the engine charged ({series_name('tokens_charged')}, delta over the "
               "run) at least the tokens it produced, and at most one extra token per request "

@@ -190,8 +190,8 @@ class OtlpSpanReceiver(OtlpHttpReceiver):
     """An ``OtlpHttpReceiver`` that also keeps each span whole in
     ``records``: dicts with ``name``, ``trace_id``, ``span_id``,
     ``parent_span_id`` (hex; ``""`` for a root span), ``attributes`` (plain
-    values, ``otlp_value``) and the ``service`` (its resource's
-    ``service.name``)."""
+    values, ``otlp_value``), the ``service`` (its resource's
+    ``service.name``) and ``start_ns`` / ``end_ns`` (the span's own times)."""
 
     def __init__(self) -> None:
         import io
@@ -220,6 +220,7 @@ class OtlpSpanReceiver(OtlpHttpReceiver):
                                 "trace_id": span.trace_id.hex(), "span_id": span.span_id.hex(),
                                 "parent_span_id": span.parent_span_id.hex(),
                                 "attributes": {a.key: otlp_value(a.value) for a in span.attributes},
+                                "start_ns": span.start_time_unix_nano, "end_ns": span.end_time_unix_nano,
                             })
                 self.rfile = io.BytesIO(body)  # the base handler reads it again
                 super().do_POST()

@@ -105,20 +105,40 @@ def test_spans_of_a_real_engine_reach_an_otlp_receiver_in_the_requests_traces():
     for t in throttles:  # the same request as the generation span of its trace
         assert t["attributes"]["gen_ai.request.id"] == by_trace[t["trace_id"]]["attributes"][
             "gen_ai.request.id"]
-    # user-a's over-limit period: one span of its own, with its episodes
-    (period,) = receiver.named("output_rate.over_limit")
-    pa = period["attributes"]
-    assert pa["output_rate.user"] == "user-a" and pa["output_rate.limit_tokens_per_second"] == 20
-    a_gens = [g["attributes"] for g in gens if g["attributes"]["output_rate.user"] == "user-a"]
+    # user-a's over-limit period: a span of its own, with its episodes. One
+    # period on a machine that runs the engine promptly; a stall of the
+    # machine long enough to let user-a's budget refill (its requests all
+    # served and none throttled for a while) ends a period and the next
+    # refusal starts another: the periods' sums are what is checked.
+    periods = receiver.named("output_rate.over_limit")
+    assert 1 <= len(periods) <= 3, periods
+    for period in periods:
+        pa = period["attributes"]
+        assert pa["output_rate.user"] == "user-a" and pa["output_rate.limit_tokens_per_second"] == 20
+    total = {key: sum(p["attributes"][key] for p in periods)
+             for key in ("output_rate.throttle_episodes", "output_rate.throttled_us",
+                         "output_rate.tokens_charged")}
+    a_gens = [g for g in gens if g["attributes"]["output_rate.user"] == "user-a"]
     # its three streams take turns at its limit (a token, then throttled
-    # again): one episode each, from its first refusal to its last token
-    # (90 tokens at 20 tok/s: about 4.5 s), not one per token (a stall of
-    # the engine that lets a stream through two steps in a row splits one)
-    assert 3 <= pa["output_rate.throttle_episodes"] == sum(
-        g["output_rate.throttle_episodes"] for g in a_gens) <= 6
+    # again): about one episode each, from its first refusal to its last
+    # token (90 tokens at 20 tok/s: about 4.5 s), not one per token (a
+    # stall of the engine that lets a stream through two steps in a row
+    # splits one)
+    assert 3 <= total["output_rate.throttle_episodes"] == sum(
+        g["attributes"]["output_rate.throttle_episodes"] for g in a_gens) < 30
     assert len(throttles) == 3  # one per request: its longest episode
-    assert 3 * 3_500_000 <= pa["output_rate.throttled_us"] <= 3 * 4_700_000
-    assert 60 <= pa["output_rate.tokens_charged"] <= 90
+    # throttled for most of each request's generation (a token every 150
+    # ms, a step a few ms: more than half of it while steps take under 75
+    # ms; the generation span runs from its first token to its last, the
+    # engine's own times), and never longer than the request lived as the
+    # client saw it (stamped before sending, and at its last chunk: an
+    # episode may start before the first token): load-proof both ways
+    generating_us = sum(g["end_ns"] - g["start_ns"] for g in a_gens) / 1e3
+    lived_us = sum(r.last - r.started for r in results if r.user == "user-a") * 1e6
+    assert generating_us >= 3 * 4_000_000, generating_us  # 30 tokens at 20/3 tok/s each
+    assert 0.5 * generating_us <= total["output_rate.throttled_us"] <= lived_us, (
+        total, generating_us, lived_us)
+    assert 60 <= total["output_rate.tokens_charged"] <= 90
     (b,) = [g for g in gens if g["attributes"]["output_rate.user"] == "user-b"]
     assert b["parent_span_id"] == "" and b["trace_id"] not in parents  # a trace of its own
     for g in gens:

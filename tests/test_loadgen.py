@@ -127,6 +127,7 @@ REJECTS = [
     (lambda d: d.update(checks={"baseline_phase": "zzz", "compare_phase": "one"}),
      ["checks.baseline_phase", "'zzz'"]),
     (lambda d: d.update(checks={"baseline_phase": "one"}), ["checks", "go together"]),
+    (lambda d: d.update(checks={"stall_extra_s": -1}), ["checks.stall_extra_s", ">= 0", "-1"]),
     (lambda d: d.update(timeout_s=0), ["timeout_s", "> 0"]),
     (lambda d: d.update(colour="red"), ["colour", "unknown field"]),
 ]

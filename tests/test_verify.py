@@ -9,6 +9,7 @@ taking turns, events written the way the engine core writes them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from fractions import Fraction
 
@@ -338,6 +339,10 @@ def test_a_user_never_throttled_or_a_stalled_request_fails_resumed(good):
     checks, _ = checks_of(sc, run, log, metrics)
     assert "resumed[a]" in failed(checks)
     assert "stalled" in " ".join(checks["resumed[a]"].details)
+    # the scenario's allowance is what the check reads: 10 s more passes
+    longer = dataclasses.replace(sc, checks=dataclasses.replace(sc.checks, stall_extra_s=11.0))
+    checks, _ = checks_of(longer, run, log, metrics)
+    assert "resumed[a]" not in failed(checks), checks["resumed[a]"]
 
 
 def test_under_charging_fails(good):

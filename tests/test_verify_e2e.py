@@ -55,11 +55,17 @@ SHORT = {
             {"user": "user-c", "prompt": "short", "max_tokens": 400},
             {"user": "user-c", "prompt": "short", "max_tokens": 400, "start_s": 3}]},
     ],
-    # the unlimited user's spacing beside the others within 2x of alone:
-    # verify's own load generator and the API server share the 2 cores
-    # with the engine here (the tool's default is 1.5)
+    # Wide, load-proof tolerances (the tool's defaults are for a machine
+    # that runs the engine alone): verify's own load generator, the API
+    # server and the other test workers' engines share the 2 cores with
+    # the engine here, and a stall of the machine is a stall of the
+    # engine. The rate at least 80% of the limit (default 97%); a
+    # throttled request's longest gap 4 x streams/limit + 3 s (+ 1 s); the
+    # unlimited user's spacing beside the others within 2x of alone (1.5x).
+    # The exact timing (the bound, the rate, the spacing, the resumption)
+    # is checked in virtual time: tests/virtual_time.md.
     "checks": {"baseline_phase": "baseline", "compare_phase": "mixed",
-               "unlimited_max_ratio": 2.0},
+               "unlimited_max_ratio": 2.0, "rate_min_ratio": 0.8, "stall_extra_s": 3.0},
 }
 
 
