@@ -20,7 +20,7 @@ def _vllm_configs_build_without_cpu_kernels():
 
 
 def pytest_configure(config):
-    """Under pytest-xdist (``make test`` runs three workers), each worker's
+    """Under pytest-xdist (``make test`` runs two workers), each worker's
     engines run their model on a core of their own: vLLM's CPU worker binds
     its OpenMP threads to core 0 by default, and two engines' workers on one
     core stall each other for seconds. Tests that bind engines themselves

@@ -87,11 +87,15 @@ def test_the_memory_checks_pass_a_flat_run_and_fail_growth_or_leaked_state():
 
 
 @pytest.mark.e2e
+@pytest.mark.long
 @pytest.mark.parametrize("model,minutes", [("tiny", 0.75), ("second", 0.5)])
 def test_a_short_soak_against_a_real_engine(tmp_path, model, minutes):
     """The short variant: every check of the 30-minute soak, on the demo's
     model and on a second one with another tokenizer and shape (a sample
-    every 5 s; the long runs are `vllm-output-rate soak`'s, RELIABILITY.md)."""
+    every 5 s; the long runs are `vllm-output-rate soak`'s, RELIABILITY.md).
+    In `make test-all` (marker ``long``): `make test` keeps the soak's checks
+    on made-up runs, the engine's state sizes on /metrics come with the
+    stress runner's identity churn."""
     out = tmp_path / "soak"
     path = tiny_model() if model == "tiny" else second_model()
     code = soak.main(["--model", path, "--minutes", str(minutes), "--sample-s", "5",
