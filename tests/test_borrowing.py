@@ -200,8 +200,32 @@ def test_leftover_is_split_in_proportion_to_guaranteed_rates(is_async):
 
 
 @pytest.mark.parametrize("is_async", MODES)
-def test_no_lending_while_a_user_with_budget_waits(is_async):
-    """A waiting request whose user has budget: the step lends nothing."""
+def test_a_step_keeps_a_slot_for_a_waiting_request_with_budget_and_lends_the_rest(is_async):
+    """Four active slots, a borrower's four streams in them: a request of a
+    user with budget arrives; in that very step it is admitted and charged,
+    and the borrower has the three slots left (work conserving)."""
+    sched, drv, clock, steps = setup(limits(1000, {"a": 5, "b": 20}, {"a": UNLIMITED}), is_async,
+                                     max_num_seqs=16, max_num_active_seqs=4)
+    drv.add(*[make_request("a", max_tokens=500) for _ in range(4)])
+    drv.run(50)
+    assert all(len(s.borrowed) >= 3 for s in steps[-10:])
+    b = make_request("b", max_tokens=20, prompt_len=8)
+    drv.add(b)
+    index = len(steps)
+    drv.run(3)
+    first = steps[index]
+    assert list(first.charged.values()).count("b") == 1 and b.request_id in first.charged
+    # the three other slots to a: lent, or charged when its 5 tok/s allow
+    assert len(first.borrowed) >= 2 and set(first.borrowed.values()) == {"a"}
+    assert len(first.charged) + len(first.borrowed) == 4
+    for s in steps[index + 1:]:  # b decodes within its budget (20 tok/s, 10 ms steps)
+        assert len(s.charged) + len(s.borrowed) == 4
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_no_lending_while_a_user_with_budget_waits_for_a_resident_slot(is_async):
+    """A waiting request whose user has budget, and the resident set full:
+    the step lends nothing."""
     sched, drv, clock, steps = setup(limits(1000, {"a": 5}, {"a": UNLIMITED}), is_async,
                                      max_num_seqs=4)
     drv.add(*[make_request("a", max_tokens=500) for _ in range(4)])
@@ -478,7 +502,9 @@ def test_over_limit_spans_tell_borrowing_from_held_at_the_ceiling(tmp_path, monk
                          and r in b_ids)
     assert lent_b and lent_b[-1] > last_throttled + 500_000_000
     episodes = tel.histograms[("throttle_episode_seconds", ("b",))]
-    assert episodes.count == 2
+    # (one a request at most: the second may wait, not resident, while c's
+    # requests within their budget take the slots, and borrow at once)
+    assert 1 <= episodes.count <= 2
     assert 0 < episodes.sum <= 2 * (last_throttled - steps[0].now_ns) / 1e9 + 0.1
     assert sum(s.attributes["output_rate.tokens_borrowed"] for s in spans_b) <= sum(
         1 for s in steps for u in s.borrowed.values() if u == "b")

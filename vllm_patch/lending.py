@@ -4,25 +4,36 @@ their settling when it ends. Mixed into ``scheduler.OutputRateSchedulerMixin``,
 whose attributes these methods read; none of it runs without a limit that
 has a ceiling (``_orl_lender`` is None then).
 
-A step lends only when nobody within its guaranteed rate waits to be
-admitted (``schedule``); its borrowers are the requests of users out of
-guaranteed budget (throttled decodes, and prefill chunks whose final chunk
-would sample), ordered by ``Lender.order`` and put after every other request
-in ``running``: they take only what is left of the active slots and the
-token budget, and vLLM's FCFS preemption takes them first. The charge point
-lends them a token where its ceiling allows (``_orl_borrow``); a token
-lent but not dispatched is given back when the step ends.
+A step lends what requests within their guaranteed rates leave of it. When
+it begins, it reserves, for the waiting requests of users with budget (as
+many of each user's as its budget has tokens, in queue order, up to the
+resident room), an active slot each and their prompt's tokens of the token
+budget (``_orl_begin_lending``); the borrowers are the requests of users out
+of guaranteed budget (throttled decodes, and prefill chunks whose final
+chunk would sample), ordered by ``Lender.order`` and put after every other
+request in ``running``: they take only what is left of the active slots and
+the token budget beyond the reservation, and vLLM's FCFS preemption takes
+them first. The charge point lends them a token where its ceiling and the
+room of the step allow (``_orl_lend``, ``_orl_room``); a waiting request of a
+user out of budget (to borrow, or to have its prefill computed ahead) is
+admitted only within that room too. A token lent but not dispatched is
+given back when the step ends. A step whose resident set is full while a
+request of a user with budget waits lends nothing (none could be admitted
+beside the borrowers).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from vllm.v1.request import RequestStatus
+
 from vllm_output_rate.borrowing import NO_CEILING, Lender
 from vllm_output_rate.config import OutputRateConfig
 from vllm_output_rate.observers import StepReport
 
 Request = Any
+_RUNNING = RequestStatus.RUNNING
 
 
 class LendingMixin:
@@ -39,8 +50,8 @@ class LendingMixin:
             self._orl_lender.set_limits(config, now)
 
     def _orl_begin_lending(self) -> None:
-        """A step begins: its ceilings' books, and whether it lends (only
-        when nobody within its guaranteed rate waits to be admitted)."""
+        """A step begins: its ceilings' books, and the room it keeps for the
+        waiting requests of users with budget (the module)."""
         #: user -> tokens its ceiling still allows in this step, and at its
         #: start; user -> tokens lent in this step
         self._orl_ceil_left: dict[str, int] = {}
@@ -49,8 +60,84 @@ class LendingMixin:
         #: users whose ceiling refused them in this step
         self._orl_at_ceiling: set[str] = set()
         self._orl_lent_tail = 0
+        #: active slots and tokens given in this step (the charge point)
+        self._orl_given_slots = self._orl_given_tokens = 0
+        #: request id -> (prompt tokens, KV blocks) kept for it; their sums
+        self._orl_kept: dict[str, tuple[int, int]] = {}
+        self._orl_kept_slots = self._orl_kept_tokens = self._orl_kept_blocks = 0
+        #: waiting requests that may borrow (a few per user, in queue order),
+        #: and whether this step chose among them (``_orl_lend_tail``)
+        self._orl_waiting_borrowers: list[Request] = []
+        self._orl_chose = False
         left = self._orl_left
-        self._orl_lending = not any(left(r.output_rate_user) > 0 for r in self.waiting)
+        self._orl_lending = True
+        if not self.waiting:
+            return
+        room = min(self.max_num_running_reqs - len(self.running), self._orl_base_active)
+        # a user's budget beyond what its resident requests take first
+        resident: dict[str, int] = {}
+        for request in self.running:
+            user = request.output_rate_user
+            resident[user] = resident.get(user, 0) + 1
+        wanted: dict[str, int] = {}
+        kept = self._orl_kept
+        may, slots = self._orl_lender.may_borrow, self._orl_base_active
+        candidates = self._orl_waiting_borrowers
+        for request in self.waiting:
+            user = request.output_rate_user
+            n = wanted.get(user)
+            if n is None:
+                n = wanted[user] = left(user) - resident.get(user, 0)
+                if n <= 0 and not may(user):
+                    n = wanted[user] = -slots  # neither kept nor lent to
+            if n > 0:
+                if len(kept) >= room:
+                    # more of them than free slots: lending would keep one
+                    # waiting (borrowers resident or active in its place)
+                    self._orl_lending = False
+                    break
+                wanted[user] = n - 1
+                need = max(1, request.num_tokens - request.num_computed_tokens)
+                blocks = self._orl_groups * (-(-need // self.block_size) + 1)
+                kept[request.request_id] = (need, blocks)
+                self._orl_kept_tokens += need
+                self._orl_kept_blocks += blocks
+            elif n > -slots and len(candidates) < room:
+                wanted[user] = n - 1  # (its first few only)
+                candidates.append(request)
+        self._orl_kept_slots = len(kept)
+        if self._orl_kept_blocks > self._orl_free_blocks():
+            # the KV cache cannot take them all: lent tokens (more blocks
+            # held by borrowers) would keep them waiting longer
+            self._orl_lending = False
+
+    def _orl_give(self, request: Request, n: int) -> None:
+        """The charge point gave ``request`` ``n`` tokens of this step (one
+        active slot): off the room, and off what was kept for it."""
+        self._orl_given_slots += 1
+        self._orl_given_tokens += n
+        kept = self._orl_kept.pop(request.request_id, None)
+        if kept is not None:
+            self._orl_kept_slots -= 1
+            self._orl_kept_tokens -= kept[0]
+            self._orl_kept_blocks -= kept[1]
+
+    def _orl_room(self, n: int) -> bool:
+        """Whether ``n`` more tokens (one more active slot, their KV blocks)
+        fit in this step beside what it gave and what it keeps for waiting
+        requests with budget."""
+        return (self._orl_given_slots + 1 + self._orl_kept_slots <= self._orl_base_active
+                and self._orl_given_tokens + n + self._orl_kept_tokens
+                <= self.max_num_scheduled_tokens
+                and self._orl_kv_room(n))
+
+    def _orl_admit_room(self, request: Request) -> bool:
+        """Whether a waiting request out of guaranteed budget may be
+        admitted in this step: ``_orl_room`` for its prompt, and a resident
+        slot beside those kept for waiting requests with budget."""
+        return (len(self.running) + self._orl_held + 1 + self._orl_kept_slots
+                <= self.max_num_running_reqs
+                and self._orl_room(max(1, request.num_tokens - request.num_computed_tokens)))
 
     def _orl_lend_tail(self, ready: list[Request], throttled: list[Request],
                        budget: dict[str, int]) -> tuple[list[Request], list[Request]]:
@@ -59,7 +146,16 @@ class LendingMixin:
         budget whose final chunk may borrow the first token); the two lists
         without the borrowers."""
         prefilling = [r for r in ready if r.is_prefill_chunk and budget[r.output_rate_user] <= 0]
-        borrowers = self._orl_borrowers(throttled + prefilling)
+        # the slots left beside the guaranteed requests and those kept for
+        # waiting ones, to the first borrowers in lending order, resident or
+        # waiting (a waiting one chosen is admitted in this step)
+        slots = max(0, self._orl_base_active - (len(ready) - len(prefilling)) - self._orl_kept_slots)
+        chosen = self._orl_borrowers(throttled + prefilling + self._orl_waiting_borrowers)[:slots]
+        self._orl_chose = True
+        step = self._orl_step_no
+        for request in chosen:  # the charge point may lend to these
+            request.output_rate_borrow_step = step
+        borrowers = [r for r in chosen if r.status == _RUNNING]
         if borrowers:
             ids = {id(r) for r in borrowers}
             ready = [r for r in ready if id(r) not in ids]
@@ -72,16 +168,20 @@ class LendingMixin:
         """Whether a waiting request out of guaranteed budget is admitted to
         borrow in this step (then flagged for the charge point)."""
         user = request.output_rate_user
-        if self._orl_lending and self._orl_lender.may_borrow(user):
-            if self._orl_ceiling_left(user) > 0:
-                request.output_rate_borrow_step = self._orl_step_no
-                return True
-            self._orl_at_ceiling.add(user)
+        if not (self._orl_lending and self._orl_lender.may_borrow(user)
+                and self._orl_admit_room(request)):
+            return False
+        if self._orl_chose:  # chosen in lending order, or not in this step
+            return self._orl_lent_now(request)
+        if self._orl_ceiling_left(user) > 0:
+            request.output_rate_borrow_step = self._orl_step_no
+            return True
+        self._orl_at_ceiling.add(user)
         return False
 
     def _orl_borrowers(self, throttled: list[Request]) -> list[Request]:
-        """Those of ``throttled`` that may borrow in this step, in lending
-        order (``borrowing.Lender.order``), flagged for the charge point."""
+        """Those of ``throttled`` that may borrow in this step (their
+        ceilings allow), in lending order (``borrowing.Lender.order``)."""
         lender = self._orl_lender
         may = lender.may_borrow
         ceil = self._orl_ceiling_left
@@ -90,9 +190,6 @@ class LendingMixin:
         if len(borrowers) < len(may_borrow):  # the others' ceilings are spent
             self._orl_at_ceiling.update(r.output_rate_user for r in may_borrow
                                         if self._orl_ceil_left[r.output_rate_user] <= 0)
-        step = self._orl_step_no
-        for request in borrowers:  # the charge point may lend to these
-            request.output_rate_borrow_step = step
         return borrowers
 
     def _orl_lent_now(self, request: Request) -> bool:
@@ -101,10 +198,12 @@ class LendingMixin:
 
     def _orl_lend(self, request: Request, user: str, running: bool, num_new_tokens: int) -> bool:
         """The charge point, for a request out of guaranteed budget: lend it
-        this step's token if it may borrow in the step, a running one only
-        with KV room, and its ceiling allows."""
+        this step's token if it may borrow in the step, the step has room
+        for it (``_orl_room``: slots, tokens, KV blocks) and its ceiling
+        allows (``running``: whether it is resident; waiting ones were
+        checked at admission the same way)."""
         return (self._orl_lent_now(request)
-                and (not running or self._orl_kv_room(num_new_tokens))
+                and self._orl_room(num_new_tokens)
                 and self._orl_borrow(user))
 
     def _orl_kv_room(self, num_new_tokens: int) -> bool:
@@ -115,7 +214,7 @@ class LendingMixin:
         by priority and arrival, a request already scheduled maybe, with
         PRIORITY)."""
         need = self._orl_groups * (-(-num_new_tokens // self.block_size) + 1)
-        return self._orl_free_blocks() >= need
+        return self._orl_free_blocks() >= need + self._orl_kept_blocks
 
     def _orl_ceiling_left(self, user: str) -> int:
         """How many tokens ``user``'s ceiling still allows in this step."""

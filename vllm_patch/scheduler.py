@@ -79,8 +79,7 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
     #: the KV cache has room for the step (see ``_orl_hold_back``); tests set
     #: False to run every step with them left at the tail of ``running``.
     output_rate_hold_back: bool = True
-    #: Watch the limits file from a thread of its own (tests set False and
-    #: call ``output_rate_limits_watcher.check()`` themselves).
+    #: Watch the limits file from a thread (tests: False, and call ``check()``).
     output_rate_watch_thread: bool = True
     #: The watcher of ``--output-rate-limits-file``, if limits come from one.
     output_rate_limits_watcher: Any = None
@@ -118,24 +117,21 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
             from vllm_output_rate.limits_watch import LimitsWatcher
 
             # (a live watcher re-reads the file on SIGHUP too)
-            self.output_rate_limits_watcher = LimitsWatcher(
-                config, start_thread=self.output_rate_watch_thread)
+            self.output_rate_limits_watcher = LimitsWatcher(config, start_thread=self.output_rate_watch_thread)
         self._orl_chunked = bool(self.scheduler_config.enable_chunked_prefill)
         self._orl_prefix_caching = bool(self.cache_config.enable_prefix_caching)
         self._orl_priority = self.policy == SchedulingPolicy.PRIORITY
         self._orl_step_no = 0
         self._orl_begin(self.output_rate_clock())
         self.output_rate_last_step = self._orl_record
-        # KV blocks one step of the running loop can allocate beyond one a
-        # request (chunks of prefill take the token budget at most), per KV
-        # cache group: the room throttled requests may be held back within.
+        # KV blocks a step can allocate beyond one a request (prefill chunks take the token
+        # budget at most), per KV cache group: the room throttled ones may be held back within.
         groups = max(len(self.kv_cache_config.kv_cache_groups), 1)
         self._orl_step_blocks = groups * (-(-self.max_num_scheduled_tokens // self.block_size) + 1)
         self._orl_groups = groups
         self._orl_free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks
-        # FCFS preempts the tail of ``running``, where throttled requests
-        # sit: no wrap. PRIORITY picks by priority and arrival: a throttled
-        # one of the lowest priority first (wrapped once, never per step).
+        # FCFS preempts the tail of ``running``, where throttled requests sit: no wrap. PRIORITY
+        # picks by priority and arrival: a throttled one of the lowest priority first (wrapped).
         self._orl_upstream_allocate = self.kv_cache_manager.allocate_slots
         if self._orl_priority:
             self.kv_cache_manager.allocate_slots = self._orl_allocate_slots
@@ -449,6 +445,8 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
                     return self._orl_refuse(request, user, num_computed_tokens)
         if capped:
             self._orl_active += 1
+        if self._orl_lender is not None:  # (the room of a lending step)
+            self._orl_give(request, num_new_tokens)
         return num_new_tokens
 
     def _orl_left(self, user: str) -> int:
@@ -485,6 +483,8 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
                 self._orl_record.prefill_held += 1
                 if running:
                     self._orl_active += 1
+                if self._orl_lender is not None:
+                    self._orl_give(request, held)
                 return held
         if running:
             self._orl_throttled_running += 1
@@ -515,7 +515,8 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
         if self._orl_lender is not None and self._orl_admit_borrower(request):
             return True
         self._orl_refused[user] = 0
-        if self._orl_chunked and self._can_hold_prefill(request):
+        if self._orl_chunked and self._can_hold_prefill(request) and (
+                self._orl_lender is None or self._orl_admit_room(request)):
             return True
         self._orl_record.waiting_skipped += 1
         return False
