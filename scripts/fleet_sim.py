@@ -28,7 +28,7 @@ from vllm_output_rate.fleet_math import fleet_bound
 from vllm_output_rate.lease_store import RedisStore
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_limiter import SharedBudgetLimiter
-from vllm_output_rate.shared_settings import SharedStateSettings
+from vllm_output_rate.shared_settings import SharedStateSettings, parse_shared_state
 
 #: The fake clock starts here (ns): far from 0, like a real monotonic clock.
 T0_NS = 1_000_000 * NS_PER_S
@@ -53,7 +53,8 @@ class Fleet:
     def __init__(self, url: str, default_rate: Fraction, user_rates: dict[str, Fraction] | None = None,
                  settings: SharedStateSettings | None = None, step_s: float = 0.01,
                  seed: int = 0) -> None:
-        self.settings = settings or SharedStateSettings(url)
+        # (the URL's query, if any: timeout_ms=..., as the engine reads it)
+        self.settings = settings or parse_shared_state(url)
         self.default_rate = Fraction(default_rate)
         self.user_rates = dict(user_rates or {})
         self.now_ns = T0_NS

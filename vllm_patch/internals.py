@@ -62,7 +62,11 @@ vLLM", has the count before and after). The same on 0.32, 0.33 and 0.34.
      without LoRA (vLLM counts the adapters of all of ``running``). After:
      the single refund point, over ``num_scheduled_tokens`` and
      ``preempted_req_ids``. Needs: ``running`` a list vLLM iterates in order,
-     ``max_num_scheduled_tokens``, ``block_size``, ``lora_config``.
+     ``max_num_scheduled_tokens``, ``block_size``, ``lora_config``. With
+     borrowing, before: ``waiting`` iterated in queue order (read only) and
+     each request's ``num_tokens``, ``num_computed_tokens`` and ``status``,
+     for the room a step keeps for waiting requests with budget
+     (``lending``).
   2. ``Scheduler._reserve_prefill_lookahead(request, num_computed_tokens,
      num_new_tokens)``: the charge point, overridden once (never swapped per
      step). vLLM calls it for every running and waiting request right before

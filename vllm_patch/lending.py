@@ -5,21 +5,24 @@ whose attributes these methods read; none of it runs without a limit that
 has a ceiling (``_orl_lender`` is None then).
 
 A step lends what requests within their guaranteed rates leave of it. When
-it begins, it reserves, for the waiting requests of users with budget (as
-many of each user's as its budget has tokens, in queue order, up to the
-resident room), an active slot each and their prompt's tokens of the token
-budget (``_orl_begin_lending``); the borrowers are the requests of users out
-of guaranteed budget (throttled decodes, and prefill chunks whose final
-chunk would sample), ordered by ``Lender.order`` and put after every other
-request in ``running``: they take only what is left of the active slots and
-the token budget beyond the reservation, and vLLM's FCFS preemption takes
-them first. The charge point lends them a token where its ceiling and the
-room of the step allow (``_orl_lend``, ``_orl_room``); a waiting request of a
-user out of budget (to borrow, or to have its prefill computed ahead) is
-admitted only within that room too. A token lent but not dispatched is
-given back when the step ends. A step whose resident set is full while a
-request of a user with budget waits lends nothing (none could be admitted
-beside the borrowers).
+it begins (``_orl_begin_lending``), it keeps, for the waiting requests of
+users with budget beyond what their resident requests take (as many of each
+user's as that budget has tokens, in queue order), an active slot each,
+their prompt's tokens of the token budget and their KV blocks; it lends
+nothing when those do not fit (more of them than free resident or active
+slots, or than the KV cache's free blocks). The borrowers are the requests
+of users out of guaranteed budget: throttled decodes, prefill chunks whose
+final chunk would sample, and the first few waiting requests of each such
+user; they are ordered together by ``Lender.order`` (weighted by the
+guaranteed rates) and the first take the active slots left
+(``_orl_lend_tail``): the resident ones go after every other request in
+``running``, where vLLM's FCFS preemption takes them first, a waiting one
+chosen is admitted in the step. The charge point lends each a token where
+its ceiling and the room of the step allow (``_orl_lend``, ``_orl_room``: the
+slots, tokens and KV blocks given and kept); a waiting request of a user out
+of budget, to borrow or to have its prefill computed ahead, is admitted
+only within that room and a free resident slot (``_orl_admit_room``). A
+token lent but not dispatched is given back when the step ends.
 """
 
 from __future__ import annotations
