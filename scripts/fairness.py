@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_output_rate.tools import fairness_engine as fe
 from vllm_output_rate.tools.stats import quantile
 from vllm_output_rate.tools.workload import _poisson, gen_clients
 
@@ -73,17 +74,22 @@ class Scale:
     #: users of the multi-user scenarios
     users: int
     duration_s: float
+    #: the step time the scenarios' rates are sized on (the twin's fixed
+    #: step; a real engine's nominal one, ``fairness_engine``)
+    step_s: float = STEP_S
 
     @property
     def capacity(self) -> float:
         """Output tok/s with every sequence decoding in every step."""
-        return self.max_num_seqs / STEP_S
+        return self.max_num_seqs / self.step_s
 
 
 SCALES = {
     "small": Scale("small", 16, 6, 30.0),
     "gpu": Scale("gpu", 1024, 1000, 30.0),
 }
+#: ``--engine cpu``: a real CPU engine's R, users, arrivals and nominal step
+ENGINE_SCALE = Scale("cpu", fe.R, fe.USERS, fe.DURATION_S, step_s=fe.STEP_S)
 
 
 @dataclass
@@ -419,21 +425,41 @@ def _round(x: float | None, digits: int = 4) -> float | None:
     return None if x is None else round(x, digits)
 
 
+def engine_runner(model: str, litellm: str | None) -> Any:
+    """``run_arm``'s counterpart on a real CPU engine (``fairness_engine``)."""
+    vocab = fe.model_vocab(model)
+
+    def run(scenario: Scenario, scale: Scale, arm: str, work: Path,
+            lines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        ours = arm in ("capped", "borrowing")
+        return fe.run_arm(
+            scenario.lines if lines is None else lines, arm, work, model=model, vocab=vocab,
+            litellm=litellm, rates=scenario.rates,
+            priority={u: scenario.priorities[t] for u, t in scenario.tiers.items()
+                      if t in scenario.priorities},
+            limits_text=limits_yaml(scenario.rates, ceiling=arm == "borrowing") if ours else None,
+            r=scale.max_num_seqs, duration_s=scale.duration_s, warmup_s=WARMUP_S)
+
+    return run
+
+
 def run_scenario(name: str, scale: Scale, arms: list[str], out: Path, seed: int,
-                 progress: Any = print) -> dict[str, Any]:
+                 progress: Any = print, runner: Any = None) -> dict[str, Any]:
     scenario = SCENARIOS[name](scale, random.Random(seed))
     result: dict[str, Any] = {"description": " ".join(scenario.description.split()),
                               "requests": len(scenario.lines), "users": len(scenario.rates),
                               "arms": {}, "baseline": {}}
     for arm in arms:
         t0 = time.perf_counter()
-        run = run_arm(scenario, scale, arm, out / name / arm)
+        run = (runner or run_arm)(scenario, scale, arm, out / name / arm)
         result["arms"][arm] = figures(scenario, scale, run, scenario.lines)
+        if "errors" in run:
+            result["arms"][arm]["errors"] = run["errors"]
         progress(f"{scale.name}/{name}/{arm}: {time.perf_counter() - t0:.1f} s")
     if scenario.baseline_without:
         kept = [line for line in scenario.lines if line["user"] not in scenario.baseline_without]
         for arm in arms:
-            run = run_arm(scenario, scale, arm, out / name / f"{arm}-baseline", kept)
+            run = (runner or run_arm)(scenario, scale, arm, out / name / f"{arm}-baseline", kept)
             result["baseline"][arm] = figures(scenario, scale, run, kept)
             progress(f"{scale.name}/{name}/{arm} without {', '.join(scenario.baseline_without)}")
     return result
@@ -495,9 +521,15 @@ def _f(x: Any, scale: float = 1.0, digits: int = 1) -> str:
 
 
 def render(results: dict[str, Any], scale: Scale, command: str) -> str:
-    lines = [f"## Scale `{scale.name}`: {scale.max_num_seqs} sequences, a {STEP_S * 1e3:g} ms "
-             f"step ({scale.capacity:,.0f} tok/s at most), {scale.duration_s:g} s of arrivals", "",
-             f"`{command}`", ""]
+    if results.get("engine") == "cpu":
+        head = (f"## The real CPU engine: {scale.max_num_seqs} sequences, rates sized on a "
+                f"nominal {scale.step_s * 1e3:g} ms step ({scale.capacity:,.0f} tok/s), "
+                f"{scale.duration_s:g} s of arrivals (client-side times; throughput over the "
+                f"run to {fe.GRACE_S:g} s after the arrivals)")
+    else:
+        head = (f"## Scale `{scale.name}`: {scale.max_num_seqs} sequences, a {scale.step_s * 1e3:g} ms "
+                f"step ({scale.capacity:,.0f} tok/s at most), {scale.duration_s:g} s of arrivals")
+    lines = [head, "", f"`{command}`", ""]
     for name, res in results["scenarios"].items():
         lines += [f"### {name}", "", res["description"],
                   f"({res['requests']:,} requests, {res['users']:,} users)", "",
@@ -549,19 +581,39 @@ def main(argv: list[str] | None = None) -> int:
                         help="repeat for several (default: all)")
     parser.add_argument("--out", required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", choices=("twin", "cpu"), default="twin",
+                        help="twin: vLLM's scheduler in virtual time (the default); cpu: a real "
+                        "vLLM CPU engine per arm through the OpenAI API, the gateway arm the "
+                        "real LiteLLM proxy (tools.fairness_engine; --scale is its own)")
+    parser.add_argument("--model", help="--engine cpu: the model directory (default: the "
+                        "tiny model, generated locally)")
+    parser.add_argument("--litellm", help="--engine cpu: the litellm command of an environment "
+                        "with litellm[proxy] (default: litellm on PATH; without one the gateway "
+                        "arm is refused)")
     args = parser.parse_args(argv)
     scale = SCALES[args.scale]
+    if args.engine == "cpu":
+        scale = ENGINE_SCALE
     arms = args.arm or list(ARMS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     command = "vllm-output-rate fairness " + " ".join(
         a for a in (argv if argv is not None else sys.argv[1:]) if a != args.out and a != "--out")
-    results: dict[str, Any] = {"scale": scale.__dict__ | {"capacity_tok_s": scale.capacity,
-                                                          "step_s": STEP_S},
-                               "seed": args.seed, "arms": arms, "scenarios": {}}
+    results: dict[str, Any] = {"scale": scale.__dict__ | {"capacity_tok_s": scale.capacity},
+                               "engine": args.engine, "seed": args.seed, "arms": arms,
+                               "scenarios": {}}
+    progress = lambda m: print(m, file=sys.stderr)  # noqa: E731
     for name in args.scenario or list(SCENARIOS):
-        results["scenarios"][name] = run_scenario(
-            name, scale, arms, out, args.seed, progress=lambda m: print(m, file=sys.stderr))
+        runner = None
+        if args.engine == "cpu":
+            from vllm_output_rate.tools.tiny_model import ensure_tiny_model
+
+            litellm = fe.find_litellm(args.litellm)
+            if "gateway" in arms and litellm is None:
+                parser.error("--arm gateway on --engine cpu needs --litellm (no litellm on PATH)")
+            runner = engine_runner(args.model or str(ensure_tiny_model()), litellm)
+        results["scenarios"][name] = run_scenario(name, scale, arms, out, args.seed,
+                                                  progress=progress, runner=runner)
     results["goals"] = goals(results["scenarios"])
     (out / "fairness.json").write_text(json.dumps(results, indent=1) + "\n")
     text = render(results, scale, command.strip())

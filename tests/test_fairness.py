@@ -99,3 +99,56 @@ def test_one_user_alone_borrows_what_the_feature_off_would_give(quick):
 
 def results_of(quick, name):
     return quick[0]["scenarios"][name]
+
+
+# -- the real engine's arms (tools.fairness_engine): what runs without one ----------
+
+
+def test_the_engine_arms_flags_and_the_gateways_limits():
+    from vllm_output_rate.tools import fairness_engine as fe
+
+    assert fe.serve_args("fcfs", 8, None) == ["--max-model-len", "1024", "--max-num-seqs", "8"]
+    assert fe.serve_args("priority", 8, None)[-2:] == ["--scheduling-policy", "priority"]
+    ours = fe.serve_args("borrowing", 8, fe.Path("l.yaml"))
+    assert ours[ours.index("--max-num-seqs") + 1] == "32"
+    assert ours[ours.index("--max-num-active-seqs") + 1] == "8"
+    assert ours[-2:] == ["--output-rate-limits-file", "l.yaml"]
+    # the gateway's keys: tokens a minute, the guaranteed rate x 60
+    assert fe.gateway_limits({"a": 40.0, "b": 2.5}) == {"a": 2400, "b": 150}
+    import yaml
+
+    config = yaml.safe_load(fe.litellm_config(8123))
+    (model,) = config["model_list"]
+    assert model["litellm_params"]["api_base"] == "http://127.0.0.1:8123/v1"
+    settings = config["general_settings"]
+    assert settings["custom_auth"] == "custom_auth.user_api_key_auth"
+    assert settings["token_rate_limit_type"] == "output"
+    assert settings["master_key"].startswith("sk-") and settings["master_key"] != "sk-1234"
+    compile(fe.CUSTOM_AUTH, "custom_auth.py", "exec")  # the hook the proxy imports
+
+
+def test_the_engine_records_become_the_twins_figures():
+    """Client records (chunk arrival times and token counts) give what
+    ``fairness.figures`` reads: tokens, refusals, TTFT and spacing samples,
+    tokens in the busy window; borrowed tokens from the two scrapes."""
+    from vllm_output_rate.tools import fairness_engine as fe
+
+    w = fairness.WARMUP_S
+    recs = [fe.Record("a", 1.0, [(1.5, 1), (2.0, 2), (2.5, 4)], 4),
+            fe.Record("a", w + 1.0, [(w + 1.25, 1), (w + 1.5, 2), (40.0, 3)], 3),
+            fe.Record("b", 3.0, refused=True)]
+    scrapes = {"begin": {"a": 10.0}, "end": {"a": 25.0}}
+    res = fe.result_of(recs, 40.0, scrapes, 30.0, w)
+    users = res["summary"]["users"]
+    assert users["a"]["output_tokens"] == 7 and users["a"]["borrowed_tokens"] == 25
+    assert users["b"]["refused"] == 1 and users["b"]["output_tokens"] == 0
+    ttft, itl = res["samples"]["a"]
+    assert ttft == [int(0.5 * NS), int(0.25 * NS)]
+    # the last chunk of the first request carried two tokens: two spacings
+    assert itl[:3] == [int(0.5 * NS), int(0.25 * NS), int(0.25 * NS)]
+    assert res["busy_tokens"] == {"a": 2}  # the second request's first two, in [5, 30)
+    assert res["busy_borrowed"] == {"a": 15}
+    text = ('vllm_output_rate_tokens_borrowed_total{user="a"} 3.0\n'
+            'vllm_output_rate_tokens_borrowed_total{engine="0",user="b"} 2.0\n'
+            'vllm_output_rate_tokens_charged_total{user="a"} 9.0\n')
+    assert fe.borrowed_by_user(text) == {"a": 3.0, "b": 2.0}

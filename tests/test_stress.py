@@ -41,12 +41,14 @@ def test_a_refusal_that_does_not_name_the_value_is_a_failed_case(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model", ["tiny", "second"])
+@pytest.mark.parametrize("model", ["tiny", pytest.param("second", marks=pytest.mark.long)])
 def test_quick_profile_against_a_real_engine(tmp_path, model):
     """On the demo's model, every group of the quick profile; on a second
     one with another tokenizer and shape, the groups whose requests depend
     on the model (prompt sizes are in that model's tokens; the refused
-    configurations, identity churn and client faults do not)."""
+    configurations, identity churn and client faults do not): that one in
+    `make test-all` (marker ``long``; `make test` tries the second model
+    with verify, the demo, the load generator and the profiler)."""
     out = tmp_path / "report"
     path = tiny_model() if model == "tiny" else second_model()
     want = ({"config", "identity_churn", "user_field", "requests", "client_faults"}
