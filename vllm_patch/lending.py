@@ -39,6 +39,11 @@ Request = Any
 _RUNNING = RequestStatus.RUNNING
 
 
+def _prompt_left(request: Request) -> int:
+    """The tokens a waiting request's prefill has still to compute (1 at least)."""
+    return max(1, request.num_tokens - request.num_computed_tokens)
+
+
 class LendingMixin:
     """Borrowing in the output-rate scheduler (see the module)."""
 
@@ -100,8 +105,8 @@ class LendingMixin:
                     self._orl_lending = False
                     break
                 wanted[user] = n - 1
-                need = max(1, request.num_tokens - request.num_computed_tokens)
-                blocks = self._orl_groups * (-(-need // self.block_size) + 1)
+                need = _prompt_left(request)
+                blocks = self._orl_blocks_for(need)
                 kept[request.request_id] = (need, blocks)
                 self._orl_kept_tokens += need
                 self._orl_kept_blocks += blocks
@@ -140,7 +145,7 @@ class LendingMixin:
         slot beside those kept for waiting requests with budget."""
         return (len(self.running) + self._orl_held + 1 + self._orl_kept_slots
                 <= self.max_num_running_reqs
-                and self._orl_room(max(1, request.num_tokens - request.num_computed_tokens)))
+                and self._orl_room(_prompt_left(request)))
 
     def _orl_lend_tail(self, ready: list[Request], throttled: list[Request],
                        budget: dict[str, int]) -> tuple[list[Request], list[Request]]:
@@ -199,12 +204,11 @@ class LendingMixin:
         """``request`` may borrow in this step (lent tokens, not charged)."""
         return request.output_rate_borrow_step == self._orl_step_no
 
-    def _orl_lend(self, request: Request, user: str, running: bool, num_new_tokens: int) -> bool:
+    def _orl_lend(self, request: Request, user: str, num_new_tokens: int) -> bool:
         """The charge point, for a request out of guaranteed budget: lend it
         this step's token if it may borrow in the step, the step has room
         for it (``_orl_room``: slots, tokens, KV blocks) and its ceiling
-        allows (``running``: whether it is resident; waiting ones were
-        checked at admission the same way)."""
+        allows (a waiting one was checked at admission the same way)."""
         return (self._orl_lent_now(request)
                 and self._orl_room(num_new_tokens)
                 and self._orl_borrow(user))
@@ -216,8 +220,12 @@ class LendingMixin:
         failed allocation would have vLLM preempt the tail with FCFS, and
         by priority and arrival, a request already scheduled maybe, with
         PRIORITY)."""
-        need = self._orl_groups * (-(-num_new_tokens // self.block_size) + 1)
-        return self._orl_free_blocks() >= need + self._orl_kept_blocks
+        return self._orl_free_blocks() >= self._orl_blocks_for(num_new_tokens) + self._orl_kept_blocks
+
+    def _orl_blocks_for(self, tokens: int) -> int:
+        """KV blocks ``tokens`` new tokens may need: one more than they
+        fill, per KV cache group."""
+        return self._orl_groups * (-(-tokens // self.block_size) + 1)
 
     def _orl_ceiling_left(self, user: str) -> int:
         """How many tokens ``user``'s ceiling still allows in this step."""

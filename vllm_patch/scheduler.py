@@ -439,7 +439,7 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
                     taken = self._orl_take(user)
                 if taken:
                     charged[req_id] = user
-                elif self._orl_lend(request, user, running, num_new_tokens):
+                elif self._orl_lend(request, user, num_new_tokens):
                     self._orl_record.borrowed[req_id] = user
                 else:
                     return self._orl_refuse(request, user, num_computed_tokens)
