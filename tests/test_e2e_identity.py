@@ -82,6 +82,10 @@ def server(tmp_path_factory):
     srv.stop()
 
 
+#: slowpoke's stream in the introspection test: 2 tok/s, about 7 s
+SLOW_TOKENS = 15
+
+
 def charged(samples, user):
     return metric_value(samples, "vllm_output_rate_tokens_charged_total", user=label(user))
 
@@ -160,48 +164,70 @@ def test_introspection_matches_the_metrics(server):
     samples = scrape(server)
     assert metric_value(samples, "vllm_output_rate_limits_info", sha256=limits["sha256"]) == 1
 
-    # a throttled stream of slowpoke (2 tok/s), looked at while it runs
+    # a throttled stream of slowpoke (2 tok/s), looked at while it runs:
+    # N tokens take at least (N - 1) / 2 - 0.1 s from the first (the GCRA
+    # bound), so an engine export made after the first chunk arrived and
+    # before sent + that shows the request running, however late this
+    # process or the engine's exporter runs
+    n = SLOW_TOKENS
+
     async def slow_stream(received):
         async with httpx.AsyncClient(timeout=120) as client:
-            body = {"model": "tiny", "prompt": "hi", "max_tokens": 12, "ignore_eos": True,
+            body = {"model": "tiny", "prompt": "hi", "max_tokens": n, "ignore_eos": True,
                     "stream": True}
             async with client.stream("POST", f"{server.base_url}/v1/completions", json=body,
                                      headers=svc("slowpoke")) as resp:
                 async for line in resp.aiter_lines():
                     if line.startswith("data: {"):
-                        received.append(time.monotonic())
+                        received.append(time.time())
 
     async def run():
         # stamped before sending and after looking: the window bounds what
-        # can have been charged, however late this process runs
-        sent, received = time.monotonic(), []
+        # can have been charged
+        sent, sent_unix, received = time.monotonic(), time.time(), []
         task = asyncio.create_task(slow_stream(received))
-        await asyncio.sleep(3.5)
-        chunks = len(received)
-        state = (await asyncio.to_thread(introspect, server, "users/slowpoke")).json()
+        while not received and not task.done():
+            await asyncio.sleep(0.05)
+        first = received[0]
+        while True:  # the first export after the first chunk arrived
+            state = (await asyncio.to_thread(introspect, server, "users/slowpoke")).json()
+            if state["as_of_unix"] > first or task.done():
+                break
+            await asyncio.sleep(0.2)
         window_s = time.monotonic() - sent
         samples = await asyncio.to_thread(scrape, server)
         await task
-        return state, samples, chunks, window_s
+        return state, samples, len(received), window_s, sent_unix, first
 
-    state, during, chunks, window_s = asyncio.run(run())
-    print(f"\nslowpoke while streaming ({chunks} chunks in, {window_s:.2f} s):", state)
+    state, during, chunks, window_s, sent_unix, first = asyncio.run(run())
+    print(f"\nslowpoke while streaming ({window_s:.2f} s in, the export "
+          f"{state['as_of_unix'] - first:+.2f} s after the first chunk):", state)
+    assert chunks == n
+    earliest_end = sent_unix + (n - 1) / 2 - 0.1
+    assert first < state["as_of_unix"] < earliest_end, "no engine export while it ran"
     assert state["tracked"] and state["running"] == 1 and state["limit"] == 2
     assert state["throttled"] in (0, 1) and 0 <= state["ready_in_s"] <= 0.5
     if state["throttled"]:
         assert state["throttled_kv_blocks"] >= 1
-    # some, once tokens reached this process (the state is the engine's last
-    # export, a second or two behind: 4 charged with 8 chunks in, once); at
-    # most what 2 tok/s (a 100 ms burst) allow over the window, and the 12
-    # asked for
-    assert chunks == 0 or state["charged_10s"] >= 1
-    assert state["charged_10s"] <= min(12, math.floor((window_s + 0.1) * 2) + 1)
+    # at least the first token (charged before it was sent); at most what
+    # 2 tok/s (a 100 ms burst) allow over the window
+    assert 1 <= state["charged_10s"] <= min(n, math.floor((window_s + 0.1) * 2) + 1)
     assert metric_value(during, "vllm_output_rate_throttled_requests", user=label("slowpoke")) in (0, 1)
 
-    # settled: the windowed counts equal the counters' increase
-    samples = scrape_until(server.base_url, lambda s: charged(s, "slowpoke") >= 12)
-    for user in ("slowpoke", "user-h", "alice"):
-        state = introspect(server, f"users/{user}").json()
+    # settled: nothing running, the windowed counts equal the counters'
+    # increase (the state of the engine's export after the last step)
+    scrape_until(server.base_url, lambda s: charged(s, "slowpoke") >= n)
+    deadline = time.monotonic() + 30
+    while True:
+        states = {user: introspect(server, f"users/{user}").json()
+                  for user in ("slowpoke", "user-h", "alice")}
+        samples = scrape(server)
+        settled = all(st["running"] == st["throttled"] == 0 and st["charged_60s"] == charged(samples, user)
+                      for user, st in states.items())
+        if settled or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    for user, state in states.items():
         total = charged(samples, user)
         print(f"{user}: charged_60s {state['charged_60s']}, counter {total:g}")
         assert state["running"] == state["throttled"] == 0

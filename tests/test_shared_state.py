@@ -501,7 +501,10 @@ def test_two_real_schedulers_through_a_store_outage_on_one_clock(redis_server, i
     monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
     clock = VirtualClock()
     limits = {"default_user_output_tokens_per_second": 20,
-              "shared_state": redis_server.url + "?timeout_ms=50"}
+              # 5 s: a call timing out on a loaded machine would be a second
+              # fault (its reply lost, a lease or report counted twice); the
+              # stopped store refuses connections at once
+              "shared_state": redis_server.url + "?timeout_ms=5000"}
     drivers = []
     for _ in range(2):
         sched = make_scheduler(limits, clock=clock, async_scheduling=is_async)
