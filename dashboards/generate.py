@@ -613,6 +613,17 @@ def engine_dashboard() -> Dashboard:
              Target(f"sum by ({by('engine')}) (rate({sel('engine_requests_skipped')}[$__rate_interval]))",
                     "skips/s, engine {{engine}}" + on_group(), "positive")]),
         Panel(
+            "Requests out of budget preempted for a request with budget",
+            "Throttled requests (or borrowers) preempted so that a request of a user with "
+            "budget runs: for a resident slot (every slot held by users whose streams exceed "
+            "their budget) or for KV blocks (--scheduling-policy priority). Each is recomputed "
+            "when admitted again. Healthy: 0, or a trickle while one user asks for far more "
+            "than its rate with many streams; a steady rate means --max-num-seqs is too small "
+            "for the streams the limits let users open.",
+            "suffix: /s",
+            [Target(f"sum by ({by('engine', 'reason')}) (rate({sel('engine_throttled_preempted')}[$__rate_interval]))",
+                    "{{reason}}, engine {{engine}}" + on_group(), "data")]),
+        Panel(
             "Throttled requests and their KV blocks vs running and waiting requests",
             "Throttled requests and the KV blocks they hold (all users) beside vLLM's running "
             "and waiting requests. Healthy: waiting stays near 0 while requests are throttled "

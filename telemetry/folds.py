@@ -118,6 +118,11 @@ class Folds:
         now = record.now_ns
         if throttled:
             counters[("engine_requests_skipped", ())] += len(throttled)
+        if record.preempted_throttled:
+            slot = record.preempted_for_slot
+            counters[("engine_throttled_preempted", ("resident_slot",))] += slot
+            counters[("engine_throttled_preempted", ("kv_cache",))] += (
+                len(record.preempted_throttled) - slot)
         spans = self.spans
         if spans is not None:
             users = book.thr_users

@@ -85,6 +85,12 @@ METRICS: tuple[Metric, ...] = (
            ("user",)),
     Metric("engine_requests_skipped", "counter", "requests",
            "Running requests skipped for lack of budget, all users (exact total)."),
+    Metric("engine_throttled_preempted", "counter", "requests",
+           "Requests out of budget (throttled, or lent tokens) preempted in place of a request "
+           "with budget: for KV blocks (reason kv_cache, --scheduling-policy priority; FCFS "
+           "preempts the tail of running, where they sit) or for a resident slot (reason "
+           "resident_slot: every slot held by a user whose streams exceed its budget).",
+           ("reason",), renamed=False),
     Metric("throttled_requests", "gauge", "requests",
            "Requests throttled in the last step (resident, holding KV, not running).",
            ("user",)),

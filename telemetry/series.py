@@ -25,6 +25,8 @@ from vllm_output_rate.telemetry.metrics import BY_NAME, SPACING_BUCKETS
 Labels = tuple[str, ...]
 #: Why a charged token was given back (see the scheduler's refund point).
 REFUND_REASONS = ("not_scheduled", "preempted")
+#: Why a request out of budget was preempted (``StepReport.preempted_throttled``).
+PREEMPT_REASONS = ("kv_cache", "resident_slot")
 #: The counters of a user that end when it loses its label.
 _USER_COUNTERS = ("tokens_charged", "tokens_refunded", "requests_skipped", "tokens_borrowed")
 
@@ -55,6 +57,8 @@ class Series:
             counters[(name, ())] += 0
         if view.limits().borrowing:
             counters[("engine_tokens_borrowed", ())] += 0
+        for reason in PREEMPT_REASONS:
+            counters[("engine_throttled_preempted", (reason,))] += 0
         counters[("telemetry_dropped", ("export_failed",))] += 0
         counters[("telemetry_dropped", ("fold_failed",))] += 0
         if events_on:

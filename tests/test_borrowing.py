@@ -224,17 +224,29 @@ def test_a_step_keeps_a_slot_for_a_waiting_request_with_budget_and_lends_the_res
 
 @pytest.mark.parametrize("is_async", MODES)
 def test_no_lending_while_a_user_with_budget_waits_for_a_resident_slot(is_async):
-    """A waiting request whose user has budget, and the resident set full:
-    the step lends nothing."""
+    """A waiting request whose user has budget, and the resident set full
+    of a borrower's streams: one of them is preempted and the request runs
+    in the step (the next with a step in flight); the step that made room
+    lends nothing."""
     sched, drv, clock, steps = setup(limits(1000, {"a": 5}, {"a": UNLIMITED}), is_async,
                                      max_num_seqs=4)
-    drv.add(*[make_request("a", max_tokens=500) for _ in range(4)])
+    a = [make_request("a", max_tokens=500) for _ in range(4)]
+    drv.add(*a)
     drv.run(50)
-    drv.add(make_request("b", max_tokens=20))  # resident slots full: b waits
+    assert any(s.borrowed for s in steps[-5:])  # a borrows the idle engine
+    b = make_request("b", max_tokens=20)
+    drv.add(b)  # resident slots full: one of a's goes
     before = len(steps)
-    drv.run(5)
-    for s in steps[before:]:
-        assert not s.borrowed
+    first = None
+    for k in range(1, 6):
+        drv.step()
+        if first is None and drv.count(b.request_id):
+            first = k
+    assert first is not None and first <= (3 if is_async else 2)
+    evicted = [r for s in steps[before:] for r in s.preempted_throttled]
+    assert len(evicted) == 1 and evicted[0] in {r.request_id for r in a}
+    assert not steps[before].borrowed  # (the step that made room lent nothing)
+    assert len(sched.running) <= 4
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -475,12 +487,13 @@ def test_over_limit_spans_tell_borrowing_from_held_at_the_ceiling(tmp_path, monk
     assert span.end_time - span.start_time > 0.95 * (steps[-1].now_ns - steps[0].now_ns)
 
     # b: 5 guaranteed, no ceiling above it, two requests resident; c
-    # (plain, high) has more requests than fit beside them, waiting within
-    # its budget: no step lends while they wait, b is held by its
-    # guaranteed rate; then it borrows what c leaves
+    # (plain, high) has more requests than fit beside them, two resident
+    # taking the active slots, two waiting within its budget: no step lends
+    # while they wait, b is held by its guaranteed rate; then it borrows
+    # what c leaves
     tel, drv, steps, periods = traced(
         tmp_path / "b", limits(1000, {"b": 5, "c": 1000}, {"b": UNLIMITED}), is_async,
-        max_num_seqs=3)
+        max_num_seqs=4, max_num_active_seqs=2)
     monkeypatch.setattr(engine_mod.time, "monotonic_ns", drv.clock)
     reqs_b = [make_request("b", max_tokens=100) for _ in range(2)]
     b_ids = {r.request_id for r in reqs_b}

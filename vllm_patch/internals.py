@@ -66,7 +66,13 @@ vLLM", has the count before and after). The same on 0.32, 0.33 and 0.34.
      borrowing, before: ``waiting`` iterated in queue order (read only) and
      each request's ``num_tokens``, ``num_computed_tokens`` and ``status``,
      for the room a step keeps for waiting requests with budget
-     (``lending``).
+     (``lending``). With or without borrowing, when more requests wait
+     than resident slots are free: ``waiting`` iterated in queue order (read
+     only), and, when the free slots are fewer than the waiting requests of
+     users with budget, requests of users out of budget preempted with
+     ``Scheduler._preempt_request(request, timestamp)`` after
+     ``running.remove`` (as vLLM's loop pops them), ``_request_blocks_can_be_freed``
+     read (``residency``).
   2. ``Scheduler._reserve_prefill_lookahead(request, num_computed_tokens,
      num_new_tokens)``: the charge point, overridden once (never swapped per
      step). vLLM calls it for every running and waiting request right before
@@ -95,7 +101,8 @@ vLLM", has the count before and after). The same on 0.32, 0.33 and 0.34.
   request of the lowest priority, is preempted with
   ``Scheduler._preempt_request`` before vLLM picks by priority and arrival;
   ``_request_blocks_can_be_freed`` read). With FCFS none of this: vLLM
-  preempts ``running[-1]``, where the throttled requests sit.
+  preempts ``running[-1]``, where the throttled requests sit. (Preemption
+  for a resident slot, any policy: hook 1.)
 
 Observing only (subclass overrides that change nothing vLLM decides):
   - ``Scheduler.add_request``: resolves the request's user once.

@@ -66,8 +66,12 @@ class StepReport:
     #: running requests left out because the active cap was full
     cap_deferred: int = 0
     #: ids of throttled requests (or borrowers, which go first) preempted in
-    #: place of a request with budget (``--scheduling-policy priority``)
+    #: place of a request with budget: for KV blocks (``--scheduling-policy
+    #: priority``), or for a resident slot (``residency``; also counted in
+    #: ``preempted_for_slot``)
     preempted_throttled: list[str] = field(default_factory=list)
+    #: of ``preempted_throttled``, those preempted for a resident slot
+    preempted_for_slot: int = 0
     #: of ``throttled``, those held out of vLLM's loop for the whole step
     #: (the others were refused at the charge point)
     held_back: int = 0

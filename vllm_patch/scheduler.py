@@ -16,8 +16,10 @@ works at the hook points listed in ``vllm_output_rate.internals``:
   allocation): charge one token when the step samples, shrink a final
   prefill chunk to stop one position short when the budget is gone (chunked
   prefill), or skip the request (it stays in ``running`` with its KV);
-* at ``_handle_blocked_waiting_request``: skip waiting requests of users
-  without budget whose prefill cannot advance;
+* at ``_handle_blocked_waiting_request`` (``residency``): skip waiting
+  requests of users without budget whose prefill cannot advance, and keep
+  resident slots for requests with budget (preempting throttled ones for
+  them when every slot is taken);
 * after ``schedule()``: the single refund point, for every request charged in
   this step that is not in ``num_scheduled_tokens``.
 
@@ -48,6 +50,7 @@ from vllm_output_rate.request_fields import resolve_user, trusted_source
 from vllm_output_rate.borrowing import Lender
 from vllm_output_rate.lending import LendingMixin
 from vllm_output_rate.preemption import PriorityPreemptionMixin
+from vllm_output_rate.residency import ResidencyMixin
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock, take_from
 from vllm_output_rate.ordering import last_token_in_flight, longest_waiting_first, rotated
@@ -67,7 +70,7 @@ MAX_IDLE_WAIT_S = 0.05
 _RUNNING = RequestStatus.RUNNING
 
 
-class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
+class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionMixin):
     """Per-user output-token rate limit over vLLM's V1 scheduler."""
 
     #: Monotonic ns clock; tests replace it on the instance.
@@ -209,6 +212,7 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
         self._orl_begin(now)
         if self._orl_lender is not None:
             self._orl_begin_lending()
+        self._orl_make_room()
         running = len(self.running)
         # Only when more are resident than may run can the active cap bind.
         self._orl_capped = running > self._orl_base_active
@@ -501,37 +505,6 @@ class OutputRateSchedulerMixin(LendingMixin, PriorityPreemptionMixin):
         if request.output_rate_throttled_step != step - 1:
             self._orl_throttled_new.append(req_id)
         request.output_rate_throttled_step = step
-
-    def _handle_blocked_waiting_request(self, request: Request) -> bool:
-        if not super()._handle_blocked_waiting_request(request):
-            return False
-        if self._orl_block_admission:
-            # We preempted a throttled request in this step; like vLLM after
-            # its own preemptions, admit nothing new in this step.
-            return False
-        user = request.output_rate_user
-        if self._orl_left(user) > 0:
-            return True
-        if self._orl_lender is not None and self._orl_admit_borrower(request):
-            return True
-        self._orl_refused[user] = 0
-        if self._orl_chunked and self._can_hold_prefill(request) and (
-                self._orl_lender is None or self._orl_admit_room(request)):
-            return True
-        self._orl_record.waiting_skipped += 1
-        return False
-
-    def _can_hold_prefill(self, request: Request) -> bool:
-        """Whether this waiting request's prefill surely has a position to
-        compute short of its last one, whatever its prefix-cache hit (hits
-        are whole blocks of at most ``num_tokens - 1`` tokens)."""
-        if request.num_tokens - 1 - request.num_computed_tokens <= 0:
-            return False
-        return not (
-            self._orl_prefix_caching
-            and request.num_computed_tokens == 0
-            and (request.num_tokens - 1) % self.block_size == 0
-        )
 
     # -- the refund point and the step record -------------------------------
 

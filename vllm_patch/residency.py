@@ -1,0 +1,178 @@
+"""Resident slots for requests within budget: a user's throttled streams
+never keep another user's request with budget out of the engine.
+
+Throttled requests stay resident (``--max-num-seqs``: their KV blocks and
+worker slot kept) and give their active slot away. A user asking for far
+more than its rate piles up throttled streams, and once they fill every
+resident slot, a request of another user with budget waits for one of them
+to finish, which at that user's rate can take minutes (a displacement the
+real CPU engine showed in the fairness benchmark's capped arm).
+
+So when a step begins and the waiting requests of users with budget beyond
+what their resident streams take (as many of each user's as that budget
+has tokens, in queue order, at most the active slots the resident
+requests with budget leave) outnumber the free resident slots, the step frees the difference
+(``_orl_make_room``): it preempts, with vLLM's own ``_preempt_request``
+(KV blocks freed, the request back at the head of ``waiting``, recomputed
+when it is admitted again), resident requests of the users whose streams
+most exceed their budget, the latest arrival first, never one with a token
+in flight, and under ``--scheduling-policy priority`` only of the waiting
+request's priority or lower. The slots stay kept for those requests in the
+step: a waiting request of a user without budget is admitted to compute its
+prefill ahead only beside them (``_orl_resident_room``). vLLM's waiting loop
+then admits the requests with budget in its own order.
+
+The admission hook lives here too (``_handle_blocked_waiting_request``,
+hook 3 of ``internals``): a waiting request of a user with budget passes; one
+of a user without budget is admitted to borrow (``lending``) or to compute
+its prefill short of its last position (chunked prefill) beside the kept
+slots, else skipped for the step.
+
+Mixed into ``scheduler.OutputRateSchedulerMixin``, whose attributes these
+methods read; the room is made only when more requests wait than resident
+slots are free.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from vllm_output_rate.ordering import last_token_in_flight
+
+Request = Any
+
+
+class ResidencyMixin:
+    """Resident slots kept for requests within budget (see the module)."""
+
+    #: resident slots kept in this step for waiting requests with budget
+    _orl_resident_kept = 0
+
+    def _orl_make_room(self) -> None:
+        """A step begins: keep resident slots for the waiting requests of
+        users with budget, preempting throttled ones when none are free."""
+        self._orl_resident_kept = 0
+        waiting = self.waiting
+        running = self.running
+        free = self.max_num_running_reqs - len(running)
+        if not waiting or free >= len(waiting):
+            return  # every waiting request has a slot: nothing to keep
+        left = self._orl_left
+        resident: dict[str, int] = {}
+        for request in running:
+            user = request.output_rate_user
+            resident[user] = resident.get(user, 0) + 1
+        # the active slots left beside the resident requests with budget (a
+        # request kept beyond them would wait for an active slot anyway)
+        most = self._orl_base_active
+        for user, n in resident.items():
+            most -= min(n, max(left(user), 0))
+        if most <= 0:
+            return
+        wanted: dict[str, int] = {}
+        kept: list[Request] = []
+        for request in waiting:
+            user = request.output_rate_user
+            n = wanted.get(user)
+            if n is None:
+                n = left(user) - resident.get(user, 0)
+            if n > 0:
+                kept.append(request)
+                if len(kept) >= most:
+                    break
+            wanted[user] = n - 1
+        if not kept:
+            return
+        short = len(kept) - free
+        if short > 0:
+            # the latest first among the kept (vLLM admits in queue order:
+            # the first kept ones need a slot first)
+            freed = self._orl_evict(kept[:short], resident)
+            short -= freed
+        self._orl_resident_kept = len(kept) - max(short, 0)
+
+    def _orl_evict(self, for_requests: list[Request], resident: dict[str, int]) -> int:
+        """Preempt up to one resident request per ``for_requests`` entry
+        (see the module); returns how many were preempted."""
+        left = self._orl_left
+        excess = {user: n - max(left(user), 0) for user, n in resident.items()}
+        excess = {user: n for user, n in excess.items() if n > 0}
+        if not excess:
+            return 0
+        priority = self._orl_priority
+        in_flight = self._orl_async
+        can_be_freed = self._request_blocks_can_be_freed
+        record = self._orl_record
+        freed = 0
+        for request in for_requests:
+            candidates = [
+                r for r in self.running
+                if excess.get(r.output_rate_user, 0) > 0
+                and r.output_rate_user != request.output_rate_user
+                and (not priority or r.priority >= request.priority)
+                and not (in_flight and last_token_in_flight(r))
+                and can_be_freed(r)]
+            if not candidates:
+                break
+            victim = max(candidates, key=lambda r: (excess[r.output_rate_user],
+                                                    r.priority, r.arrival_time))
+            self.running.remove(victim)
+            self._preempt_request(victim, time.monotonic())
+            excess[victim.output_rate_user] -= 1
+            record.preempted_throttled.append(victim.request_id)
+            record.preempted_for_slot += 1
+            freed += 1
+        return freed
+
+    def _orl_resident_room(self) -> bool:
+        """Whether a waiting request of a user without budget may be
+        admitted in this step beside the resident slots kept for requests
+        with budget."""
+        return (len(self.running) + self._orl_held + 1 + self._orl_resident_kept
+                <= self.max_num_running_reqs)
+
+    def _orl_admitted_with_budget(self) -> None:
+        """vLLM's waiting loop admits a request with budget: one kept slot
+        is taken."""
+        if self._orl_resident_kept:
+            self._orl_resident_kept -= 1
+
+    # -- admission (hook 3 of ``internals``) --------------------------------
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        if not super()._handle_blocked_waiting_request(request):
+            return False
+        if self._orl_block_admission:
+            # We preempted a throttled request in this step; like vLLM after
+            # its own preemptions, admit nothing new in this step.
+            return False
+        user = request.output_rate_user
+        if self._orl_left(user) > 0:
+            self._orl_admitted_with_budget()
+            return True
+        # out of budget: to borrow, or to compute its prefill ahead, beside
+        # the resident slots kept for requests with budget
+        if self._orl_resident_room():
+            if self._orl_lender is not None and self._orl_admit_borrower(request):
+                return True
+            self._orl_refused[user] = 0
+            if self._orl_chunked and self._can_hold_prefill(request) and (
+                    self._orl_lender is None or self._orl_admit_room(request)):
+                return True
+        else:
+            self._orl_refused[user] = 0
+        self._orl_record.waiting_skipped += 1
+        return False
+
+    def _can_hold_prefill(self, request: Request) -> bool:
+        """Whether this waiting request's prefill surely has a position to
+        compute short of its last one, whatever its prefix-cache hit (hits
+        are whole blocks of at most ``num_tokens - 1`` tokens)."""
+        if request.num_tokens - 1 - request.num_computed_tokens <= 0:
+            return False
+        return not (
+            self._orl_prefix_caching
+            and request.num_computed_tokens == 0
+            and (request.num_tokens - 1) % self.block_size == 0
+        )
