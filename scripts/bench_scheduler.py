@@ -40,6 +40,9 @@ CPU = False
 THREAD_CPU = False
 #: --shared-state: the store URL of shared-budget mode (see measure_same)
 SHARED_STATE: str | None = None
+#: --waiting: requests of the throttled users waiting beside the resident
+#: ones (the resident set full): what a step scans for the slots it keeps
+WAITING = 0
 
 
 def build(limited: bool, running: int, users: int, throttled_share: float):
@@ -68,6 +71,10 @@ def build(limited: bool, running: int, users: int, throttled_share: float):
     )
     for i in range(running):
         sched.add_request(make_request(user_names[i * users // running], prompt_len=PROMPT, max_tokens=4000))
+    waiting_users = user_names[:throttled_users] or user_names
+    for i in range(WAITING):
+        sched.add_request(make_request(waiting_users[i % len(waiting_users)], prompt_len=PROMPT,
+                                       max_tokens=4000))
     return sched, clock
 
 
@@ -431,7 +438,7 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    global THROTTLED, CPU, THREAD_CPU, SHARED_STATE
+    global THROTTLED, CPU, THREAD_CPU, SHARED_STATE, WAITING
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
     parser.add_argument("--sizes", type=int, nargs="*", help="running requests R to measure")
@@ -466,10 +473,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shared-state", action="store_true",
                         help="with --same-scheduler: shared-budget mode (a redis-server started "
                         "on loopback, the lease thread running) vs the plain limiter")
+    parser.add_argument("--waiting", type=int, default=0,
+                        help="requests of the throttled users (of all users without any) "
+                        "waiting beside the R resident ones, which fill the resident set: "
+                        "each step looks through them for users with budget (the worst "
+                        "case of the slots a step keeps: none found)")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--block-steps", type=int, default=5)
     args = parser.parse_args(argv)
     SHARED_STATE = None
+    WAITING = args.waiting
     THROTTLED = str(args.throttled_rate)
     CPU = args.cpu
     THREAD_CPU = args.thread_cpu

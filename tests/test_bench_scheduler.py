@@ -18,7 +18,7 @@ from harness import REPO
 GRID = ["--sizes", "8", "--users", "1", "2", "--shares", "0", "0.5", "--blocks", "2",
         "--block-steps", "2", "--pairs", "1"]
 ARGS = [
-    ["--same-scheduler"],
+    ["--same-scheduler", "--waiting", "16"],
     ["--same-scheduler", "--telemetry", "--throttled-rate", "10"],
     ["--same-scheduler", "--telemetry", "--cpu", "--no-traces"],
     ["--same-scheduler", "--telemetry", "--thread-cpu", "--throttled-rate", "10"],
