@@ -226,16 +226,20 @@ def result_of(records: list[Record], elapsed: float, scrapes: dict[str, dict[str
     records: per user tokens, refusals, TTFT and spacing samples (ns),
     tokens in the busy window; borrowed tokens from the scrapes."""
     users: dict[str, dict[str, int]] = defaultdict(lambda: {"output_tokens": 0, "refused": 0,
-                                                          "borrowed_tokens": 0})
+                                                          "borrowed_tokens": 0, "unstarted": 0})
     samples: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
     busy: dict[str, int] = defaultdict(int)
     for rec in records:
         u = users[rec.user]
         u["refused"] += rec.refused
         u["output_tokens"] += rec.tokens
-        if not rec.chunks:
-            continue
         ttft, itl = samples[rec.user]
+        if not rec.chunks:
+            if not rec.refused and rec.error is None:
+                # no first token by the cut: a TTFT of at least its wait (censored)
+                u["unstarted"] += 1
+                ttft.append(int((elapsed - rec.sent) * NS))
+            continue
         ttft.append(int((rec.chunks[0][0] - rec.sent) * NS))
         prev_t, prev_n = rec.chunks[0]
         for t, n in rec.chunks[1:]:

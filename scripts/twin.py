@@ -141,6 +141,10 @@ def build_parser():
                       help="the step-time model (JSON); default: a fixed estimate")
     twin.add_argument("--no-plots", action="store_true",
                       help="no plots in report.md (per-user rate, TTFT CDF, KV held throttled)")
+    twin.add_argument("--until", type=float, default=None, metavar="SECONDS",
+                      help="stop at this virtual second even with requests left (their tokens "
+                      "so far count; those without a first token are counted unstarted); "
+                      "default: when every request has finished")
     return parser
 
 
@@ -315,8 +319,12 @@ class Twin:
             next_export = T0_NS + EXPORT_NS
             model_steps = index = 0
             pending = self.pending
+            until = self.args.until
+            until_ns = None if until is None else T0_NS + round(until * NS)
             while True:
                 now = clock()
+                if until_ns is not None and now >= until_ns:
+                    break
                 while pending and T0_NS + round(pending[0].t * NS) <= now:
                     event = pending.popleft()
                     if isinstance(event, WorkloadRequest):
@@ -389,6 +397,7 @@ class Twin:
                     {k: c[k] for k in ("t", "in_force_t", "result")} for c in self.limit_changes],
                 "step_time": {**self.step_model.to_json(), "is_estimate": self.step_model.is_estimate},
                 "virtual_s": round((end_ns - T0_NS) / NS, 6), "wall_s": round(wall_s, 3),
+                "until_s": self.args.until,
                 "steps": steps, "model_steps": model_steps,
                 "num_gpu_blocks": self.num_blocks, "options": self.options,
             },

@@ -61,11 +61,15 @@ SUMMARY_SCHEMA: dict[str, Any] = {
             "step_time": {"type": "object", "description": "the step-time model, with "
                           "is_estimate true when it is not a measurement"},
             "virtual_s": {"type": "number"}, "wall_s": {"type": "number"},
+            "until_s": {"type": ["number", "null"], "description": "--until: the virtual "
+                        "second the run was cut at (null: it ran until every request finished)"},
             "steps": {"type": "integer"}, "model_steps": {"type": "integer"},
             "requests": {"type": "integer"}, "seed": {"type": "integer"},
             "num_gpu_blocks": {"type": "integer"}, "options": {"type": "object"}}},
         "users": {"type": "object", "additionalProperties": {"type": "object", "properties": {
             "requests": {"type": "integer"}, "finished": {"type": "integer"},
+            "unstarted": {"type": "integer", "description": "requests without a first token "
+                          "when the run ended (cut by --until; not in ttft_s)"},
             "output_tokens": {"type": "integer"},
             "rate_tok_s": {"type": ["number", "null"]},
             "ttft_s": _QUANTILES_OBJ, "itl_s": _QUANTILES_OBJ,
@@ -120,6 +124,8 @@ class TwinStats:
         self.t0_ns = t0_ns
         self.tokens_by_s: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.kv_by_s: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        #: when the run ended (``finish``)
+        self.end_ns = t0_ns
         #: user -> {second: tokens borrowed}
         self.borrowed_by_s: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
 
@@ -204,6 +210,16 @@ class TwinStats:
 
     def finish(self, end_ns: int) -> None:
         self._close_throttled(end_ns)
+        self.end_ns = end_ns
+
+    def unstarted_waits(self) -> dict[str, list[int]]:
+        """Per user, how long each request without a first token had
+        waited when the run ended (ns; a run cut by ``--until``)."""
+        out: dict[str, list[int]] = defaultdict(list)
+        for user, arrival, last in self._reqs.values():
+            if last is None:
+                out[user].append(self.end_ns - arrival)
+        return dict(out)
 
     def timeline(self) -> dict[str, Any]:
         """What the plots draw: per user its tok/s and mean KV blocks held
@@ -224,12 +240,14 @@ class TwinStats:
                     for name, q in QUANTILES}
 
         out = {}
+        unstarted = {u: len(w) for u, w in self.unstarted_waits().items()}
         for user in sorted(self.users):
             u = self.users[user]
             span = u.last_ns - (u.first_ns or 0)
             rate = (u.tokens - u.first_n) / (span / NS) if u.first_ns is not None and span else None
             out[user] = {
-                "requests": u.requests, "finished": u.finished, "output_tokens": u.tokens,
+                "requests": u.requests, "finished": u.finished,
+                "unstarted": unstarted.get(user, 0), "output_tokens": u.tokens,
                 "rate_tok_s": None if rate is None else round(rate, 4),
                 "ttft_s": qs(u.ttft_ns), "itl_s": qs(u.itl_ns),
                 "throttled_s": round(u.throttled_ns / NS, 6),

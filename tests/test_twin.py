@@ -69,7 +69,9 @@ def test_each_mode_runs_the_scheduler_serve_would(tmp_path, is_async, limited):
     for r in read_workload(str(wl)).requests:
         wanted[r.user] = wanted.get(r.user, 0) + r.max_tokens
     assert {u: s["output_tokens"] for u, s in summary["users"].items()} == wanted
-    assert all(s["finished"] == s["requests"] for s in summary["users"].values())
+    assert all(s["finished"] == s["requests"] and s["unstarted"] == 0
+               for s in summary["users"].values())
+    assert run["until_s"] is None
     written = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert written == summary and written["schema"] == 1
     assert "What-if twin run" in (tmp_path / "out" / "report.md").read_text()
@@ -234,3 +236,25 @@ def test_the_docs_page_holds_the_schemas():
     doc = (REPO / "docs" / "twin.md").read_text()
     for schema in (workload.WORKLOAD_SCHEMA, STEP_TIME_SCHEMA, DEFAULT.to_json(), SUMMARY_SCHEMA):
         assert f"```json\n{json.dumps(schema, indent=2)}\n```" in doc
+
+
+def test_until_cuts_the_run_and_counts_what_never_started(tmp_path):
+    """A flooder held at 15 tok/s with 60 streams of 60 tokens needs about
+    four minutes to drain; cut at 3 virtual seconds, the run stops there,
+    the tokens so far count, the flooder's requests without a first token
+    (at 15 tok/s, most of the 60) are counted ``unstarted`` (not in its
+    TTFT samples). (A run without ``--until`` goes on until every request
+    finished: ``until_s`` null, every other test here.)"""
+    wl = gen(tmp_path, [*FLOOD[:3], "--streams", "60", *FLOOD[5:]])
+    options = ["--default-user-output-tokens-per-second", "1000",
+               "--user-output-tokens-per-second", json.dumps(LIMITS),
+               "--max-num-active-seqs", "2"]
+    t, cut = run_twin(tmp_path, wl, *options, "--until", "3", out="cut")
+    assert cut["run"]["until_s"] == 3 and 3 <= cut["run"]["virtual_s"] <= 3.1
+    flooder = cut["users"]["flooder"]
+    assert flooder["requests"] == 60 and flooder["finished"] == 0
+    assert 0 < flooder["output_tokens"] <= (3 + 0.1) * 15 + 1
+    started = flooder["requests"] - flooder["unstarted"]
+    assert flooder["unstarted"] > 0 and len(t.stats.users["flooder"].ttft_ns) == started
+    waits = t.stats.unstarted_waits()["flooder"]
+    assert len(waits) == flooder["unstarted"] and all(0 < w <= 3 * NS for w in waits)
