@@ -249,6 +249,31 @@ def test_no_lending_while_a_user_with_budget_waits_for_a_resident_slot(is_async)
     assert len(sched.running) <= 4
 
 
+@pytest.mark.parametrize("is_async", MODES)
+def test_a_borrower_gets_its_share_of_the_resident_slots(is_async):
+    """Two users with the same guaranteed rate, both unlimited above it: a
+    heavy one borrows the idle engine with more streams than resident
+    slots; a light one arrives with more streams than its budget covers.
+    Each is kept resident slots up to its share (half here), the heavy
+    user's streams preempted for the light one's, and the borrowed tokens
+    are split evenly from then on (within 5%). Without the shares the light user keeps
+    the one slot its budget won and borrows a quarter of what it should."""
+    sched, drv, clock, steps = setup(limits(1000, {"heavy": 5, "light": 5},
+                                            {"heavy": UNLIMITED, "light": UNLIMITED}),
+                                     is_async, max_num_seqs=8, max_num_active_seqs=4)
+    drv.add(*[make_request("heavy", max_tokens=3000) for _ in range(16)])
+    drv.run(50)
+    drv.add(*[make_request("light", max_tokens=3000) for _ in range(8)])
+    drv.run(50)  # settle
+    since = clock()
+    drv.run(200)
+    lent = Counter(u for s in steps if s.now_ns >= since for u in s.borrowed.values())
+    assert lent["light"] >= 0.95 * lent["heavy"] > 0, lent
+    # the heavy user down to its share; the light one as many as it borrows with
+    resident = Counter(r.output_rate_user for r in sched.running)
+    assert resident["heavy"] <= 4 and resident["light"] >= 2, resident
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     users=st.lists(st.tuples(st.sampled_from([2, 5, 20, 50]),

@@ -17,7 +17,12 @@ requests with budget leave) outnumber the free resident slots, the step frees th
 when it is admitted again), resident requests of the users whose streams
 most exceed their budget, the latest arrival first, never one with a token
 in flight, and under ``--scheduling-policy priority`` only of the waiting
-request's priority or lower. The slots stay kept for those requests in the
+request's priority or lower. With borrowing, a waiting request of a user who
+may borrow is kept a slot too while its user holds less than its share of
+the resident set (``--max-num-seqs`` split by guaranteed rate among the
+users with requests), and preempts only for a user above its share: a
+heavy borrower's backlog does not keep another borrower from its weighted
+split of what is lent. The slots stay kept for those requests in the
 step: a waiting request of a user without budget is admitted to compute its
 prefill ahead only beside them (``_orl_resident_room``). vLLM's waiting loop
 then admits the requests with budget in its own order.
@@ -47,12 +52,15 @@ class ResidencyMixin:
     """Resident slots kept for requests within budget (see the module)."""
 
     #: resident slots kept in this step for waiting requests with budget
+    #: (or, with borrowing, below their user's share), and their ids
     _orl_resident_kept = 0
+    _orl_kept_ids: set[str] = frozenset()
 
     def _orl_make_room(self) -> None:
         """A step begins: keep resident slots for the waiting requests of
         users with budget, preempting throttled ones when none are free."""
         self._orl_resident_kept = 0
+        self._orl_kept_ids = frozenset()
         waiting = self.waiting
         running = self.running
         free = self.max_num_running_reqs - len(running)
@@ -70,46 +78,75 @@ class ResidencyMixin:
             most -= min(n, max(left(user), 0))
         if most <= 0:
             return
+        # with borrowing: each user's share of the resident set (by
+        # guaranteed rate, among the users with requests), which a user who
+        # may borrow is kept slots up to
+        lender = self._orl_lender
+        share = None if lender is None else self._orl_resident_shares(resident)
+        holds = dict(resident)
         wanted: dict[str, int] = {}
         kept: list[Request] = []
+        borrowers: set[str] = set()
         for request in waiting:
             user = request.output_rate_user
             n = wanted.get(user)
             if n is None:
                 n = left(user) - resident.get(user, 0)
-            if n > 0:
-                kept.append(request)
-                if len(kept) >= most:
-                    break
             wanted[user] = n - 1
+            if n <= 0:
+                if share is None or holds.get(user, 0) + 1 > share.get(user, 0) \
+                        or not lender.may_borrow(user):
+                    continue
+                borrowers.add(request.request_id)
+            kept.append(request)
+            holds[user] = holds.get(user, 0) + 1
+            if len(kept) >= most:
+                break
         if not kept:
             return
         short = len(kept) - free
         if short > 0:
-            # the latest first among the kept (vLLM admits in queue order:
-            # the first kept ones need a slot first)
-            freed = self._orl_evict(kept[:short], resident)
+            # the first kept ones (vLLM admits in queue order)
+            freed = self._orl_evict(kept[:short], resident, share, borrowers)
             short -= freed
         self._orl_resident_kept = len(kept) - max(short, 0)
+        self._orl_kept_ids = {r.request_id for r in kept}
 
-    def _orl_evict(self, for_requests: list[Request], resident: dict[str, int]) -> int:
+    def _orl_resident_shares(self, resident: dict[str, int]) -> dict[str, float]:
+        """Each user's share of the resident slots, in proportion to its
+        guaranteed rate, among the users with requests resident or waiting."""
+        rate_of = self._orl_lender.config.rate_of
+        users = set(resident)
+        users.update(r.output_rate_user for r in self.waiting)
+        weights = {u: float(rate_of(u)) for u in users}
+        total = sum(weights.values()) or 1.0
+        slots = self.max_num_running_reqs
+        return {u: slots * w / total for u, w in weights.items()}
+
+    def _orl_evict(self, for_requests: list[Request], resident: dict[str, int],
+                   share: dict[str, float] | None = None, borrowers: set[str] = frozenset()
+                   ) -> int:
         """Preempt up to one resident request per ``for_requests`` entry
-        (see the module); returns how many were preempted."""
+        (see the module; for a request kept to borrow, only of a user above
+        its share of the resident set); returns how many were preempted."""
         left = self._orl_left
         excess = {user: n - max(left(user), 0) for user, n in resident.items()}
         excess = {user: n for user, n in excess.items() if n > 0}
         if not excess:
             return 0
+        holds = dict(resident)
         priority = self._orl_priority
         in_flight = self._orl_async
         can_be_freed = self._request_blocks_can_be_freed
         record = self._orl_record
         freed = 0
         for request in for_requests:
+            above = share if request.request_id in borrowers else None
             candidates = [
                 r for r in self.running
                 if excess.get(r.output_rate_user, 0) > 0
                 and r.output_rate_user != request.output_rate_user
+                and (above is None or holds[r.output_rate_user] > above.get(r.output_rate_user, 0))
                 and (not priority or r.priority >= request.priority)
                 and not (in_flight and last_token_in_flight(r))
                 and can_be_freed(r)]
@@ -120,6 +157,7 @@ class ResidencyMixin:
             self.running.remove(victim)
             self._preempt_request(victim, time.monotonic())
             excess[victim.output_rate_user] -= 1
+            holds[victim.output_rate_user] -= 1
             record.preempted_throttled.append(victim.request_id)
             record.preempted_for_slot += 1
             freed += 1
@@ -132,11 +170,15 @@ class ResidencyMixin:
         return (len(self.running) + self._orl_held + 1 + self._orl_resident_kept
                 <= self.max_num_running_reqs)
 
-    def _orl_admitted_with_budget(self) -> None:
-        """vLLM's waiting loop admits a request with budget: one kept slot
-        is taken."""
-        if self._orl_resident_kept:
+    def _orl_take_kept(self, request: Request, any_slot: bool = False) -> bool:
+        """vLLM's waiting loop admits ``request``: the slot kept for it (or,
+        ``any_slot``, one kept slot) is taken. Whether one was kept for it."""
+        mine = request.request_id in self._orl_kept_ids
+        if mine:
+            self._orl_kept_ids.discard(request.request_id)
+        if (mine or any_slot) and self._orl_resident_kept:
             self._orl_resident_kept -= 1
+        return mine
 
     # -- admission (hook 3 of ``internals``) --------------------------------
 
@@ -149,11 +191,11 @@ class ResidencyMixin:
             return False
         user = request.output_rate_user
         if self._orl_left(user) > 0:
-            self._orl_admitted_with_budget()
+            self._orl_take_kept(request, any_slot=True)
             return True
-        # out of budget: to borrow, or to compute its prefill ahead, beside
-        # the resident slots kept for requests with budget
-        if self._orl_resident_room():
+        # out of budget: to borrow, or to compute its prefill ahead, in a
+        # slot kept for it (to borrow), or beside the kept ones
+        if self._orl_take_kept(request) or self._orl_resident_room():
             if self._orl_lender is not None and self._orl_admit_borrower(request):
                 return True
             self._orl_refused[user] = 0
