@@ -132,12 +132,19 @@ def test_spans_of_a_real_engine_reach_an_otlp_receiver_in_the_requests_traces():
     # ms; the generation span runs from its first token to its last, the
     # engine's own times), and never longer than the request lived as the
     # client saw it (stamped before sending, and at its last chunk: an
-    # episode may start before the first token): load-proof both ways
+    # episode may start before the first token): the upper bound load-proof,
+    # the lower one checked where its premise holds (below)
     generating_us = sum(g["end_ns"] - g["start_ns"] for g in a_gens) / 1e3
     lived_us = sum(r.last - r.started for r in results if r.user == "user-a") * 1e6
     assert generating_us >= 3 * 4_000_000, generating_us  # 30 tokens at 20/3 tok/s each
-    assert 0.5 * generating_us <= total["output_rate.throttled_us"] <= lived_us, (
-        total, generating_us, lived_us)
+    assert 0 < total["output_rate.throttled_us"] <= lived_us, (total, generating_us, lived_us)
+    # (the premise of "most of it": the engine kept pace with the limit, its
+    # generation within 1.5 x what the limit takes, 29 spacings of 150 ms a
+    # stream; a machine so loaded that steps take longer than the limit's
+    # spacing throttles nobody, and the exact figure is checked in virtual
+    # time: tests/virtual_time.md)
+    if generating_us <= 1.5 * 3 * 29 * 150_000:
+        assert 0.5 * generating_us <= total["output_rate.throttled_us"], (total, generating_us)
     assert 60 <= total["output_rate.tokens_charged"] <= 90
     (b,) = [g for g in gens if g["attributes"]["output_rate.user"] == "user-b"]
     assert b["parent_span_id"] == "" and b["trace_id"] not in parents  # a trace of its own
