@@ -14,6 +14,15 @@ from collections.abc import Callable, Container
 from typing import Any
 
 
+def streams_by_user(requests: Any) -> dict[str, int]:
+    """How many of ``requests`` each user has."""
+    streams: dict[str, int] = {}
+    for request in requests:
+        user = request.output_rate_user
+        streams[user] = streams.get(user, 0) + 1
+    return streams
+
+
 def last_token_in_flight(request: Any) -> bool:
     """Async scheduling: the request's last token is in flight, and vLLM's
     ``schedule()`` passes it by (vLLM's own test, the same in 0.32 to 0.34).

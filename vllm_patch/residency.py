@@ -43,7 +43,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm_output_rate.ordering import last_token_in_flight
+from vllm_output_rate.ordering import last_token_in_flight, streams_by_user
 
 Request = Any
 
@@ -67,10 +67,7 @@ class ResidencyMixin:
         if not waiting or free >= len(waiting):
             return  # every waiting request has a slot: nothing to keep
         left = self._orl_left
-        resident: dict[str, int] = {}
-        for request in running:
-            user = request.output_rate_user
-            resident[user] = resident.get(user, 0) + 1
+        resident = streams_by_user(running)
         # the active slots left beside the resident requests with budget (a
         # request kept beyond them would wait for an active slot anyway)
         most = self._orl_base_active

@@ -53,7 +53,12 @@ from vllm_output_rate.preemption import PriorityPreemptionMixin
 from vllm_output_rate.residency import ResidencyMixin
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock, take_from
-from vllm_output_rate.ordering import last_token_in_flight, longest_waiting_first, rotated
+from vllm_output_rate.ordering import (
+    last_token_in_flight,
+    longest_waiting_first,
+    rotated,
+    streams_by_user,
+)
 from vllm_output_rate.observers import (
     LimitsChange,
     OutputRateObserver,
@@ -340,10 +345,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         is short of budget.
         """
         running = self.running
-        streams: dict[str, int] = {}
-        for request in running:
-            user = request.output_rate_user
-            streams[user] = streams.get(user, 0) + 1
+        streams = streams_by_user(running)
         # Asks the limiter once per user (the budget at the step's start).
         budget = {user: self._orl_left(user) for user in streams}
         short = any(budget[user] < n for user, n in streams.items())
