@@ -8,12 +8,16 @@ A JSON file (``STEP_TIME_SCHEMA``), version 1, kind ``linear``::
      "per_decode_s": 0.0001,        # each request decoding one token
      "per_prefill_token_s": 2e-05,  # each prompt token computed
      "per_context_token_s": 1e-08,  # each token of context the step attends to
+     "request_path_s": 0.003,       # a request's way from the server to the scheduler
      "source": "estimate" | "measured" | "hand",
      "note": "free text (the GPU, where the figures came from)"}
 
 step seconds = base_s + per_decode_s x decodes + per_prefill_token_s x
 prefill tokens + per_context_token_s x context tokens, for a step that
 schedules anything; a step that schedules nothing takes no model time.
+A request reaches the scheduler ``request_path_s`` after it arrived (the
+API server's HTTP handling, input processing and the hop to the engine
+core); its TTFT counts from its arrival.
 ``DEFAULT`` (no file given) is a fixed estimate: every report marks it so.
 """
 
@@ -46,6 +50,10 @@ STEP_TIME_SCHEMA: dict[str, Any] = {
         "per_context_token_s": {"type": "number", "minimum": 0, "default": 0,
                                 "description": "seconds per token of context attended "
                                                "(computed tokens of the scheduled requests)"},
+        "request_path_s": {"type": "number", "minimum": 0, "default": 0,
+                           "description": "seconds from a request's arrival at the server to "
+                                          "the scheduler seeing it (HTTP, input processing, "
+                                          "the hop to the engine core)"},
         "source": {"enum": list(SOURCES), "default": "hand"},
         "note": {"type": "string"},
         "fit": {"type": "object", "description": "a measured model's fit (twin calibrate): "
@@ -66,6 +74,7 @@ class StepTimeModel:
     per_decode_s: float = 0.0
     per_prefill_token_s: float = 0.0
     per_context_token_s: float = 0.0
+    request_path_s: float = 0.0
     source: str = "hand"
     note: str = ""
     kind: str = "linear"
@@ -138,7 +147,7 @@ def parse_step_time(data: Any, where: str = "step-time") -> StepTimeModel:
     if data["kind"] != "linear":
         raise StepTimeError(f"{where}: kind: expected \"linear\", got {data['kind']!r}")
     terms = {}
-    for key in TERMS:
+    for key in (*TERMS, "request_path_s"):
         value = data.get(key, 0.0)
         if (isinstance(value, bool) or not isinstance(value, (int, float))
                 or not math.isfinite(value) or value < 0):

@@ -237,16 +237,20 @@ class Twin:
         rng, vocab = self.rng, self.vocab
         prompt = [rng.randrange(10, vocab) for _ in range(req.prompt_tokens)]
         req_id = f"twin-{index}-{req.user}"
+        # the request arrived at its time in the workload, while a step ran:
+        # the engine takes it at a step boundary (its request path later), and its TTFT
+        # counts from its arrival, as a client's would
+        arrival = T0_NS + round(req.t * NS)
         if self.admission is not None:
             if not self.admission.admit(req_id, req.user, req.prompt_tokens, req.max_tokens,
-                                        self.clock()):
+                                        arrival):
                 self.stats.on_refused(req.user)
                 return
             self._sizes[req_id] = [req.prompt_tokens, 0]
         request = make_request(req.user, prompt=prompt, max_tokens=req.max_tokens,
-                               arrival_time=self.clock() / NS, block_size=self.block_size,
+                               arrival_time=arrival / NS, block_size=self.block_size,
                                req_id=req_id, priority=req.priority)
-        self.stats.on_arrival(req_id, req.user, self.clock())
+        self.stats.on_arrival(req_id, req.user, arrival)
         self.driver.add(request)
 
     def _change_limits(self, change: Any) -> None:
@@ -284,7 +288,7 @@ class Twin:
             if wake is not None:
                 targets.append(wake)
         if self.pending:
-            targets.append(T0_NS + round(self.pending[0].t * NS))
+            targets.append(self.pending[0][0])
         return max(min(targets), now + 1000) if targets else now + 1_000_000
 
     def run(self) -> dict[str, Any]:
@@ -299,7 +303,13 @@ class Twin:
                                    step_ms_of=self.step_model.step_ms_of(sched),
                                    stamp_at_end=True, on_update=self._on_update,
                                    keep_tokens=False)
-        self.pending = deque(self.workload.events)
+        # a request reaches the scheduler the step-time model's request path
+        # after its arrival; a limits change is in the file at its time
+        path_s = self.step_model.request_path_s
+        #: (when the scheduler sees it, ns; the request or limits change)
+        self.pending = deque(sorted(
+            ((T0_NS + round((e.t + (path_s if isinstance(e, WorkloadRequest) else 0.0)) * NS), e)
+             for e in self.workload.events), key=lambda p: p[0]))
         self.limit_changes: list[dict[str, Any]] = []
         limits_at_start = None
         if self.limited:
@@ -325,8 +335,8 @@ class Twin:
                 now = clock()
                 if until_ns is not None and now >= until_ns:
                     break
-                while pending and T0_NS + round(pending[0].t * NS) <= now:
-                    event = pending.popleft()
+                while pending and pending[0][0] <= now:
+                    event = pending.popleft()[1]
                     if isinstance(event, WorkloadRequest):
                         self._add(event, index)
                         index += 1
@@ -341,7 +351,7 @@ class Twin:
                         continue
                     if not pending:
                         break
-                    arrival = T0_NS + round(pending[0].t * NS)
+                    arrival = pending[0][0]
                     clock.now_ns = max(now, arrival if tel is None else min(next_export, arrival))
                     continue
                 out = drv.step()
@@ -432,6 +442,7 @@ USAGE = """usage: vllm-output-rate twin run --workload FILE --out DIR [options]
        vllm-output-rate twin calibrate --events FILE [--prompts FILE] --out FILE
        vllm-output-rate twin calibrate --url URL --model NAME --events FILE --out FILE
        vllm-output-rate twin calibrate --model DIR --gpu NAME --out FILE
+       vllm-output-rate twin accuracy --out DIR [--model DIR] [--replays N] [--workload NAME ...]
 """
 
 
@@ -472,6 +483,10 @@ def main(argv: list[str]) -> int:
         from vllm_output_rate.tools.twin_calibrate import main as calibrate_main
 
         return calibrate_main(rest)
+    if command == "accuracy":
+        from vllm_output_rate.tools.twin_accuracy import main as accuracy_main
+
+        return accuracy_main(rest)
     if command != "run":
         print(f"vllm-output-rate twin: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2

@@ -84,6 +84,73 @@ def read_prompts(path: str | None) -> dict[str, int]:
     return out
 
 
+def read_sent(path: str | None) -> dict[str, int]:
+    """``--prompts``' optional ``sent_ns``: client request id -> when the
+    client sent it (the machine's monotonic clock, ns: the engine core's)."""
+    if path is None:
+        return {}
+    out = {}
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            if "sent_ns" in obj:
+                if isinstance(obj["sent_ns"], bool) or not isinstance(obj["sent_ns"], int):
+                    raise CalibrationError(f"{path}:{i}: sent_ns: expected an integer "
+                                           f"(ns), got {obj['sent_ns']!r}")
+                out[str(obj["request_id"])] = obj["sent_ns"]
+    return out
+
+
+def request_path_fit(log: Any, sent: dict[str, int], prompts: dict[str, int],
+                     terms: dict[str, float], since_ns: int = 0) -> dict[str, Any] | None:
+    """The request path: from a request's send to the scheduler seeing it.
+    Measured on the requests sent to an idle engine (no step ended between
+    the send and the step of the request's first token, so that step began
+    when the request reached the scheduler): the first token's time, minus
+    that step's time by the fitted model, minus the send. The median is the
+    model's ``request_path_s``; None with fewer than 8 such requests."""
+    import bisect
+
+    if not sent:
+        return None
+    match_sent = _matcher(sent)
+    prompt_of = _matcher(prompts)
+    stamps = [t for t, _ in log.steps]
+    seen: set[str] = set()
+    values = []
+    for i, (t, tokens) in enumerate(log.steps):
+        decodes = prefill = 0
+        firsts = []
+        for rid, _, _ in tokens:
+            if rid in seen:
+                decodes += 1
+                continue
+            seen.add(rid)
+            s_ns = match_sent(rid)
+            if s_ns is None:
+                continue
+            prefill += prompt_of(rid) or 0
+            firsts.append(s_ns)
+        if not firsts or t < since_ns:
+            continue
+        step_ns = 1e9 * (terms["base_s"] + terms["per_decode_s"] * decodes
+                         + terms["per_prefill_token_s"] * prefill)
+        for s_ns in firsts:
+            before = bisect.bisect_left(stamps, t) - 1  # the step before this one
+            if before >= 0 and stamps[before] >= s_ns:
+                continue  # the engine was busy when the request came
+            values.append((t - step_ns - s_ns) / NS)
+    if len(values) < 8:
+        return None
+    values.sort()
+    from vllm_output_rate.tools.stats import quantile
+
+    return {"requests": len(values), "p10_s": round(quantile(values, 0.1), 6),
+            "p50_s": round(quantile(values, 0.5), 6), "p90_s": round(quantile(values, 0.9), 6)}
+
+
 def _matcher(prompts: dict[str, int]):
     """engine request id -> prompt tokens or None: the id itself, or the
     longest client id inside it (vLLM wraps the client's X-Request-Id)."""
@@ -244,10 +311,16 @@ def calibrate_from_log(events: str, prompts_path: str | None = None,
     if log.starts and log.starts[0].get("async_scheduling"):
         async_note = "; the engine scheduled asynchronously (a step's period overlaps the next)"
     fit = result["fit"]
+    path = request_path_fit(log, read_sent(prompts_path), prompts, result["terms"], since_ns)
+    fit["request_path"] = path
+    path_terms = {"request_path_s": max(0.0, path["p50_s"])} if path else {}
     note = (f"fitted on {fit['steps']} steps of {Path(events).name}: R² {fit['r2']}, "
             f"median relative error {fit['median_rel_error']}" + async_note
-            + ("" if prompts else "; no prompt lengths: prefill and context terms not fitted"))
-    return {"version": VERSION, "kind": "linear", **result["terms"], "source": "measured",
+            + ("" if prompts else "; no prompt lengths: prefill and context terms not fitted")
+            + (f"; request path {1000 * path['p50_s']:.1f} ms (median of {path['requests']} "
+               f"requests sent to an idle engine)" if path else ""))
+    return {"version": VERSION, "kind": "linear", **result["terms"], **path_terms,
+            "source": "measured",
             "note": note, "fit": fit}
 
 
@@ -402,13 +475,14 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
             text = f"{rid} {texts[rng.choice(PROMPT_TOKENS)]}"
             user = f"cal-{seq % USERS}"
             rec = StreamResult(user, rng.choice(OUTPUT_TOKENS))
+            sent_ns = time.monotonic_ns()  # the engine core's clock (one per machine)
             try:
                 await stream_into(client, base_url, chat_body(model, text, rec.max_tokens, user),
                                   rec, headers={"X-Request-Id": rid})
             except Exception as exc:  # recorded: one stream must not stop the load
                 rec.error = f"{type(exc).__name__}: {exc}"
             records.append({"request_id": rid, "prompt_tokens": rec.prompt_tokens,
-                            "phase": phase, "error": rec.error})
+                            "phase": phase, "sent_ns": sent_ns, "error": rec.error})
 
         async def slot(phase: str, until: float) -> None:
             while time.monotonic() < until:
@@ -445,7 +519,8 @@ def run_calibration_load(base_url: str, model_name: str, prompts_out: Path,
     with open(prompts_out, "w") as f:
         for rec in records:
             if rec["prompt_tokens"]:
-                f.write(json.dumps({k: rec[k] for k in ("request_id", "prompt_tokens", "phase")})
+                f.write(json.dumps({k: rec[k] for k in ("request_id", "prompt_tokens", "phase",
+                                                        "sent_ns")})
                         + "\n")
     errors = [r["error"] for r in records if r["error"]]
     return {"requests": len(records), "errors": len(errors),
@@ -482,6 +557,11 @@ def _print_fit(model: dict[str, Any], out: str) -> None:
               f"p90 {fit['p90_rel_error']:.1%}; fitted {', '.join(fit['fitted'])}"
               + (f"; fixed at 0: {', '.join(fit['fixed_at_zero'])}" if fit['fixed_at_zero'] else "")
               + (f"; not in the log: {', '.join(fit['not_in_log'])}" if fit['not_in_log'] else ""))
+        path = fit.get("request_path")
+        if path:
+            print(f"request path (send to scheduler, {path['requests']} requests sent to an idle "
+                  f"engine): p10 {path['p10_s'] * 1e3:.1f} ms, p50 {path['p50_s'] * 1e3:.1f} ms "
+                  f"(request_path_s), p90 {path['p90_s'] * 1e3:.1f} ms")
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,178 @@
+"""The twin's accuracy tool (``twin accuracy``) and the request path of
+its step-time model, without an engine: the engine-side figures computed
+from an event log are the twin's own figures on a twin run, the comparison
+rows and goals, the workloads, the request path fitted from a log and put
+into a run. The real-engine comparison itself is ``vllm-output-rate twin
+accuracy`` (docs/twin.md, "Accuracy")."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness import tiny_model
+from vllm_output_rate.telemetry.events import EngineLog
+from vllm_output_rate.tools import twin_accuracy as ta
+from vllm_output_rate.tools.step_time import parse_step_time
+from vllm_output_rate.tools.twin import T0_NS, Twin
+from vllm_output_rate.tools.twin_calibrate import request_path_fit
+from vllm_output_rate.tools.workload import LimitsChangeAt, WorkloadRequest, read_workload
+
+NS = 1_000_000_000
+
+
+def _twin(tmp_path, wl, extra=(), step=None):
+    path, limits = ta.write_workload(wl, tmp_path)
+    argv = ["--workload", str(path), "--out", str(tmp_path / "twin"), "--model", tiny_model(),
+            "--no-plots", *ta.SERVE_ARGS, "--output-rate-limits-file", str(limits), *extra]
+    if step is not None:
+        (tmp_path / "step.json").write_text(json.dumps(step))
+        argv += ["--step-time", str(tmp_path / "step.json")]
+    return path, Twin(argv).run()
+
+
+def _arrivals(path):
+    """The twin's request ids and arrivals (ns on its clock), in its order."""
+    out, i = {}, 0
+    for line in path.read_text().splitlines():
+        obj = json.loads(line)
+        if "user" in obj:
+            out[f"twin-{i}-{obj['user']}"] = (obj["user"], T0_NS + round(obj["t"] * NS))
+            i += 1
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiers", "bursts"])
+def test_the_event_log_figures_of_a_twin_run_are_the_twins_own(tmp_path, name):
+    """What the tool computes for a real engine from its event log and the
+    clients' sends is, on a twin run (async scheduling: its log stamps each
+    step's tokens when the step's output is applied, as the summary does),
+    exactly the twin's summary: rate, TTFT and spacing quantiles, counts."""
+    wl = ta.WORKLOADS[name](3, 8.0)
+    path, summary = _twin(tmp_path, wl, ["--async-scheduling", "--until", "12"])
+    log = EngineLog.read(tmp_path / "twin" / "events.jsonl")
+    end = T0_NS + round(summary["run"]["virtual_s"] * NS)
+    figures = ta.figures_from_log(log, _arrivals(path), end)
+    assert figures.keys() == summary["users"].keys() and len(figures) >= 4
+    keys = ("requests", "finished", "unstarted", "output_tokens", "rate_tok_s", "ttft_s", "itl_s")
+    for user, fig in figures.items():
+        assert fig == {k: summary["users"][user][k] for k in keys}, user
+    assert any(f["ttft_s"]["p90"] for f in figures.values())
+    # tokens after the cut are not counted, nor requests outside the arrivals
+    early = ta.figures_from_log(log, _arrivals(path), T0_NS + 4 * NS)
+    assert sum(f["output_tokens"] for f in early.values()) < sum(
+        f["output_tokens"] for f in figures.values())
+    some = dict(list(_arrivals(path).items())[:5])
+    assert sum(f["requests"] for f in ta.figures_from_log(log, some).values()) == 5
+
+
+def test_a_live_change_in_an_accuracy_workload_reaches_the_twin(tmp_path):
+    wl = ta.tiers(1, 10.0)
+    path, summary = _twin(tmp_path, wl, ["--until", "14"])
+    events = read_workload(str(path)).events
+    assert sum(isinstance(e, LimitsChangeAt) for e in events) == 1
+    assert sum(isinstance(e, WorkloadRequest) for e in events) == len(wl.lines)
+    (change,) = summary["run"]["limits_changes"]
+    assert change["t"] == 5.0 and change["result"] == "loaded"
+    assert 5.0 <= change["in_force_t"] < 5.1
+    # a free user's rate falls from 10 to 5 tok/s: over the run, in between
+    free = summary["users"]["free-0"]
+    assert 5 < free["rate_tok_s"] < 10
+
+
+def test_the_workloads_are_seeded_and_fit_the_engine():
+    for make in ta.WORKLOADS.values():
+        a, b = make(7, 30.0), make(7, 30.0)
+        assert a.lines == b.lines and a.lines != make(8, 30.0).lines
+        assert all(x["prompt_tokens"] + x["max_tokens"] <= 1024 for x in a.lines)
+        assert a.lines == sorted(a.lines, key=lambda x: x["t"])
+        assert "open" in {x["user"] for x in a.lines} and a.unlimited_users() == {"open"}
+        assert all(0 <= x["t"] < 30.0 for x in a.lines)
+
+
+def test_compare_rows_median_spread_error_and_goals():
+    real = [{"u": {"rate_tok_s": 10.0, "ttft_s": {"p50": 0.100, "p90": 0.200},
+                   "itl_s": {"p50": 0.004, "p90": 0.006}}},
+            {"u": {"rate_tok_s": 10.4, "ttft_s": {"p50": 0.120, "p90": 0.260},
+                   "itl_s": {"p50": 0.005, "p90": 0.007}}},
+            {"u": {"rate_tok_s": 9.8, "ttft_s": {"p50": 0.110, "p90": 0.240},
+                   "itl_s": {"p50": 0.006, "p90": 0.008}}}]
+    twin = {"u": {"rate_tok_s": 10.3, "ttft_s": {"p50": 0.125, "p90": 0.270},
+                  "itl_s": {"p50": 0.0149, "p90": 0.0185}}}
+    rows = {r["figure"]: r for r in ta.compare(real, twin, unlimited=set())}
+    rate = rows["rate"]
+    assert rate["median"] == 10.0 and rate["error"] == pytest.approx(0.03)
+    assert rate["goal"] == 0.02 and rate["met"] is False  # a limited user: 2%
+    assert ta.compare(real, twin, unlimited={"u"})[0]["met"] is True  # unlimited: 10%
+    # the real runs' own spread: each against the median of the other two
+    assert rate["real_spread"] == pytest.approx(max(abs(10 - 10.1) / 10.1, abs(10.4 - 9.9) / 9.9,
+                                                    abs(9.8 - 10.2) / 10.2))
+    p50 = rows["TTFT p50"]
+    assert p50["median"] == 0.110 and p50["error"] == pytest.approx(0.15 / 1.1)
+    assert p50["met"] is False  # 13.6% > 10% and 15 ms > 10 ms
+    assert rows["TTFT p90"]["met"] is True  # 12.5% <= 15%
+    sp = rows["spacing p50"]
+    assert sp["error"] == pytest.approx(1.98) and sp["met"] is True  # 9.9 ms: a small figure
+    assert rows["spacing p90"]["met"] is False  # 11.5 ms off
+    # a user the twin never served: no error, not counted
+    rows = ta.compare(real, {}, unlimited=set())
+    assert {r["met"] for r in rows} == {None}
+    assert "Goals met: 2 of 5" in ta.render({"step_time": {}, "workloads": {"w": {
+        "replays": 3, "errors": 0, "rows": ta.compare(real, twin, set())}}})
+
+
+def _log(lines):
+    return EngineLog.from_lines([json.dumps(x) for x in lines])
+
+
+def test_the_request_path_is_fitted_on_requests_sent_to_an_idle_engine():
+    """A request sent to an idle engine: its first token comes one step
+    (by the model) after it reached the scheduler; requests sent while a
+    step ran tell nothing and are left out."""
+    terms = {"base_s": 0.002, "per_decode_s": 0.001, "per_prefill_token_s": 0.0001}
+    lines, sent, prompts = [], {}, {}
+    t = 10 * NS
+    for i in range(12):
+        rid = f"cal-{i:03d}"
+        sent[rid], prompts[rid] = t, 10
+        path = (3 + i % 3) * 1_000_000  # 3, 4 or 5 ms
+        first = t + path + 3_000_000  # base 2 ms + 10 prompt tokens x 0.1 ms
+        lines.append({"kind": "tokens", "t_ns": first, "tokens": [[f"cmpl-{rid}-0", "u", 1]]})
+        lines.append({"kind": "tokens", "t_ns": first + 3_000_000,
+                      "tokens": [[f"cmpl-{rid}-0", "u", 1]]})
+        t += NS
+    busy = "cal-busy"  # sent while a step ran: left out
+    sent[busy], prompts[busy] = t + 1_000_000, 10
+    lines.append({"kind": "tokens", "t_ns": t + 2_000_000, "tokens": [["cmpl-cal-000-0", "u", 1]]})
+    lines.append({"kind": "tokens", "t_ns": t + 50_000_000,
+                  "tokens": [["cmpl-cal-000-0", "u", 1], [f"cmpl-{busy}-0", "u", 1]]})
+    fit = request_path_fit(_log(lines), sent, prompts, terms)
+    assert fit["requests"] == 12
+    assert fit["p50_s"] == pytest.approx(0.004) and fit["p10_s"] == pytest.approx(0.003)
+    assert fit["p90_s"] == pytest.approx(0.005)
+    assert request_path_fit(_log(lines[:10]), sent, prompts, terms) is None  # fewer than 8
+    assert request_path_fit(_log(lines), {}, prompts, terms) is None
+
+
+def test_the_twin_puts_a_request_on_the_scheduler_its_request_path_after_arrival(tmp_path):
+    """With ``request_path_s`` the twin sees a request that much later and
+    counts its TTFT from its arrival: alone on an idle engine, TTFT = path
+    + one step, exactly."""
+    step = {"version": 1, "kind": "linear", "base_s": 0.01, "source": "hand"}
+    wl = ta.AccuracyWorkload("alone", [ta._req(1.0, "open", 16, 4), ta._req(3.0, "open", 16, 4)],
+                             "default: 100000\n")
+    _, base = _twin(tmp_path / "a", wl, step=step)
+    _, late = _twin(tmp_path / "b", wl, step={**step, "request_path_s": 0.007})
+    assert base["users"]["open"]["ttft_s"]["p50"] == pytest.approx(0.010)
+    assert late["users"]["open"]["ttft_s"]["p50"] == pytest.approx(0.017)
+    assert late["run"]["step_time"]["request_path_s"] == 0.007
+    assert parse_step_time({**step, "request_path_s": 0.002}).request_path_s == 0.002
+    with pytest.raises(ValueError, match="request_path_s"):
+        parse_step_time({**step, "request_path_s": -1})
+
+
+def test_the_kv_size_is_read_from_the_engine_log():
+    assert ta.kv_tokens_of("INFO ... [kv_cache_utils.py:1234] GPU KV cache size: 131,072 tokens") \
+        == 131072
+    assert ta.kv_tokens_of("nothing") is None
