@@ -278,7 +278,9 @@ class Driver:
     a synchronous step's output is applied after the clock moved by its
     time (when the model would have finished it), not before.
     ``on_update(engine outputs, now_ns)`` sees every update's outputs;
-    ``keep_tokens`` False leaves ``tokens`` and ``finished`` empty.
+    ``keep_tokens`` False leaves ``tokens``, ``finished`` and ``outputs``
+    empty (a long run's memory stays flat: every ``SchedulerOutput`` kept
+    holds a list per scheduled request).
     """
 
     scheduler: Any
@@ -302,7 +304,8 @@ class Driver:
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
-        self.outputs.append(out)
+        if self.keep_tokens:
+            self.outputs.append(out)
         self.steps += 1
         mro = model_output_for(self.scheduler, out)
         self._pending.append((out, mro))

@@ -21,11 +21,14 @@ Everything is in virtual time (the twin's clock, ns). Per user:
   benchmark's gateway arm).
 
 Quantiles interpolate linearly (``tools.stats.quantile``); null when a user
-has no such sample.
+has no such sample. The samples are kept exactly, as 8-byte integers
+(``array``): a long run's millions of spacings are neither a Python object
+each nor a list the garbage collector walks.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,8 +99,8 @@ class _User:
     first_ns: int | None = None
     first_n: int = 0
     last_ns: int = 0
-    ttft_ns: list[int] = field(default_factory=list)
-    itl_ns: list[int] = field(default_factory=list)
+    ttft_ns: array = field(default_factory=lambda: array("q"))
+    itl_ns: array = field(default_factory=lambda: array("q"))
     throttled_ns: int = 0
     throttled_req_ns: int = 0
     kv_block_ns: int = 0
