@@ -33,7 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
              "mixed load for a long while: conformance, completion, memory and step-time slopes"),
     "twin": ("vllm_output_rate.tools.twin",
              "what-if twin: vLLM's scheduler and the limiter on a workload in virtual time "
-             "(run, compare, workload, calibrate)"),
+             "(run, compare, workload, calibrate, scale)"),
     "fairness": ("vllm_output_rate.tools.fairness",
                  "fairness benchmark: FCFS, priority, a gateway's token limit, capped and "
                  "borrowing on the same workloads, side by side"),

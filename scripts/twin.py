@@ -461,6 +461,7 @@ USAGE = """usage: vllm-output-rate twin run --workload FILE --out DIR [options]
        vllm-output-rate twin calibrate --url URL --model NAME --events FILE --out FILE
        vllm-output-rate twin calibrate --model DIR --gpu NAME --out FILE
        vllm-output-rate twin accuracy --out DIR [--model DIR] [--replays N] [--workload NAME ...]
+       vllm-output-rate twin scale --out DIR [--sizes R ...] [--users U ...] [options]
 """
 
 
@@ -486,6 +487,22 @@ def compare_main(argv: list[str]) -> int:
     return 0
 
 
+def scale_main(argv: list[str]) -> int:
+    from vllm_output_rate.config import OutputRateConfigError
+    from vllm_output_rate.tools import twin_scale
+
+    if argv and argv[0] in ("-h", "--help"):
+        twin_scale.build_parser().print_help()
+        return 0
+    try:
+        doc = twin_scale.run_scale(argv, Twin)
+    except (twin_scale.ScaleError, TwinError, OutputRateConfigError) as exc:
+        print(f"vllm-output-rate twin scale: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{len(doc['cells'])} cells: {doc['facts']['out']}/scale.md, scale.json")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
@@ -505,6 +522,8 @@ def main(argv: list[str]) -> int:
         from vllm_output_rate.tools.twin_accuracy import main as accuracy_main
 
         return accuracy_main(rest)
+    if command == "scale":
+        return scale_main(rest)
     if command != "run":
         print(f"vllm-output-rate twin: unknown command {command!r}\n{USAGE}", file=sys.stderr)
         return 2

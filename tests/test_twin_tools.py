@@ -1,5 +1,5 @@
 """The what-if twin's tools beside ``twin run``: ``twin compare``, the
-BurstGPT converter and ``twin calibrate`` (the fit on a synthetic log made
+BurstGPT converter, ``twin scale`` (a tiny grid) and ``twin calibrate`` (the fit on a synthetic log made
 by the twin from a known model, the fit on a log recorded once from a real
 CPU engine, the roofline estimate). No engine is started, nothing depends
 on the wall clock."""
@@ -12,7 +12,7 @@ import json
 import pytest
 
 from harness import REPO, tiny_model
-from vllm_output_rate.tools import twin, twin_calibrate, workload
+from vllm_output_rate.tools import twin, twin_calibrate, twin_scale, workload
 from vllm_output_rate.tools.step_time import TERMS, load_step_time
 from vllm_output_rate.tools.twin import Twin
 from vllm_output_rate.tools.twin_calibrate import CalibrationError, calibrate_from_log
@@ -255,3 +255,65 @@ def test_the_docs_page_holds_the_compare_schema():
     doc = (REPO / "docs" / "twin.md").read_text()
     assert f"```json\n{json.dumps(COMPARE_SCHEMA, indent=2)}\n```" in doc
     assert " ".join(twin_calibrate.GPUS) in doc
+
+
+# --------------------------------------------------------------------------- scale
+
+
+def test_scale_keeps_r_resident_and_samples_memory(tmp_path):
+    """``twin scale`` on a tiny grid, in this process: every cell keeps R
+    requests resident for the virtual seconds asked, the limited arm
+    throttles the heavy users' streams and upstream none, the memory run
+    samples at each virtual interval; scale.json and scale.md hold it all.
+    Wall times are recorded, never checked."""
+    out = tmp_path / "scale"
+    doc = twin_scale.run_scale([
+        "--out", str(out), "--sizes", "8", "--users", "2", "50", "--virtual-s", "3",
+        "--memory-s", "4", "--memory-every-s", "1", "--memory-size", "8",
+        "--memory-users", "4", "--in-process"], Twin)
+    cells = doc["cells"]
+    assert [(c["size"], c["users"], c["arm"]) for c in cells] == [
+        (8, 2, "limited"), (8, 2, "upstream"), (8, 50, "limited"), (8, 50, "upstream")]
+    for c in cells:
+        assert c["virtual_s"] == pytest.approx(3.0, abs=twin_scale.STEP_S)
+        # a step every 25 ms, each running the model: R held throughout
+        assert c["steps"] == c["model_steps"] == pytest.approx(3.0 / twin_scale.STEP_S, abs=1)
+        assert c["resident_min"] == c["resident_max"] == 8 and c["waiting_mean"] > 0
+        assert c["speed"] > 0 and c["steps_per_s"] > 0 and c["peak_rss_mib"] > 0
+        assert (c["limit_tok_s"] == 80.0) == (c["arm"] == "limited")
+        assert (c["scheduler"].endswith("OutputRateScheduler")) == (c["arm"] == "limited")
+        assert (out / "runs" / f"R8-U{c['users']}-{c['arm']}.summary.json").exists()
+    assert cells[0]["throttled_share"] > 0.3 and cells[1]["throttled_share"] == 0
+    mem = doc["memory"]
+    assert [s["t"] for s in mem["samples"]] == [1.0, 2.0, 3.0, 4.0]
+    assert all(s["resident"] == 8 and s["rss_mib"] > 0 for s in mem["samples"])
+    assert mem["samples"][-1]["kept_samples"] > mem["samples"][0]["kept_samples"]
+    assert mem["growth_mib"] == pytest.approx(mem["last_mib"] - mem["first_mib"], abs=0.11)
+    saved = json.loads((out / "scale.json").read_text())
+    assert set(saved) == {"facts", "cells", "memory"}
+    assert {"command", "date", "commit", "load_before", "cpus"} <= set(saved["facts"])
+    table = (out / "scale.md").read_text()
+    assert "| 8 | 50 | upstream |" in table and "Memory: R=8" in table
+
+
+def test_scale_workload_and_child_process():
+    """The workload: R + R/8 at 0 s, then arrivals at 1.1 times what the arm
+    serves, users drawn by Zipf weight; a cell's child process hands back
+    its result, or its error."""
+    lines = twin_scale.workload_lines(64, 16, "upstream", 30.0, seed=1)
+    assert sum(1 for line in lines if line["t"] == 0) == 64 + 8
+    rate = twin_scale.OVERLOAD * 64 / twin_scale.STEP_S / 400  # mean output 400 tokens
+    assert len(lines) - 72 == pytest.approx(30 * rate, rel=0.1)
+    users = [line["user"] for line in lines]
+    assert users.count("user-0") > 3 * users.count("user-15")
+    assert all(32 <= line["prompt_tokens"] <= 128 and 200 <= line["max_tokens"] <= 600
+               for line in lines)
+    # limited: each user's expected streams (64 x its Zipf weight), up to 2
+    h = sum(1 / (k + 1) for k in range(16))
+    streams = sum(min(64 / ((k + 1) * h), 2.0) for k in range(16))
+    assert twin_scale.served_tok_s(64, 16, "limited", 2.0) == pytest.approx(
+        streams / twin_scale.STEP_S)
+    assert twin_scale.served_tok_s(64, 16, "upstream", 2.0) == 64 / twin_scale.STEP_S
+    assert twin_scale.in_child(pow, 2, 10) == 1024
+    with pytest.raises(twin_scale.ScaleError, match="ZeroDivisionError"):
+        twin_scale.in_child(divmod, 1, 0)
