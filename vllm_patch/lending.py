@@ -34,7 +34,6 @@ from vllm.v1.request import RequestStatus
 from vllm_output_rate.borrowing import NO_CEILING, Lender
 from vllm_output_rate.config import OutputRateConfig
 from vllm_output_rate.observers import StepReport
-from vllm_output_rate.ordering import streams_by_user
 
 Request = Any
 _RUNNING = RequestStatus.RUNNING
@@ -84,7 +83,7 @@ class LendingMixin:
             return
         room = min(self.max_num_running_reqs - len(self.running), self._orl_base_active)
         # a user's budget beyond what its resident requests take first
-        resident = streams_by_user(self.running)
+        resident = self._orl_streams()
         wanted: dict[str, int] = {}
         kept = self._orl_kept
         may, slots = self._orl_lender.may_borrow, self._orl_base_active

@@ -43,7 +43,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from vllm_output_rate.ordering import last_token_in_flight, streams_by_user
+from vllm_output_rate.ordering import last_token_in_flight
 
 Request = Any
 
@@ -67,12 +67,13 @@ class ResidencyMixin:
         if not waiting or free >= len(waiting):
             return  # every waiting request has a slot: nothing to keep
         left = self._orl_left
-        resident = streams_by_user(running)
+        resident = self._orl_streams()
         # the active slots left beside the resident requests with budget (a
         # request kept beyond them would wait for an active slot anyway)
         most = self._orl_base_active
+        budgets = self._orl_budgets()
         for user, n in resident.items():
-            most -= min(n, max(left(user), 0))
+            most -= min(n, max(budgets[user], 0))
         if most <= 0:
             return
         # with borrowing: each user's share of the resident set (by
@@ -125,9 +126,10 @@ class ResidencyMixin:
                    ) -> int:
         """Preempt up to one resident request per ``for_requests`` entry
         (see the module; for a request kept to borrow, only of a user above
-        its share of the resident set); returns how many were preempted."""
-        left = self._orl_left
-        excess = {user: n - max(left(user), 0) for user, n in resident.items()}
+        its share of the resident set); returns how many were preempted,
+        each taken off ``resident`` (the step's count, ``_orl_streams``)."""
+        budgets = self._orl_budgets()
+        excess = {user: n - max(budgets[user], 0) for user, n in resident.items()}
         excess = {user: n for user, n in excess.items() if n > 0}
         if not excess:
             return 0
@@ -136,25 +138,35 @@ class ResidencyMixin:
         in_flight = self._orl_async
         can_be_freed = self._request_blocks_can_be_freed
         record = self._orl_record
+        # those that may go for any request (in ``running``'s order; what
+        # each test reads is the request's own, unchanged by another's
+        # preemption): looked at once, not once per victim
+        pool = [r for r in self.running
+                if r.output_rate_user in excess
+                and not (in_flight and last_token_in_flight(r))
+                and can_be_freed(r)]
         freed = 0
         for request in for_requests:
             above = share if request.request_id in borrowers else None
             candidates = [
-                r for r in self.running
-                if excess.get(r.output_rate_user, 0) > 0
+                r for r in pool
+                if excess[r.output_rate_user] > 0
                 and r.output_rate_user != request.output_rate_user
                 and (above is None or holds[r.output_rate_user] > above.get(r.output_rate_user, 0))
-                and (not priority or r.priority >= request.priority)
-                and not (in_flight and last_token_in_flight(r))
-                and can_be_freed(r)]
+                and (not priority or r.priority >= request.priority)]
             if not candidates:
                 break
             victim = max(candidates, key=lambda r: (excess[r.output_rate_user],
                                                     r.priority, r.arrival_time))
+            pool.remove(victim)
             self.running.remove(victim)
             self._preempt_request(victim, time.monotonic())
-            excess[victim.output_rate_user] -= 1
-            holds[victim.output_rate_user] -= 1
+            user = victim.output_rate_user
+            excess[user] -= 1
+            holds[user] -= 1
+            resident[user] -= 1  # (the step's count of ``running``)
+            if not resident[user]:
+                del resident[user]
             record.preempted_throttled.append(victim.request_id)
             record.preempted_for_slot += 1
             freed += 1

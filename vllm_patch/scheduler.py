@@ -317,6 +317,10 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         self._orl_throttled_running = 0
         self._orl_active = 0
         self._orl_block_admission = False
+        #: user -> its requests in ``running``, and its budget, at the
+        #: step's start (``_orl_streams``, ``_orl_budgets``)
+        self._orl_step_streams: dict[str, int] | None = None
+        self._orl_step_budgets: dict[str, int] | None = None
         begin = self._orl_limiter_begin
         if begin is not None:
             begin(now)
@@ -335,6 +339,26 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             if users is None or request.output_rate_user in users:
                 request.output_rate_state = None
 
+    def _orl_streams(self) -> dict[str, int]:
+        """How many requests of ``running`` each user has, counted once in a
+        step, before vLLM's ``schedule()`` (lending's room, residency's and
+        the running order read it; a request residency preempts is taken
+        off)."""
+        streams = self._orl_step_streams
+        if streams is None:
+            streams = self._orl_step_streams = streams_by_user(self.running)
+        return streams
+
+    def _orl_budgets(self) -> dict[str, int]:
+        """Each user of ``running``'s budget at the step's start, the
+        limiter asked once per user (nothing is charged before vLLM's
+        ``schedule()``); not to be changed (copy it)."""
+        budgets = self._orl_step_budgets
+        if budgets is None:
+            left = self._orl_left
+            budgets = self._orl_step_budgets = {user: left(user) for user in self._orl_streams()}
+        return budgets
+
     def _orl_order_running(self) -> list[Request] | None:
         """Rotate, move users without budget back, longest-waiting user first.
 
@@ -345,9 +369,8 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         is short of budget.
         """
         running = self.running
-        streams = streams_by_user(running)
-        # Asks the limiter once per user (the budget at the step's start).
-        budget = {user: self._orl_left(user) for user in streams}
+        streams = self._orl_streams()
+        budget = dict(self._orl_budgets())  # (taken from as requests are ordered)
         short = any(budget[user] < n for user, n in streams.items())
         cap_binds = len(running) > self._orl_base_active
         if not short and not cap_binds:
