@@ -453,8 +453,45 @@ def _val(x: float | None, name: str) -> str:
     return f"{x:.1f}" if name == "rate" else f"{1000 * x:.1f}"
 
 
+def overview(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per figure (the rate split into limited and unlimited users), over
+    every workload and user: the twin's median and largest |error|, the
+    real runs' median and largest own spread, the goals met."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for wl in result["workloads"].values():
+        unlimited = set(wl.get("unlimited", ["open"]))
+        for row in wl["rows"]:
+            if row["met"] is None:
+                continue
+            name = row["figure"]
+            if name == "rate":
+                name = "rate, unlimited" if row["user"] in unlimited else "rate, limited"
+            groups[name].append(row)
+    out = []
+    for name in ("rate, limited", "rate, unlimited", *(f for f, _, _ in FIGURES[1:])):
+        rows = groups.get(name)
+        if not rows:
+            continue
+        errors = sorted(abs(r["error"]) for r in rows)
+        spread = sorted(r["real_spread"] for r in rows if r["real_spread"] is not None)
+        out.append({"figure": name, "n": len(rows), "met": sum(bool(r["met"]) for r in rows),
+                    "error_median": statistics.median(errors), "error_max": errors[-1],
+                    "spread_median": statistics.median(spread) if spread else None,
+                    "spread_max": spread[-1] if spread else None,
+                    "goal": rows[0]["goal"]})
+    return out
+
+
 def render(result: dict[str, Any]) -> str:
-    lines = [f"Step time: {result['step_time'].get('note', '')}", ""]
+    lines = [f"Step time: {result['step_time'].get('note', '')}", "",
+             "| figure | users x workloads | goal met | twin's \\|error\\| median | largest "
+             "| real runs' own spread median | largest | goal |",
+             "|---|---|---|---|---|---|---|---|"]
+    for o in overview(result):
+        lines.append(f"| {o['figure']} | {o['n']} | {o['met']} | {100 * o['error_median']:.1f}% "
+                     f"| {100 * o['error_max']:.1f}% | {_pct(o['spread_median']).lstrip('+')} "
+                     f"| {_pct(o['spread_max']).lstrip('+')} | {100 * o['goal']:.0f}% |")
+    lines.append("")
     met = total = 0
     for name, wl in result["workloads"].items():
         lines += [f"### {name}", "",
@@ -530,7 +567,8 @@ def main(argv: list[str]) -> int:
         result["workloads"][name] = {
             "replays": len(runs), "errors": sum(len(r["errors"]) for r in runs),
             "first_error": next((e for r in runs for e in r["errors"]), None),
-            "real": runs, "twin": summary["users"], "twin_run": summary["run"], "rows": rows}
+            "real": runs, "twin": summary["users"], "twin_run": summary["run"], "rows": rows,
+            "unlimited": sorted(wl.unlimited_users())}
         (out / "accuracy.json").write_text(json.dumps(result, indent=1) + "\n")
     result["wall_s"] = round(time.monotonic() - began, 1)
     (out / "accuracy.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -118,8 +118,14 @@ def test_compare_rows_median_spread_error_and_goals():
     # a user the twin never served: no error, not counted
     rows = ta.compare(real, {}, unlimited=set())
     assert {r["met"] for r in rows} == {None}
-    assert "Goals met: 2 of 5" in ta.render({"step_time": {}, "workloads": {"w": {
-        "replays": 3, "errors": 0, "rows": ta.compare(real, twin, set())}}})
+    result = {"step_time": {}, "workloads": {"w": {
+        "replays": 3, "errors": 0, "rows": ta.compare(real, twin, set()), "unlimited": []}}}
+    assert "Goals met: 2 of 5" in ta.render(result)
+    over = {o["figure"]: o for o in ta.overview(result)}
+    assert over["rate, limited"]["met"] == 0 and over["rate, limited"]["n"] == 1
+    assert "rate, unlimited" not in over
+    assert over["TTFT p90"]["error_max"] == pytest.approx(0.125)
+    assert over["spacing p50"]["spread_max"] == pytest.approx(1 / 3)  # 6 ms vs 4.5 ms
 
 
 def _log(lines):
