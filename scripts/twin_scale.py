@@ -20,17 +20,17 @@ ones). Two arms:
 * ``limited``: the plugin's scheduler with its telemetry (the event log
   written), every user at 80 tok/s (``--default-user-output-tokens-per-second``:
   two streams at full speed), so a user with more than two streams
-  resident is paced: from 35% (10,000 users) to 97% (16) of the resident
-  streams throttled; arrivals at 1.1 times what the users' expected
-  streams may take under their limits;
+  resident is paced (19% to 98% of the resident request-seconds throttled
+  in BENCHMARKS.md's grid); arrivals at 1.1 times what the users' expected
+  streams may take under their limits (an estimate: the waiting queue
+  grows when they take less);
 * ``upstream``: vLLM's own scheduler, no limits; arrivals at 1.1 times the
   capacity (R tokens every 25 ms).
 
-Every user at one limit below a single stream's speed (each user paced,
-none for long) makes the limited arm preempt for residency at every step
-rather than keep R resident (``--limit-streams`` below 1 shows it: the
-preempted requests' prefills, recomputed, are what the 25 ms step cannot
-hold).
+With users drawn uniformly, more of them than resident slots and every
+one limited below a single stream's speed, residency preempts a throttled
+stream for each waiting request with budget at every step, and the resident
+set falls well below R (BENCHMARKS.md); the Zipf users keep it at R.
 
 Per cell: virtual s per wall s (1.0 keeps up with real time), steps per
 wall s, wall ms per step, the resident and waiting requests (mean of a
