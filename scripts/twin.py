@@ -521,7 +521,7 @@ def main(argv: list[str]) -> int:
     if command == "accuracy":
         from vllm_output_rate.tools.twin_accuracy import main as accuracy_main
 
-        return accuracy_main(rest)
+        return accuracy_main(rest, Twin)
     if command == "scale":
         return scale_main(rest)
     if command != "run":

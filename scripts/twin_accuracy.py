@@ -45,7 +45,6 @@ import random
 import re
 import signal
 import statistics
-import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -421,12 +420,12 @@ def calibrate(work: Path, model: str, seconds: float) -> dict[str, Any]:
     return model_json
 
 
-def twin_run(wl: AccuracyWorkload, work: Path, model: str, step_time: Path, is_async: bool,
-             kv_tokens: int | None, seed: int) -> dict[str, Any]:
-    """The twin on the workload with the real engine's options, cut where
-    the real runs were."""
-    from vllm_output_rate.tools.twin import Twin
-
+def twin_run(twin_cls: Any, wl: AccuracyWorkload, work: Path, model: str, step_time: Path,
+             is_async: bool, kv_tokens: int | None, seed: int) -> dict[str, Any]:
+    """The twin (``twin_cls``: ``tools.twin.Twin``, given by its caller)
+    on the workload with the real engine's options, cut where the real
+    runs were."""
+    Twin = twin_cls
     workload, limits = write_workload(wl, work)
     argv = ["--workload", str(workload), "--out", str(work / "twin"), "--model", model,
             "--step-time", str(step_time), "--no-plots", "--seed", str(seed),
@@ -518,7 +517,9 @@ def render(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], twin_cls: Any) -> int:
+    """``vllm-output-rate twin accuracy`` (``tools.twin`` calls it with its
+    ``Twin``: this module does not import that one, which imports it)."""
     parser = argparse.ArgumentParser(
         prog="vllm-output-rate twin accuracy",
         description="Replay workloads on fresh real engines and in the twin (calibrated on the "
@@ -561,7 +562,7 @@ def main(argv: list[str]) -> int:
             print(f"{name}: real run {k + 1} of {args.replays} ...", flush=True)
             runs.append(real_run(wl, out / name / f"real-{k + 1}", model, vocab, args.seed + k))
         print(f"{name}: the twin ...", flush=True)
-        summary = twin_run(wl, out / name, model, step_path, runs[0]["async_scheduling"],
+        summary = twin_run(twin_cls, wl, out / name, model, step_path, runs[0]["async_scheduling"],
                            runs[0]["kv_tokens"], args.seed)
         rows = compare([r["figures"] for r in runs], summary["users"], wl.unlimited_users())
         result["workloads"][name] = {
@@ -578,6 +579,3 @@ def main(argv: list[str]) -> int:
     print(f"{result['wall_s']:.0f} s; {out / 'accuracy.md'}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
