@@ -615,8 +615,8 @@ def engine_dashboard() -> Dashboard:
         Panel(
             "Requests out of budget preempted for a request with budget",
             "Throttled requests (or borrowers) preempted so that a request of a user with "
-            "budget runs: for a resident slot (every slot held by users whose streams exceed "
-            "their budget) or for KV blocks (--scheduling-policy priority). Each is recomputed "
+            "budget runs: for a resident slot (every slot held, some by users with more "
+            "streams than their budget and rate keep busy) or for KV blocks (--scheduling-policy priority). Each is recomputed "
             "when admitted again. Healthy: 0, or a trickle while one user asks for far more "
             "than its rate with many streams; a steady rate means --max-num-seqs is too small "
             "for the streams the limits let users open.",

@@ -89,7 +89,7 @@ METRICS: tuple[Metric, ...] = (
            "Requests out of budget (throttled, or lent tokens) preempted in place of a request "
            "with budget: for KV blocks (reason kv_cache, --scheduling-policy priority; FCFS "
            "preempts the tail of running, where they sit) or for a resident slot (reason "
-           "resident_slot: every slot held by a user whose streams exceed its budget).",
+           "resident_slot: every slot held, some by a user with more streams than its budget and rate keep busy).",
            ("reason",), renamed=False),
     Metric("throttled_requests", "gauge", "requests",
            "Requests throttled in the last step (resident, holding KV, not running).",

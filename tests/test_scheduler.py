@@ -631,6 +631,33 @@ def test_a_user_within_budget_is_not_kept_out_by_throttled_residents(is_async):
     assert len(sched.running) <= 8
 
 
+@pytest.mark.parametrize("is_async", MODES)
+def test_streams_pacing_below_a_streams_speed_are_not_preempted_for_slots(is_async):
+    """Every user limited below what one stream gets (20 tok/s, a stream
+    100 tok/s at a 10 ms step): each resident stream is throttled most
+    steps between its tokens, which is pacing, not piling up. New users
+    with budget arriving do not preempt them (each preempted stream would
+    be recomputed and preempt another in its turn: before, 8 resident
+    streams and 8 newcomers preempted each other every step, and served
+    about half the tokens); a user's streams beyond what its rate keeps
+    busy still give way (the test above)."""
+    sched, drv, clock = setup(limits(20), is_async, max_num_seqs=8, max_num_active_seqs=8)
+    first = [make_request(f"old{i}", max_tokens=60) for i in range(8)]
+    drv.add(*first)
+    drv.run(50)
+    assert len(sched.running) == 8
+    evicted = []
+    observe_steps(sched, lambda rec: evicted.extend(rec.preempted_throttled))
+    later = [make_request(f"new{i}", max_tokens=60) for i in range(8)]
+    drv.add(*later)
+    for _ in range(600):  # 6 s: the first eight end (60 tokens at 20 tok/s), the later ones run
+        drv.step()
+    assert evicted == []
+    assert all(drv.count(r.request_id) == 60 for r in first)
+    assert all(drv.count(r.request_id) >= 0.97 * 20 * 2.5 for r in later)
+    assert len(sched.running) <= 8
+
+
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st  # noqa: E402
 
 

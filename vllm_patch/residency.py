@@ -16,7 +16,10 @@ requests with budget leave) outnumber the free resident slots, the step frees th
 (KV blocks freed, the request back at the head of ``waiting``, recomputed
 when it is admitted again), resident requests of the users whose streams
 most exceed their budget, the latest arrival first, never one with a token
-in flight, and under ``--scheduling-policy priority`` only of the waiting
+in flight, never one of the streams its user's rate keeps busy (its rate x
+the engine's step period, rounded up, at least one: a stream throttled
+between its tokens is pacing, and preempted it would be recomputed and
+preempt another in its turn), and under ``--scheduling-policy priority`` only of the waiting
 request's priority or lower. With borrowing, a waiting request of a user who
 may borrow is kept a slot too while its user holds less than its share of
 the resident set (``--max-num-seqs`` split by guaranteed rate among the
@@ -40,6 +43,7 @@ slots are free.
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -55,6 +59,21 @@ class ResidencyMixin:
     #: (or, with borrowing, below their user's share), and their ids
     _orl_resident_kept = 0
     _orl_kept_ids: set[str] = frozenset()
+    #: the engine's step period (ns; None before two busy steps) and when
+    #: the last step began
+    _orl_period_ns: int | None = None
+    _orl_prev_now: int | None = None
+
+    def _orl_track_period(self, now: int) -> None:
+        """A step begins at ``now``: the step period, a moving average over
+        the steps that began with requests running (an idle engine's wait
+        is no period), for how many streams a user's rate keeps busy."""
+        prev = self._orl_prev_now
+        if prev is not None and self.running and now > prev:
+            period = self._orl_period_ns
+            dt = now - prev
+            self._orl_period_ns = dt if period is None else (7 * period + dt) // 8
+        self._orl_prev_now = now
 
     def _orl_make_room(self) -> None:
         """A step begins: keep resident slots for the waiting requests of
@@ -129,7 +148,8 @@ class ResidencyMixin:
         its share of the resident set); returns how many were preempted,
         each taken off ``resident`` (the step's count, ``_orl_streams``)."""
         budgets = self._orl_budgets()
-        excess = {user: n - max(budgets[user], 0) for user, n in resident.items()}
+        sustained = self._orl_sustained
+        excess = {user: n - max(budgets[user], sustained(user)) for user, n in resident.items()}
         excess = {user: n for user, n in excess.items() if n > 0}
         if not excess:
             return 0
@@ -148,11 +168,15 @@ class ResidencyMixin:
         freed = 0
         for request in for_requests:
             above = share if request.request_id in borrowers else None
+            # for a request kept to borrow: only of a user above its share
+            # and without budget in this step (borrowers never displace a
+            # request within its guaranteed rate)
             candidates = [
                 r for r in pool
                 if excess[r.output_rate_user] > 0
                 and r.output_rate_user != request.output_rate_user
-                and (above is None or holds[r.output_rate_user] > above.get(r.output_rate_user, 0))
+                and (above is None or (holds[r.output_rate_user] > above.get(r.output_rate_user, 0)
+                                       and budgets[r.output_rate_user] <= 0))
                 and (not priority or r.priority >= request.priority)]
             if not candidates:
                 break
@@ -171,6 +195,18 @@ class ResidencyMixin:
             record.preempted_for_slot += 1
             freed += 1
         return freed
+
+    def _orl_sustained(self, user: str) -> int:
+        """How many streams ``user``'s rate keeps busy: its rate x the
+        engine's step period, rounded up, at least one. A user's streams up
+        to that many are not preempted for a slot, whatever its budget in
+        this step: a stream throttled for a step or two between tokens is
+        pacing, not piling up (preempted, it would be recomputed and
+        preempt another in its turn)."""
+        period = self._orl_period_ns
+        if period is None:
+            return 1
+        return max(1, math.ceil(float(self.output_rate_limiter.rate_of(user)) * period / 1e9))
 
     def _orl_resident_room(self) -> bool:
         """Whether a waiting request of a user without budget may be

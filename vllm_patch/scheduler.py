@@ -296,6 +296,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
 
     def _orl_begin(self, now: int) -> None:
         self._orl_step_no += 1
+        self._orl_track_period(now)
         self._orl_now = now
         record = StepReport(self._orl_step_no, now)
         self._orl_record = record
