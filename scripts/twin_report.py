@@ -21,9 +21,11 @@ Everything is in virtual time (the twin's clock, ns). Per user:
   benchmark's gateway arm).
 
 Quantiles interpolate linearly (``tools.stats.quantile``); null when a user
-has no such sample. The samples are kept exactly, as 8-byte integers
-(``array``): a long run's millions of spacings are neither a Python object
-each nor a list the garbage collector walks.
+has no such sample. The samples are kept exactly: TTFTs as 8-byte integers
+(``array``, one a request), spacings as value -> count
+(``tools.stats.CountedSamples``: a long run's millions of spacings take a
+few distinct values); a finished request's state is dropped. A long run's
+memory grows with neither.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_output_rate.internals import kv_blocks_held
-from vllm_output_rate.tools.stats import quantile
+from vllm_output_rate.tools.stats import CountedSamples, quantile
 
 SCHEMA = 1
 NS = 1_000_000_000
@@ -100,7 +102,7 @@ class _User:
     first_n: int = 0
     last_ns: int = 0
     ttft_ns: array = field(default_factory=lambda: array("q"))
-    itl_ns: array = field(default_factory=lambda: array("q"))
+    itl_ns: CountedSamples = field(default_factory=CountedSamples)
     throttled_ns: int = 0
     throttled_req_ns: int = 0
     kv_block_ns: int = 0
@@ -118,6 +120,8 @@ class TwinStats:
         #: request id -> [user, arrival ns, last token ns or None] (finished
         #: ones too: with async scheduling a step may still list one)
         self._reqs: dict[str, list] = {}
+        #: the requests finished in each of the last updates (``on_update``)
+        self._done: list[list[str]] = []
         #: (step ns, {user: (throttled requests, kv blocks)}) of the last step
         self._thr: tuple[int, dict[str, tuple[int, int]]] | None = None
         #: (ns, user, tokens charged) per step and user, when kept (tests)
@@ -186,6 +190,7 @@ class TwinStats:
     def on_update(self, engine_outputs: Any, now: int) -> None:
         """The engine outputs of one ``update_from_output``, at ``now``."""
         reqs, users = self._reqs, self.users
+        finished: list[str] = []
         for eco in engine_outputs.values():
             for o in eco.outputs:
                 k = len(o.new_token_ids)
@@ -199,7 +204,7 @@ class TwinStats:
                     else:
                         u.itl_ns.append(now - state[2])
                     if k > 1:
-                        u.itl_ns.extend([0] * (k - 1))
+                        u.itl_ns.add(0, k - 1)
                     state[2] = now
                     u.tokens += k
                     self.tokens_by_s[state[0]][(now - self.t0_ns) // BUCKET_NS] += k
@@ -210,6 +215,15 @@ class TwinStats:
                     u.last_ns = now
                 if o.finish_reason is not None:
                     u.finished += 1
+                    finished.append(o.request_id)
+        # a request that finished two updates ago is in no later output
+        # (async scheduling may list one once more): its state goes, so that
+        # a long run's memory does not grow with the requests it has seen
+        done = self._done
+        done.append(finished)
+        if len(done) > 2:
+            for req_id in done.pop(0):
+                reqs.pop(req_id, None)
 
     def finish(self, end_ns: int) -> None:
         self._close_throttled(end_ns)
@@ -238,8 +252,10 @@ class TwinStats:
                 "ttft_s": {u: [x / NS for x in v.ttft_ns] for u, v in self.users.items()}}
 
     def user_summary(self) -> dict[str, dict[str, Any]]:
-        def qs(values_ns: list[int]) -> dict[str, float | None]:
-            return {name: (round(quantile(values_ns, q) / NS, 6) if values_ns else None)
+        def qs(values_ns: Any) -> dict[str, float | None]:
+            at = values_ns.quantile if isinstance(values_ns, CountedSamples) else (
+                lambda q: quantile(values_ns, q))
+            return {name: (round(at(q) / NS, 6) if len(values_ns) else None)
                     for name, q in QUANTILES}
 
         out = {}

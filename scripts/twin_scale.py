@@ -83,6 +83,9 @@ BLOCK_SIZE = 16
 #: arrivals per second over what the arm serves: the waiting queue grows
 #: slowly, so every freed resident slot is taken at once
 OVERLOAD = 1.1
+#: the memory run's arrivals against what it serves: below it (the
+#: estimate is rough), so that its waiting queue does not grow
+MEMORY_LOAD = 0.7
 #: the limited arm's rate of every user, in streams at full speed (one
 #: token per step each)
 LIMIT_STREAMS = 2.0
@@ -117,15 +120,16 @@ def served_tok_s(size: int, users: int, arm: str, limit_streams: float) -> float
 
 
 def workload_lines(size: int, users: int, arm: str, virtual_s: float, seed: int,
-                   limit_streams: float = LIMIT_STREAMS) -> list[dict[str, Any]]:
+                   limit_streams: float = LIMIT_STREAMS, load: float = OVERLOAD
+                   ) -> list[dict[str, Any]]:
     """The cell's workload (``tools.workload`` lines): R + R/8 requests at
-    0 s, then Poisson arrivals at ``OVERLOAD`` times what the arm serves
-    until ``virtual_s``."""
+    0 s, then Poisson arrivals at ``load`` (default ``OVERLOAD``) times
+    what the arm serves until ``virtual_s``."""
     rng = random.Random(f"{seed}-{size}-{users}-{arm}")
     names = [f"user-{k}" for k in range(users)]
     cumulative = list(itertools.accumulate(user_weights(users)))
     mean_output = sum(OUTPUT_TOKENS) / 2
-    rate = OVERLOAD * served_tok_s(size, users, arm, limit_streams) / mean_output
+    rate = load * served_tok_s(size, users, arm, limit_streams) / mean_output
 
     def line(t: float) -> dict[str, Any]:
         user = names[min(bisect.bisect(cumulative, rng.random()), users - 1)]
@@ -203,11 +207,11 @@ def sampled_twin(twin_cls: Any, argv: list[str], every_s: float, memory: bool):
 def run_cell(twin_cls: Any, size: int, users: int, arm: str, virtual_s: float, seed: int,
              work: Path,
              memory_every_s: float | None = None,
-             limit_streams: float = LIMIT_STREAMS) -> dict[str, Any]:
+             limit_streams: float = LIMIT_STREAMS, load: float = OVERLOAD) -> dict[str, Any]:
     """One run of the twin: its facts, the samples, the peak RSS."""
     work.mkdir(parents=True, exist_ok=True)
     workload = work / "workload.jsonl"
-    lines = workload_lines(size, users, arm, virtual_s, seed, limit_streams)
+    lines = workload_lines(size, users, arm, virtual_s, seed, limit_streams, load)
     with open(workload, "w") as f:
         for line in lines:
             f.write(json.dumps(line) + "\n")
@@ -368,6 +372,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="virtual seconds between its RSS samples (default 60)")
     parser.add_argument("--memory-size", type=int, default=1024)
     parser.add_argument("--memory-users", type=int, default=1000)
+    parser.add_argument("--memory-load", type=float, default=MEMORY_LOAD,
+                        help="the memory run's arrivals, as a share of what its users are "
+                        f"estimated to be served (default {MEMORY_LOAD}: the waiting queue stays "
+                        "short, so memory shows the twin's own, not a growing queue's)")
     parser.add_argument("--no-memory", action="store_true", help="no memory run")
     parser.add_argument("--in-process", action="store_true",
                         help="run every cell in this process (default: a child each)")
@@ -420,7 +428,8 @@ def run_scale(argv: list[str], twin_cls: Any) -> dict[str, Any]:
         if not args.no_memory:
             name = f"memory-R{args.memory_size}-U{args.memory_users}-limited"
             cell = call(args.memory_size, args.memory_users, "limited", args.memory_s,
-                        args.seed, scratch / name, args.memory_every_s, args.limit_streams)
+                        args.seed, scratch / name, args.memory_every_s, args.limit_streams,
+                        args.memory_load)
             (out / "runs" / f"{name}.summary.json").write_text(
                 json.dumps(cell.pop("summary"), indent=1) + "\n")
             memory = memory_check(cell)

@@ -182,3 +182,24 @@ def test_the_kv_size_is_read_from_the_engine_log():
     assert ta.kv_tokens_of("INFO ... [kv_cache_utils.py:1234] GPU KV cache size: 131,072 tokens") \
         == 131072
     assert ta.kv_tokens_of("nothing") is None
+
+
+from hypothesis import given, strategies as st  # noqa: E402
+
+
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=60), st.floats(0, 1))
+def test_counted_samples_give_the_quantile_of_the_samples(values, q):
+    """The twin's spacings kept as value -> count: the same quantile as
+    the list of samples, in the same order, with memory per distinct value."""
+    from vllm_output_rate.tools.stats import CountedSamples, quantile
+
+    counted = CountedSamples()
+    for v in values[::2]:
+        counted.append(v * 1000)
+    for v in values[1::2]:
+        counted.add(v * 1000, 1)
+    counted.add(7, 0)
+    samples = [v * 1000 for v in values]
+    assert len(counted) == len(samples) and list(counted) == sorted(samples)
+    assert counted.quantile(q) == pytest.approx(quantile(samples, q), abs=1e-6)
+    assert len(counted.counts) == len(set(values))
