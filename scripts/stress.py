@@ -1363,7 +1363,12 @@ GROUPS = ("config", "identity_churn", "user_field", "requests", "client_faults",
 
 async def live_cases(base_url: str, profile: str, server_pid: int,
                      groups: frozenset[str] = frozenset(GROUPS)) -> list[CaseResult]:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+    # idle connections dropped after 2 s, before the server's keep-alive
+    # (uvicorn's 5 s) closes them: a request sent on a connection the
+    # server is closing fails with a ReadError before it reaches vLLM (seen
+    # with the machine loaded, after the cases' pauses of 2.5 s)
+    limits = httpx.Limits(keepalive_expiry=2.0)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
         live = Live(base_url, client)
         cases: list[CaseResult] = []
         if "user_field" in groups:
