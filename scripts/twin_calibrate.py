@@ -66,41 +66,30 @@ class StepSamples:
     prompts_known: bool
 
 
-def read_prompts(path: str | None) -> dict[str, int]:
-    """``--prompts``: client request id -> prompt tokens."""
+def read_prompts(path: str | None) -> tuple[dict[str, int], dict[str, int]]:
+    """``--prompts``: client request id -> prompt tokens, and, for the
+    lines that have it, client request id -> ``sent_ns`` (when the client
+    sent it: the machine's monotonic clock, ns, the engine core's)."""
     if path is None:
-        return {}
-    out = {}
+        return {}, {}
+    prompts, sent = {}, {}
     with open(path) as f:
         for i, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
-                out[str(obj["request_id"])] = int(obj["prompt_tokens"])
+                rid = str(obj["request_id"])
+                prompts[rid] = int(obj["prompt_tokens"])
             except (ValueError, KeyError, TypeError) as exc:
                 raise CalibrationError(f"{path}:{i}: expected {{\"request_id\": ..., "
                                        f"\"prompt_tokens\": N}} ({exc})") from None
-    return out
-
-
-def read_sent(path: str | None) -> dict[str, int]:
-    """``--prompts``' optional ``sent_ns``: client request id -> when the
-    client sent it (the machine's monotonic clock, ns: the engine core's)."""
-    if path is None:
-        return {}
-    out = {}
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            obj = json.loads(line)
             if "sent_ns" in obj:
                 if isinstance(obj["sent_ns"], bool) or not isinstance(obj["sent_ns"], int):
                     raise CalibrationError(f"{path}:{i}: sent_ns: expected an integer "
                                            f"(ns), got {obj['sent_ns']!r}")
-                out[str(obj["request_id"])] = obj["sent_ns"]
-    return out
+                sent[rid] = obj["sent_ns"]
+    return prompts, sent
 
 
 def request_path_fit(log: Any, sent: dict[str, int], prompts: dict[str, int],
@@ -305,13 +294,13 @@ def calibrate_from_log(events: str, prompts_path: str | None = None,
         raise CalibrationError(f"{events}: cannot read it ({exc.strerror or exc})") from None
     if not log.steps:
         raise CalibrationError(f"{events}: no tokens lines (is it an engine event log?)")
-    prompts = read_prompts(prompts_path)
+    prompts, sent = read_prompts(prompts_path)
     result = fit_linear(step_samples(log, prompts, since_ns))
     async_note = ""
     if log.starts and log.starts[0].get("async_scheduling"):
         async_note = "; the engine scheduled asynchronously (a step's period overlaps the next)"
     fit = result["fit"]
-    path = request_path_fit(log, read_sent(prompts_path), prompts, result["terms"], since_ns)
+    path = request_path_fit(log, sent, prompts, result["terms"], since_ns)
     fit["request_path"] = path
     path_terms = {"request_path_s": max(0.0, path["p50_s"])} if path else {}
     note = (f"fitted on {fit['steps']} steps of {Path(events).name}: R² {fit['r2']}, "
