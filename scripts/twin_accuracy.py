@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import math
 import os
 import random
 import re
@@ -50,6 +49,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from vllm_output_rate.tools.workload import _poisson, _request
 
 NS = 1_000_000_000
 #: the engine's options, the same for the real engine and the twin: the
@@ -89,17 +90,17 @@ class AccuracyWorkload:
         return {"open"}
 
 
-def _req(t: float, user: str, prompt: int, max_tokens: int) -> dict[str, Any]:
-    return {"t": round(t, 6), "user": user, "prompt_tokens": prompt, "max_tokens": max_tokens}
+#: a request line of the twin's workload format, and Poisson arrival times
+#: (``tools.workload``'s generators')
+_req = _request
 
 
-def _poisson(rng: random.Random, rate: float, start: float, end: float):
-    t = start
-    while True:
-        t += rng.expovariate(rate)
-        if t >= end:
-            return
-        yield t
+def _paced(rng: random.Random, users: list[str], rate: float, duration: float,
+           max_tokens: int) -> list[dict[str, Any]]:
+    """Each of ``users`` sending ``rate`` requests/s of 64-token prompts and
+    ``max_tokens`` answers over ``duration`` s, user after user."""
+    return [_req(t, user, 64, max_tokens) for user in users
+            for t in _poisson(rng, rate, 0.0, duration)]
 
 
 def _limits_yaml(default: float, users: dict[str, float]) -> str:
@@ -109,7 +110,7 @@ def _limits_yaml(default: float, users: dict[str, float]) -> str:
 
 def _open_user(rng: random.Random, duration: float) -> list[dict[str, Any]]:
     """The unlimited user: a request a second, 96 tokens each."""
-    return [_req(t, "open", 64, 96) for t in _poisson(rng, 1.0, 0.0, duration)]
+    return _paced(rng, ["open"], 1.0, duration, 96)
 
 
 def flood(seed: int, duration: float = 30.0) -> AccuracyWorkload:
@@ -117,8 +118,7 @@ def flood(seed: int, duration: float = 30.0) -> AccuracyWorkload:
     steady users below their limit (20 tok/s) and the unlimited one."""
     rng = random.Random(seed)
     lines = [_req(rng.uniform(0, 0.1), "flooder", 64, 512) for _ in range(16)]
-    for i in range(3):
-        lines += [_req(t, f"steady-{i}", 64, 32) for t in _poisson(rng, 0.5, 0.0, duration)]
+    lines += _paced(rng, [f"steady-{i}" for i in range(3)], 0.5, duration, 32)
     lines += _open_user(rng, duration)
     limits = _limits_yaml(20, {"flooder": 40, "open": UNLIMITED})
     return AccuracyWorkload("flood", sorted(lines, key=lambda x: x["t"]), limits,
@@ -130,10 +130,8 @@ def tiers(seed: int, duration: float = 30.0) -> AccuracyWorkload:
     5 halfway, live), each sending about 32 tok/s of demand, beside the
     unlimited user."""
     rng = random.Random(seed)
-    lines = []
     users = [f"gold-{i}" for i in range(2)] + [f"free-{i}" for i in range(3)]
-    for user in users:
-        lines += [_req(t, user, 64, 64) for t in _poisson(rng, 0.5, 0.0, duration)]
+    lines = _paced(rng, users, 0.5, duration, 64)
     lines += _open_user(rng, duration)
 
     def limits(free: float) -> str:
@@ -154,8 +152,7 @@ def bursts(seed: int, duration: float = 30.0) -> AccuracyWorkload:
         lines += [_req(t, "bursty", 64, 64) for t in _poisson(rng, 4.0, start,
                                                                min(start + 5.0, duration))]
         start += 10.0
-    for i in range(2):
-        lines += [_req(t, f"steady-{i}", 64, 32) for t in _poisson(rng, 0.5, 0.0, duration)]
+    lines += _paced(rng, [f"steady-{i}" for i in range(2)], 0.5, duration, 32)
     lines += _open_user(rng, duration)
     limits = _limits_yaml(20, {"bursty": 50, "open": UNLIMITED})
     return AccuracyWorkload("bursts", sorted(lines, key=lambda x: x["t"]), limits,
