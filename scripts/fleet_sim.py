@@ -43,6 +43,8 @@ class SimEngine:
     #: user -> streams wanting one token per step (its demand)
     streams: dict[str, int] = field(default_factory=dict)
     alive: bool = True
+    #: user -> [(ns, tokens)] this engine spent
+    spends: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     next_tick_ns: int = 0
     last_call_ns: int = 0
 
@@ -112,6 +114,7 @@ class Fleet:
             limiter.settle(now, taken)
             for user, n in taken.items():
                 self.spends.setdefault(user, []).append((now, n))
+                engine.spends.setdefault(user, []).append((now, n))
         self.now_ns += self.step_ns
 
     def run(self, seconds: float, each_step: Callable[[Fleet], None] | None = None) -> None:

@@ -304,6 +304,41 @@ def test_store_down_and_back_empty_no_stall_fallback_share_and_no_burst(redis_se
 
 
 @needs_redis
+def test_a_sharer_stalled_before_the_outage_still_divides_the_fallback_share(redis_server):
+    """Engine b's process stalls for 2.5 s (no call, no step), longer than
+    the store counts an engine as sharing a user (2 s): a's replies say it
+    serves "u" alone. The store dies as b wakes: a's fallback divides by the
+    most engines seen sharing "u" lately (2), not the last reply's 1, and
+    the fleet stays at the limit (30 tok/s, a at the whole 20, without it)."""
+    import redis
+
+    if redis_server.proc is None:
+        redis_server.start()
+    redis.Redis.from_url(redis_server.url).flushdb()
+    fleet = Fleet(redis_server.url, Fraction(20),
+                  settings=SharedStateSettings(redis_server.url, timeout_s=0.05), seed=11)
+    a, b = fleet.add_engine(), fleet.add_engine()
+    a.streams = b.streams = {"u": 2}
+    s = NS_PER_S
+    fleet.run(1.0)
+    b.alive = False
+    fleet.run(2.5)
+    assert a.limiter.thread.sharing["u"] == 1  # the premise: a's last reply
+    b.alive = True
+    try:
+        redis_server.stop()
+        fleet.run(3.0)
+    finally:
+        redis_server.start()
+    assert a.limiter.in_fallback and b.limiter.in_fallback
+    start = T0_NS + 4 * s
+    for engine in (a, b):
+        mine = sum(n for t, n in engine.spends["u"] if t >= start)
+        assert mine / 2.5 <= 1.05 * 10, (engine.name, mine / 2.5)
+    assert fleet.spent("u", start) / 2.5 <= 1.05 * 20
+
+
+@needs_redis
 def test_a_dead_engine_holds_no_budget_past_the_horizon(store_url):
     fleet = Fleet(store_url, Fraction(20), seed=5)
     a, b = fleet.add_engine(), fleet.add_engine()

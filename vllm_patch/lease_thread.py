@@ -10,8 +10,11 @@ takes them up at its next step (``shared_limiter``). Its counters are one
 **Faults.** Two calls in a row that fail or time out (``socket_timeout``,
 250 ms; the thread waits, not the scheduler) put the engine in *fallback*: its
 leases are dropped and each user gets ``limit / n`` on this engine alone,
-``n`` being the number of engines the store last said were sharing that
-user (users it never saw: the live engines it last saw), one log line per
+``n`` being the most engines the store said were sharing that user within
+the last ``SHARING_MEMORY_S`` (users it never saw: the live engines it last
+saw; the most, not the last: an engine whose last reply missed a sharer
+that had not leased for a moment, on a loaded machine, would otherwise
+take the whole limit beside it), one log line per
 episode, time and failed calls counted. The thread keeps trying every tick.
 One failed call alone (a blip) changes nothing: the leases held stay
 valid until their deadlines. When a call succeeds again, the engine first
@@ -38,6 +41,10 @@ from vllm_output_rate.fleet_math import LeaseSizer
 from vllm_output_rate.lease_book import LeaseBook
 from vllm_output_rate.lease_store import RedisStore, new_engine_id
 from vllm_output_rate.limiter import NS_PER_S
+
+#: How long the most engines seen sharing a user is remembered for its
+#: fallback share (a larger count seen again restarts it).
+SHARING_MEMORY_S = 10.0
 from vllm_output_rate.shared_settings import SharedStateSettings
 
 logger = logging.getLogger("vllm_output_rate")
@@ -107,7 +114,11 @@ class LeaseThread:
         self.engine_id = engine_id or new_engine_id()
         self.epoch = ""
         self.live_engines = 1
+        #: user -> engines sharing it, as the store last said (lease sizes)
         self.sharing: dict[str, int] = {}
+        #: user -> (the most engines seen sharing it, when last seen that
+        #: many) over ``SHARING_MEMORY_S``: the fallback share's divisor
+        self.sharing_peak: dict[str, tuple[int, int]] = {}
         self.in_fallback = False
         self.stats = LeaseStats()
         self.sizer = LeaseSizer(settings)
@@ -229,9 +240,14 @@ class LeaseThread:
         deadline = sent_ns + int(self.settings.horizon_s * NS_PER_S)
         retry_at = {u: t for u, t in self.retry_at.items() if t > now_ns}
         retry = now_ns + self.sizer.retry_ns
+        peak = self.sharing_peak
+        memory_ns = int(SHARING_MEMORY_S * NS_PER_S)
         for ask in asks:
             tokens, sharing = reply.granted[ask.user]
             self.sharing[ask.user] = sharing
+            seen = peak.get(ask.user)
+            if seen is None or sharing >= seen[0] or now_ns - seen[1] > memory_ns:
+                peak[ask.user] = (sharing, now_ns)
             if tokens > 0:
                 limiter.grants.append((ask.user, tokens, deadline))
             if tokens < ask.want:
@@ -293,8 +309,13 @@ class LeaseThread:
                 self.settings.redacted_url, why[:200], self.live_engines)
             limiter.grants.clear()
             self.retry_at = {}
-            limiter.begin_fallback(self.sharing, self.live_engines)
+            limiter.begin_fallback(self.fallback_sharing(), self.live_engines)
         self._report_usage = True
+
+    def fallback_sharing(self) -> dict[str, int]:
+        """Per user, the most engines seen sharing it lately (the
+        fallback share's divisor)."""
+        return {user: n for user, (n, _) in self.sharing_peak.items()}
 
     def _leave_fallback(self) -> None:
         stats = self.stats
