@@ -128,6 +128,9 @@ class Record:
     tokens: int = 0
     refused: bool = False
     error: str | None = None
+    #: when the stream ended (its last line read; from the run's start
+    #: once ``drive`` returns), None when the run was cut before
+    ended: float | None = None
 
 
 def prompt_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -164,6 +167,7 @@ async def _one(client: Any, url: str, line: dict[str, Any], body: dict[str, Any]
                     # the last chunk's usage: tokens whose text was empty
                     rec.tokens = usage["completion_tokens"]
                     rec.chunks.append((now, rec.tokens))
+            rec.ended = time.monotonic()
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - recorded, the run goes on
@@ -217,6 +221,8 @@ async def drive(lines: list[dict[str, Any]], base_url: str, priority: dict[str, 
         elapsed = time.monotonic() - start
     for rec in records:  # chunk times from the run's start
         rec.chunks = [(t - start, n) for t, n in rec.chunks]
+        if rec.ended is not None:
+            rec.ended -= start
     return records, elapsed, scrapes
 
 
@@ -224,13 +230,18 @@ def result_of(records: list[Record], elapsed: float, scrapes: dict[str, dict[str
               duration_s: float, warmup_s: float) -> dict[str, Any]:
     """The shape ``fairness.figures`` reads (the twin's), from the client's
     records: per user tokens, refusals, TTFT and spacing samples (ns),
-    tokens in the busy window; borrowed tokens from the scrapes."""
+    tokens in the busy window and per second, each request's span (sent
+    to its stream's end, None when cut); borrowed tokens from the scrapes."""
     users: dict[str, dict[str, int]] = defaultdict(lambda: {"output_tokens": 0, "refused": 0,
                                                           "borrowed_tokens": 0, "unstarted": 0})
     samples: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
     busy: dict[str, int] = defaultdict(int)
+    spans: dict[str, list[tuple[float, float | None]]] = defaultdict(list)
+    by_s: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     for rec in records:
         u = users[rec.user]
+        if not rec.refused and rec.error is None:
+            spans[rec.user].append((rec.sent, rec.ended))
         u["refused"] += rec.refused
         u["output_tokens"] += rec.tokens
         ttft, itl = samples[rec.user]
@@ -249,6 +260,7 @@ def result_of(records: list[Record], elapsed: float, scrapes: dict[str, dict[str
         for t, n in rec.chunks:
             if warmup_s <= t < duration_s:
                 busy[rec.user] += n - prev
+            by_s[rec.user][int(t)] += n - prev
             prev = n
     borrowed_busy = {}
     begin, end = scrapes.get("begin") or {}, scrapes.get("end") or {}
@@ -260,7 +272,8 @@ def result_of(records: list[Record], elapsed: float, scrapes: dict[str, dict[str
     return {"summary": {"users": dict(users), "run": {"virtual_s": elapsed, "wall_s": elapsed}},
             "samples": dict(samples),
             "busy_tokens": {u: sum(v.values()) for u, v in busy_by_s.items()},
-            "busy_borrowed": {u: sum(v.values()) for u, v in borrowed_by_s.items()}}
+            "busy_borrowed": {u: sum(v.values()) for u, v in borrowed_by_s.items()},
+            "spans": dict(spans), "tokens_by_s": {u: dict(v) for u, v in by_s.items()}}
 
 
 def borrowed_by_user(text: str) -> dict[str, float]:

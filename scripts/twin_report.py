@@ -135,6 +135,9 @@ class TwinStats:
         self.end_ns = t0_ns
         #: user -> {second: tokens borrowed}
         self.borrowed_by_s: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        #: set to a dict to keep, per user, each finished request's
+        #: (arrival, finish) ns (the fairness benchmark; grows with the run)
+        self.spans: dict[str, list[tuple[int, int]]] | None = None
 
     def on_arrival(self, req_id: str, user: str, now_ns: int) -> None:
         self._reqs[req_id] = [user, now_ns, None]
@@ -216,6 +219,8 @@ class TwinStats:
                 if o.finish_reason is not None:
                     u.finished += 1
                     finished.append(o.request_id)
+                    if self.spans is not None:
+                        self.spans.setdefault(state[0], []).append((state[1], now))
         # a request that finished two updates ago is in no later output
         # (async scheduling may list one once more): its state goes, so that
         # a long run's memory does not grow with the requests it has seen
@@ -228,6 +233,13 @@ class TwinStats:
     def finish(self, end_ns: int) -> None:
         self._close_throttled(end_ns)
         self.end_ns = end_ns
+
+    def unfinished(self) -> list[tuple[str, int]]:
+        """(user, arrival ns) of each request not finished when the run
+        ended."""
+        done = {req_id for batch in self._done for req_id in batch}
+        return [(user, arrival) for req_id, (user, arrival, _) in self._reqs.items()
+                if req_id not in done]
 
     def unstarted_waits(self) -> dict[str, list[int]]:
         """Per user, how long each request without a first token had

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_output_rate.tools import fairness
 from vllm_output_rate.tools.fairness import NS, GatewayEmulation, jain, water_fill
@@ -72,7 +74,7 @@ def test_a_flood_beside_steady_users_under_each_arm(quick):
     assert steady["fcfs"]["ttft_s"]["p99"] > 50 * alone["fcfs"]["ttft_s"]["p99"]
     assert steady["capped"]["ttft_s"]["p99"] <= 1.2 * alone["capped"]["ttft_s"]["p99"]
     flooder = arms["capped"]["groups"]["flooder"]
-    assert flooder["backlogged_rate_over_limit_min"] == pytest.approx(1.0, abs=0.01)
+    assert flooder["held_while_backlogged_min"] == pytest.approx(1.0, abs=0.01)
     assert arms["gateway"]["groups"]["flooder"]["refused"] > 0
     assert all(g["refused"] == 0 for arm in ("fcfs", "priority", "capped", "borrowing")
                for g in arms[arm]["groups"].values())
@@ -138,7 +140,7 @@ def test_the_engine_records_become_the_twins_figures():
     from vllm_output_rate.tools import fairness_engine as fe
 
     w = fairness.WARMUP_S
-    recs = [fe.Record("a", 1.0, [(1.5, 1), (2.0, 2), (2.5, 4)], 4),
+    recs = [fe.Record("a", 1.0, [(1.5, 1), (2.0, 2), (2.5, 4)], 4, ended=2.6),
             fe.Record("a", w + 1.0, [(w + 1.25, 1), (w + 1.5, 2), (40.0, 3)], 3),
             fe.Record("b", 3.0, refused=True)]
     scrapes = {"begin": {"a": 10.0}, "end": {"a": 25.0}}
@@ -151,8 +153,54 @@ def test_the_engine_records_become_the_twins_figures():
     # the last chunk of the first request carried two tokens: two spacings
     assert itl[:3] == [int(0.5 * NS), int(0.25 * NS), int(0.25 * NS)]
     assert res["busy_tokens"] == {"a": 2}  # the second request's first two, in [5, 30)
+    # spans from sending to the stream's end (None: cut first); refused: none
+    assert res["spans"] == {"a": [(1.0, 2.6), (w + 1.0, None)]}
+    assert res["tokens_by_s"] == {"a": {1: 1, 2: 3, w + 1: 2, 40: 1}}
     assert res["busy_borrowed"] == {"a": 15}
     text = ('vllm_output_rate_tokens_borrowed_total{user="a"} 3.0\n'
             'vllm_output_rate_tokens_borrowed_total{engine="0",user="b"} 2.0\n'
             'vllm_output_rate_tokens_charged_total{user="a"} 9.0\n')
     assert fe.borrowed_by_user(text) == {"a": 3.0, "b": 2.0}
+
+
+def test_backlogged_seconds_are_whole_seconds_with_enough_requests_open():
+    bs = fairness.backlogged_seconds
+    assert bs([(5.5, 9.0)], 1, 5, 12) == [6, 7, 8]  # [5, 6) and [9, 10) only partly
+    assert bs([(5.0, 9.0)], 1, 5, 12) == [5, 6, 7, 8]  # open from 5.0 on: second 5 whole
+    assert bs([(5.0, 7.0), (7.0, None)], 1, 5, 10) == [5, 6, 7, 8, 9]  # one ends as one starts
+    assert bs([(5.0, 7.5), (7.6, None)], 1, 5, 10) == [5, 6, 8, 9]  # a gap in second 7
+    assert bs([(5.0, None), (6.2, 8.0)], 2, 5, 10) == [7]  # two open: only second 7 whole
+    assert bs([], 1, 5, 10) == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 400), st.one_of(st.none(), st.integers(0, 400))),
+                max_size=8), st.integers(1, 3))
+def test_backlogged_seconds_against_sampling(raw, need):
+    """Against the open count sampled every 0.1 s (spans on a 0.1 s grid)."""
+    spans = [(a / 10, None if b is None else max(a, b) / 10) for a, b in raw]
+
+    def open_at(t10: int) -> int:
+        return sum(1 for a, b in spans if a * 10 <= t10 and (b is None or t10 < b * 10))
+
+    want = [s for s in range(0, 40) if all(open_at(10 * s + k) >= need for k in range(10))]
+    assert fairness.backlogged_seconds(spans, need, 0, 40) == want
+
+
+def test_a_user_whose_requests_come_late_is_read_over_the_seconds_it_asked():
+    """The GPU tiers run's least user (0.86 of its rate over the whole busy
+    window): two requests early, five in its last 3 s; between them it
+    asked for nothing. Over its backlogged seconds it held its rate."""
+    scenario = fairness.Scenario("t", "", [], {"u": 10.0}, {"u": "g"})
+    scale = fairness.Scale("s", 4, 1, 30.0)
+    spans = [(7.3, 12.5), (27.0, None)]
+    by_s = {s: 10 for s in range(8, 12)} | {s: 12 for s in range(27, 30)}
+    held = fairness.held_while_backlogged(scenario, scale, {"spans": {"u": spans},
+                                                            "tokens_by_s": {"u": by_s}})
+    # seconds 8-11 and 27-29: 40 + 36 tokens over 7 s at 10 tok/s
+    assert held == {"u": pytest.approx(76 / 70)}
+    short = fairness.held_while_backlogged(scenario, scale, {"spans": {"u": [(27.0, None)]},
+                                                             "tokens_by_s": {"u": by_s}})
+    assert short == {"u": pytest.approx(36 / 30)}  # 3 seconds: MIN_BACKLOGGED_S
+    assert fairness.held_while_backlogged(scenario, scale, {"spans": {"u": [(27.5, None)]},
+                                                            "tokens_by_s": {"u": by_s}}) == {}
