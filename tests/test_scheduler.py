@@ -632,6 +632,34 @@ def test_a_user_within_budget_is_not_kept_out_by_throttled_residents(is_async):
 
 
 @pytest.mark.parametrize("is_async", MODES)
+def test_a_flood_of_prompts_computed_ahead_does_not_hold_back_a_user_with_budget(is_async):
+    """A user out of budget queues 12 prompts of 64 tokens (their prefills
+    computed ahead, one position short, beside the step's others), then a
+    user with budget queues one: its prompt is computed and its first
+    token sampled in the first step, as without the flood. Before, the
+    flood's prompts, first in the queue, took the 256-token budget of the
+    first three steps and the user with budget waited behind them."""
+    sched, drv, _ = setup(limits(1, b=1000), is_async, max_num_seqs=32,
+                          max_num_active_seqs=8, max_num_batched_tokens=256)
+    _exhaust(sched, drv)
+    flood = [make_request("a", prompt_len=64, max_tokens=50) for _ in range(12)]
+    b = make_request("b", prompt_len=64, max_tokens=5)
+    drv.add(*flood, b)
+    out = drv.step()
+    assert out.num_scheduled_tokens[b.request_id] == 64
+    assert sched.output_rate_last_step.charged == {b.request_id: "b"}
+    # the token budget's rest to the flood's prompts, one position short
+    assert sum(out.num_scheduled_tokens.values()) == 256
+    assert all(n <= 63 for r, n in out.num_scheduled_tokens.items() if r != b.request_id)
+    drv.step()
+    drv.flush()
+    assert drv.count(b.request_id) >= 1  # its first token, from the first step
+    # the queue's own order kept within each part: the flood's in arrival order
+    waiting = [r for r in sched.waiting if r.output_rate_user == "a"]
+    assert waiting == sorted(waiting, key=lambda r: r.arrival_time)
+
+
+@pytest.mark.parametrize("is_async", MODES)
 def test_streams_pacing_below_a_streams_speed_are_not_preempted_for_slots(is_async):
     """Every user limited below what one stream gets (20 tok/s, a stream
     100 tok/s at a 10 ms step): each resident stream is throttled most

@@ -72,7 +72,11 @@ vLLM", has the count before and after). The same on 0.32, 0.33 and 0.34.
      users with budget, requests of users out of budget preempted with
      ``Scheduler._preempt_request(request, timestamp)`` after
      ``running.remove`` (as vLLM's loop pops them), ``_request_blocks_can_be_freed``
-     read (``residency``).
+     read (``residency``). Without borrowing, with chunked prefill and
+     FCFS, when requests wait: ``waiting`` (an ``FCFSRequestQueue``, a
+     deque) iterated, and, when a request of a user with budget waits
+     behind one out of budget, reordered in place (``clear`` and
+     ``extend``: those with budget first, each part in queue order).
   2. ``Scheduler._reserve_prefill_lookahead(request, num_computed_tokens,
      num_new_tokens)``: the charge point, overridden once (never swapped per
      step). vLLM calls it for every running and waiting request right before

@@ -34,7 +34,14 @@ The admission hook lives here too (``_handle_blocked_waiting_request``,
 hook 3 of ``internals``): a waiting request of a user with budget passes; one
 of a user without budget is admitted to borrow (``lending``) or to compute
 its prefill short of its last position (chunked prefill) beside the kept
-slots, else skipped for the step.
+slots, else skipped for the step. Without borrowing (with chunked
+prefill, FCFS), a step begins by moving the waiting requests of users with
+budget ahead of the others, in queue order (``_orl_budgeted_first``), as
+``running`` is ordered: a flood's prompts, queued first and computed ahead,
+no longer take the step's token budget from the prompts of users with
+budget behind them (a flood of 2R streams at once kept other users' first
+tokens back by up to 12 steps; with borrowing, ``lending`` keeps their
+prompts' tokens).
 
 Mixed into ``scheduler.OutputRateSchedulerMixin``, whose attributes these
 methods read; the room is made only when more requests wait than resident
@@ -64,6 +71,28 @@ class ResidencyMixin:
     _orl_period_ns: int | None = None
     _orl_prev_now: int | None = None
 
+    def _orl_budgeted_first(self) -> None:
+        """A step begins (no borrowing, chunked prefill, FCFS): the waiting
+        requests of users with budget beyond their resident streams (as
+        many of each user's as that budget has tokens) go ahead of the
+        others, each part in queue order; ``waiting`` is changed only when
+        one of them waits behind another."""
+        left = self._orl_left
+        resident = self._orl_streams()
+        wanted: dict[str, int] = {}
+        first: list[Request] = []
+        rest: list[Request] = []
+        for request in self.waiting:
+            user = request.output_rate_user
+            n = wanted.get(user)
+            if n is None:
+                n = left(user) - resident.get(user, 0)
+            wanted[user] = n - 1
+            (first if n > 0 else rest).append(request)
+        if first and rest and first[-1] is not self.waiting[len(first) - 1]:
+            self.waiting.clear()
+            self.waiting.extend(first + rest)
+
     def _orl_track_period(self, now: int) -> None:
         """A step begins at ``now``: the step period, a moving average over
         the steps that began with requests running (an idle engine's wait
@@ -82,6 +111,8 @@ class ResidencyMixin:
         self._orl_kept_ids = frozenset()
         waiting = self.waiting
         running = self.running
+        if waiting and self._orl_chunked and self._orl_lender is None and not self._orl_priority:
+            self._orl_budgeted_first()
         free = self.max_num_running_reqs - len(running)
         if not waiting or free >= len(waiting):
             return  # every waiting request has a slot: nothing to keep
