@@ -204,3 +204,19 @@ def test_a_user_whose_requests_come_late_is_read_over_the_seconds_it_asked():
     assert short == {"u": pytest.approx(36 / 30)}  # 3 seconds: MIN_BACKLOGGED_S
     assert fairness.held_while_backlogged(scenario, scale, {"spans": {"u": [(27.5, None)]},
                                                             "tokens_by_s": {"u": by_s}}) == {}
+
+
+def test_the_rate_goal_with_nobody_backlogged_says_so():
+    """On the real engine, borrowing served every request as it came (no
+    user had enough requests open for a whole second): the guarantee never
+    bound, and the goal's row says that rather than leaving the goal out."""
+    def arm(held, ttft, itl):
+        return {"groups": {"heavy": {"held_while_backlogged_min": held,
+                                     "ttft_s": {"p50": ttft, "p99": ttft}, "itl_p99_s": itl}},
+                "jain_borrowed": None}
+
+    for held, value, met in ((None, None, True), (0.97, 0.97, False), (1.2, 1.2, True)):
+        res = {"overload": {"arms": {"borrowing": arm(held, 1.0, 0.01),
+                                     "capped": arm(1.0, 2.0, 0.1)}}}
+        (goal,) = [g for g in fairness.goals(res) if "while backlogged" in g["goal"]]
+        assert (goal["value"], goal["met"]) == (value, met)
