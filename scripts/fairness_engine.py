@@ -22,7 +22,12 @@ One engine per arm, started for the arm and stopped after it:
 Requests are ``/v1/completions`` streams whose prompts are token ids (sizes
 in tokens whatever the tokenizer), ``ignore_eos``, each user named by the
 request's ``vllm_xargs.output_rate_user`` (through the gateway: by its key).
-Times are the client's (sent, each chunk's arrival); the run stops
+Times are the client's (sent, each chunk's arrival); this project's arms
+also write the engine's event log, and their TTFT is measured engine-side
+too (from the client's send to the step that sampled the first token, on
+the same monotonic clock, matched by X-Request-Id: ``engine_ttft``),
+without the API server's way back, which on two cores shared with the
+engine and the client grows with the tokens streamed. The run stops
 ``GRACE_S`` after the arrivals end and cancels what is left, so throughput
 is over the busy window (from ``WARMUP_S`` to the end of the arrivals), not
 the drain. Tokens borrowed come from the engine's ``/metrics``, scraped at
@@ -131,6 +136,10 @@ class Record:
     #: when the stream ended (its last line read; from the run's start
     #: once ``drive`` returns), None when the run was cut before
     ended: float | None = None
+    #: its X-Request-Id (straight to the engine: the engine's request id
+    #: wraps it) and when it was sent (monotonic ns, the event log's clock)
+    cid: str = ""
+    sent_ns: int = 0
 
 
 def prompt_ids(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -204,13 +213,15 @@ async def drive(lines: list[dict[str, Any]], base_url: str, priority: dict[str, 
                 "max_tokens": line["max_tokens"], "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
             headers = {}
+            cid = ""
             if gateway:
                 headers["Authorization"] = f"Bearer sk-user-{user}"
             else:
                 body["vllm_xargs"] = {USER_FIELD: user}
+                cid = headers["X-Request-Id"] = f"fair-{len(records)}-{user}"
             if arm == "priority" and user in priority:
                 body["priority"] = priority[user]
-            rec = Record(user, time.monotonic() - start)
+            rec = Record(user, time.monotonic() - start, cid=cid, sent_ns=time.monotonic_ns())
             records.append(rec)
             tasks.append(asyncio.create_task(_one(client, f"{base_url}/v1/completions", line, body,
                                                   headers, rec)))
@@ -348,7 +359,12 @@ def run_arm(lines: list[dict[str, Any]], arm: str, work: Path, *, model: str, vo
         limits = work / "limits.yaml"
         limits.write_text(limits_text)
     gateway = None
-    with Server(model, serve_args(arm, r, limits), work / "engine.log") as server:
+    ours = arm in ("capped", "borrowing")
+    events = work / "events.jsonl"
+    events.unlink(missing_ok=True)
+    # this project's arms write the engine's event log: TTFT engine-side too
+    env = {"OUTPUT_RATE_TELEMETRY": "1", "OUTPUT_RATE_EVENTS": str(events)} if ours else None
+    with Server(model, serve_args(arm, r, limits), work / "engine.log", extra_env=env) as server:
         base_url = server.base_url
         if arm == "gateway":
             if not litellm:
@@ -371,12 +387,55 @@ def run_arm(lines: list[dict[str, Any]], arm: str, work: Path, *, model: str, vo
         finally:
             if gateway is not None:
                 gateway.close()
+        if ours:
+            wait_for_log(events)
     (work / "records.json").write_text(json.dumps(
         [{"user": rec.user, "sent": rec.sent, "tokens": rec.tokens, "refused": rec.refused,
-          "error": rec.error, "chunks": rec.chunks} for rec in records]))
+          "error": rec.error, "chunks": rec.chunks, "ended": rec.ended, "id": rec.cid}
+         for rec in records]))
     result = result_of(records, elapsed, scrapes, duration_s, warmup_s)
     result["errors"] = sum(1 for rec in records if rec.error)
+    if ours and events.exists():
+        result["engine_ttft"] = engine_ttft(events, records)
     return result
+
+
+def wait_for_log(path: Path, quiet_s: float = 2.5, most_s: float = 15.0) -> None:
+    """Until the engine's exporter (about once a second) has appended
+    nothing for ``quiet_s``: the run's last steps are in the log."""
+    deadline, size, since = time.monotonic() + most_s, -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now_size = path.stat().st_size if path.exists() else 0
+        if now_size != size:
+            size, since = now_size, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.25)
+
+
+def engine_ttft(events: Path, records: list[Record]) -> dict[str, list[int]]:
+    """Per user, each request's TTFT engine-side (ns): from the client's
+    send to the step that sampled its first token, in the engine's event
+    log (the same monotonic clock); the API server's way back, which a
+    busy 2-core machine makes long, is not in it."""
+    from vllm_output_rate.telemetry.events import EngineLog
+    from vllm_output_rate.tools.twin_calibrate import _matcher
+
+    sent = {rec.cid: (rec.user, rec.sent_ns) for rec in records
+            if rec.cid and not rec.refused and rec.error is None}
+    ids = list(sent)
+    match = _matcher({cid: i for i, cid in enumerate(ids)})
+    first: dict[str, int] = {}
+    for t, tokens in EngineLog.read(events).steps:
+        for rid, _user, k in tokens:
+            i = match(rid) if k else None
+            if i is not None and ids[i] not in first:
+                first[ids[i]] = t
+    out: dict[str, list[int]] = defaultdict(list)
+    for cid, t in first.items():
+        user, sent_ns = sent[cid]
+        out[user].append(t - sent_ns)
+    return dict(out)
 
 
 def model_vocab(model: str) -> int:
