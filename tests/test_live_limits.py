@@ -413,3 +413,30 @@ def test_sighup_ignored_by_nohup_is_taken_over():
     finally:
         signal.signal(signal.SIGHUP, before)
         limits_watch._hup_installed = saved
+
+
+def test_a_file_read_empty_while_rewritten_is_not_counted(tmp_path):
+    """A file rewritten in place (truncated, then written) reads empty in
+    between: that look changes nothing and counts nothing; the content
+    written after it is what counts. A file left empty is invalid at the
+    next look, counted once; SIGHUP's forced read does not wait."""
+    from vllm_output_rate.limits_watch import LimitsWatcher
+
+    path = tmp_path / "limits.yaml"
+    path.write_text("default: 10\n")
+    watcher = LimitsWatcher(load_limits_file(str(path)), start_thread=False)
+    path.write_text("")  # the moment between the truncation and the write
+    assert watcher.check() is None
+    path.write_text("default: 20\n")
+    assert watcher.check() == "loaded"
+    assert watcher.results == {"loaded": 1, "unchanged": 0, "invalid": 0, "unreadable": 0}
+    path.write_text("")  # left empty
+    assert watcher.check() is None
+    assert watcher.check() == "invalid"
+    assert watcher.check() is None  # counted once
+    assert watcher.results["invalid"] == 1 and watcher.current.default_rate == 20
+    path.write_text("default: 30\n")
+    assert watcher.check() == "loaded"
+    path.write_text("")
+    watcher.request_reload()
+    assert watcher.check() == "invalid"  # SIGHUP: read as it is

@@ -8,7 +8,10 @@ SIGHUP, reads it at once. A changed file is read, hashed (SHA-256 of its
 bytes) and checked with the same rules as at start-up; a valid one becomes
 ``current``, which the scheduler puts in force at its next step boundary
 (``OutputRateSchedulerMixin._orl_apply_limits``). A file that fails the
-checks changes nothing: it is logged once per content and counted.
+checks changes nothing: it is logged once per content and counted. An
+empty file is looked at once more at the next poll before it counts: a
+file rewritten in place (truncated, then written) reads empty in between,
+and that moment is not the operator's content.
 
 The scheduler's thread never waits here: it compares one reference per
 step. Everything the thread publishes is replaced whole (a reference swap),
@@ -69,6 +72,8 @@ class WatchedFile:
         #: digest of the content that failed last (logged and counted once)
         self._failed_digest: str | None = None
         self._unreadable = False
+        #: the last look read the file empty (being written, maybe)
+        self._empty = False
         self._forced = False
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -151,6 +156,11 @@ class WatchedFile:
                 return "unreadable"
             return None
         self._unreadable = False
+        if not content and not forced and not self._empty:
+            self._empty = True  # truncated and not written yet? look again
+            self._stat = None
+            return None
+        self._empty = False
         digest = hashlib.sha256(content).hexdigest()
         if digest == self.digest:
             self._failed_digest = None
