@@ -272,13 +272,19 @@ def test_store_stopped_mid_run_then_back_empty(fleet):
         assert stepping >= 0.8 * LIMIT_A / 2, (share, stepping)
     # after it: shared again, and the bound held across the outage and the reset
     after = [s for s in spends if s[0] >= marks["up"] + NS_PER_S]
-    print(f"user-a after it: {spend_rate(after):.2f} tok/s")
+    steps = sorted(t for p in events for t, _ in EngineLog.read(p).steps
+                   if t >= marks["up"] + NS_PER_S)
+    stepping_after = rate_while_stepping(after, steps, LIMIT_A)
+    print(f"user-a after it: {spend_rate(after):.2f} tok/s, {stepping_after:.2f} while the "
+          f"fleet was stepping")
     assert len(after) >= 20, timing  # the run went on well past the restart
-    # (the lower side as in the test above: with another process busy on the
-    # two cores beside the engines, 17.6-19.9 tok/s measured here, and the
-    # shared rates of the test above 0.90-0.92 of the limits; over-charging
-    # just after the reset is by design)
-    assert spend_rate(after) >= 0.8 * LIMIT_A, timing
+    # (the lower side as in the test above, over the time the fleet was
+    # stepping: first to last, 17.6-19.9 tok/s were measured here with
+    # another process busy on the two cores, and 14.7 once in a clean
+    # clone's make test, this process stalled 2.56 s; over-charging just
+    # after the reset is by design; the exact lower side after a store came
+    # back empty is test_shared_state's, in virtual time)
+    assert stepping_after >= 0.8 * LIMIT_A, (timing, spend_rate(after), stepping_after)
     excess, window = worst_window_excess(spends, Fraction(LIMIT_A), HORIZON_S, LOOKAHEAD_S,
                                          STEP_SLACK)
     assert excess <= 0, (excess, window)
