@@ -465,15 +465,12 @@ def figures(scenario: Scenario, scale: Scale, result: dict[str, Any],
             "requests": sum(requests[u] for u in members),
             "refused": sum(users.get(u, {}).get("refused", 0) for u in members),
             "unstarted": sum(users.get(u, {}).get("unstarted", 0) for u in members),
-            "ttft_s": {q: (round(quantile(ttft, p) / NS, 4) if ttft else None)
-                       for q, p in (("p50", 0.5), ("p99", 0.99))},
+            "ttft_s": _p50_p99_s(ttft),
             "itl_p99_s": round(quantile(itl, 0.99) / NS, 4) if itl else None,
         }
         if "engine_ttft" in result:  # the real engine, this project's arms
             eng = [x for u in members for x in result["engine_ttft"].get(u, ())]
-            out_groups[group]["ttft_engine_s"] = {
-                q: (round(quantile(eng, p) / NS, 4) if eng else None)
-                for q, p in (("p50", 0.5), ("p99", 0.99))}
+            out_groups[group]["ttft_engine_s"] = _p50_p99_s(eng)
     total = sum(u["output_tokens"] for u in users.values())
     # weighted Jain's index over the backlogged users (asking for at least
     # 1.5 times their guaranteed rate): each one's busy-window tok/s over its
@@ -496,6 +493,12 @@ def figures(scenario: Scenario, scale: Scale, result: dict[str, Any],
                                 if len(borrowers) > 1 and sum(borrowed.values()) else None),
         "backlogged_users": len(backlogged),
     }
+
+
+def _p50_p99_s(samples_ns: list[int]) -> dict[str, float | None]:
+    """p50 and p99 of ns samples, in seconds (None without samples)."""
+    return {q: (round(quantile(samples_ns, p) / NS, 4) if samples_ns else None)
+            for q, p in (("p50", 0.5), ("p99", 0.99))}
 
 
 def _round(x: float | None, digits: int = 4) -> float | None:
