@@ -20,6 +20,12 @@ the step's output was processed (tokens of one step share that moment)::
     {"kind": "tokens", "t_ns": int,
      "tokens": [[engine request id, user, tokens in this step], ...]}
 
+``queued``, one per request, stamped when the scheduler received it from
+the front end (vLLM's QUEUED moment: after the API server's own work, so a
+request's first token less this is the engine's time to first token)::
+
+    {"kind": "queued", "t_ns": int, "request_id": str, "user": str}
+
 ``finished``, one per request (``reason``: vLLM's finish reason, "abort"
 for a request aborted from outside the scheduler)::
 
@@ -58,6 +64,7 @@ def encode_event(event: tuple, engine: str) -> str:
     """One queued record as its line of the log (with the newline).
 
     ``event``: ``("tokens", t_ns, [(request id, user, n), ...])``,
+    ``("queued", t_ns, request id, user)``,
     ``("finished", t_ns, request id, user, reason, output tokens)``,
     ``("throttled", t_ns, {user: requests}, {user: kv blocks}, kv share)`` or
     ``("start", t_ns, unix_ns, {user: limit}, default limit, async scheduling)`` or
@@ -67,6 +74,8 @@ def encode_event(event: tuple, engine: str) -> str:
     kind, t_ns = event[0], event[1]
     if kind == "tokens":
         data: dict[str, Any] = {"kind": kind, "t_ns": t_ns, "tokens": event[2]}
+    elif kind == "queued":
+        data = {"kind": kind, "t_ns": t_ns, "request_id": event[2], "user": event[3]}
     elif kind == "finished":
         data = {"kind": kind, "t_ns": t_ns, "request_id": event[2], "user": event[3],
                 "reason": event[4], "output_tokens": event[5]}
@@ -94,6 +103,8 @@ class EngineLog:
     starts: list[dict[str, Any]] = field(default_factory=list)
     #: (t_ns, [(engine request id, user, n tokens)]) per engine step, in order
     steps: list[tuple[int, list[tuple[str, str, int]]]] = field(default_factory=list)
+    #: request id -> (t_ns, user) when the scheduler received it
+    queued: dict[str, tuple[int, str]] = field(default_factory=dict)
     finished: dict[str, dict[str, Any]] = field(default_factory=dict)
     throttled: list[dict[str, Any]] = field(default_factory=list)
     #: limit changes in force from ``t_ns`` on, in order
@@ -116,6 +127,8 @@ class EngineLog:
                 if kind == "tokens":
                     log.steps.append((int(ev["t_ns"]),
                                       [(str(r), str(u), int(n)) for r, u, n in ev["tokens"]]))
+                elif kind == "queued":
+                    log.queued[str(ev["request_id"])] = (int(ev["t_ns"]), str(ev["user"]))
                 elif kind == "finished":
                     log.finished[str(ev["request_id"])] = ev
                 elif kind == "throttled":
@@ -160,6 +173,24 @@ class EngineLog:
                 if n:
                     out.setdefault(user, []).append((t, n))
         return out
+
+    def first_tokens(self, since_ns: int = 0) -> dict[str, int]:
+        """request id -> the time of its first token (from ``since_ns`` on)."""
+        out: dict[str, int] = {}
+        for t, tokens in self.steps:
+            if t >= since_ns:
+                for req_id, _, k in tokens:
+                    if k and req_id not in out:
+                        out[req_id] = t
+        return out
+
+    def engine_ttfts_ns(self, user: str, since_ns: int = 0) -> dict[str, int]:
+        """request id -> its engine-side time to first token (queued at the
+        scheduler to the step that sampled its first token), for ``user``'s
+        requests queued from ``since_ns`` on that have a first token."""
+        firsts = self.first_tokens(since_ns)
+        return {r: firsts[r] - t for r, (t, u) in self.queued.items()
+                if u == user and t >= since_ns and r in firsts}
 
     def dispatch_lower_bounds(self, times: Iterable[int], lag: int = 1) -> list[int]:
         """Per output time in ``times``, the earliest moment its step can

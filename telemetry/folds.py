@@ -171,6 +171,12 @@ class Folds:
             self.series.observe_episodes(ended)
         self.spacing.fold()
 
+    def fold_request(self, req_id: str, handle: Any, now: int) -> None:
+        """A request added while the event log is on: its handle, and its
+        ``queued`` line."""
+        self.handles.handles[req_id] = handle
+        self.events.queue(("queued", now, req_id, self.handles.view.handle_user(handle)))
+
     def fold_outputs(self, cur: set[str], special: list[Any], outputs: dict[int, Any] | None,
                      now: int, running: bool, reads: tuple | None,
                      closing: tuple | None = None) -> None:

@@ -114,6 +114,7 @@ class Intake(Inbox, OutputRateObserver):
         self._fold_idle_wait = folds.fold_idle_wait
         self._fold_limits = folds.fold_limits
         self._add_handle = folds.handles.handles.__setitem__
+        self._fold_request = folds.fold_request
         #: the event log is on: it gets every output
         self._log_outputs = log_outputs
         #: request id -> first skipped step's ns, of open throttle episodes
@@ -140,10 +141,14 @@ class Intake(Inbox, OutputRateObserver):
 
     def on_request(self, request_id: str) -> None:
         """A request was added: a handle to read its user and facts by
-        later, on the worker, even once it is gone."""
+        later, on the worker, even once it is gone; with the event log on,
+        also when (its ``queued`` line)."""
         handle = self.view.request_handle(request_id)
         if handle is not None:
-            self._post(self._add_handle, request_id, handle)
+            if self._log_outputs:
+                self._post(self._fold_request, request_id, handle, time.monotonic_ns())
+            else:
+                self._post(self._add_handle, request_id, handle)
 
     def on_step(self, record: StepReport) -> None:
         """Hand one ``StepReport`` over.

@@ -13,6 +13,8 @@ RECORDS = [
     (("tokens", 10, [("chatcmpl-r1-0123abcd", "a", 1), ("chatcmpl-r2-0123abcd", "b", 2)]),
      '{"kind": "tokens", "t_ns": 10, "tokens": [["chatcmpl-r1-0123abcd", "a", 1], '
      '["chatcmpl-r2-0123abcd", "b", 2]]}\n'),
+    (("queued", 8, "chatcmpl-r1-0123abcd", "a"),
+     '{"kind": "queued", "t_ns": 8, "request_id": "chatcmpl-r1-0123abcd", "user": "a"}\n'),
     (("throttled", 20, {"a": 2}, {"a": 6}, 0.25),
      '{"kind": "throttled", "t_ns": 20, "requests": {"a": 2}, "kv_blocks": {"a": 6}, '
      '"kv_share": 0.25}\n'),
@@ -39,6 +41,10 @@ def test_the_reader_reads_what_the_encoder_writes(tmp_path):
     assert log.throttled == [{"kind": "throttled", "t_ns": 20, "requests": {"a": 2},
                               "kv_blocks": {"a": 6}, "kv_share": 0.25}]
     assert log.finished["chatcmpl-r1-0123abcd"]["output_tokens"] == 4
+    assert log.queued == {"chatcmpl-r1-0123abcd": (8, "a")}
+    # queued at 8, its first token in the step stamped 10
+    assert log.engine_ttfts_ns("a") == {"chatcmpl-r1-0123abcd": 2}
+    assert log.engine_ttfts_ns("b") == {} and log.engine_ttfts_ns("a", since_ns=9) == {}
     assert log.finished["chatcmpl-r1-0123abcd"]["reason"] == "abort"
 
 

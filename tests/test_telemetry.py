@@ -480,11 +480,12 @@ def test_event_queue_overflow_is_counted(tmp_path, monkeypatch):
     monkeypatch.setattr(eventlog_mod, "EVENTS_QUEUE_CAP", 3)
     sched, drv, tel, path = events_setup(tmp_path, limits(1000), monkeypatch)
     drv.add(make_request("a", max_tokens=10))
-    drv.run_until_done()  # 1 throttled (none) + 10 token lines + 1 finish line, 3 kept
-    assert counter(tel, "telemetry_dropped", "events_queue_full") == 9
+    # 1 queued + 1 throttled (none) + 10 token lines + 1 finish line, 3 kept
+    drv.run_until_done()
+    assert counter(tel, "telemetry_dropped", "events_queue_full") == 10
     tel.export()
     kinds = [e["kind"] for e in read_events(path)]
-    assert kinds == ["start", "throttled", "tokens", "tokens"]
+    assert sorted(kinds) == ["queued", "start", "throttled", "tokens"]
 
 
 def test_unwritable_event_log_is_counted_not_raised(tmp_path, monkeypatch):
