@@ -15,7 +15,8 @@ requests with budget leave) outnumber the free resident slots, the step frees th
 (``_orl_make_room``): it preempts, with vLLM's own ``_preempt_request``
 (KV blocks freed, the request back at the head of ``waiting``, recomputed
 when it is admitted again), resident requests of the users whose streams
-most exceed their budget, the latest arrival first, never one with a token
+most exceed their budget (users without budget in the step first), the
+latest arrival first, never one with a token
 in flight, never one of the streams its user's rate keeps busy (its rate x
 the engine's step period, rounded up, at least one: a stream throttled
 between its tokens is pacing, and preempted it would be recomputed and
@@ -25,7 +26,15 @@ may borrow is kept a slot too while its user holds less than its share of
 the resident set (``--max-num-seqs`` split by guaranteed rate among the
 users with requests), and preempts only for a user above its share: a
 heavy borrower's backlog does not keep another borrower from its weighted
-split of what is lent. The slots stay kept for those requests in the
+split of what is lent. Rotation reaches ``waiting`` too: a user's first
+waiting request that never had a token, when its user has a token of budget
+its resident streams would take all of, takes that token (a "turn",
+``_orl_turn_due``) below its user's share, with a slot freed the same way
+and, with borrowing, its room and the token set aside from the resident
+streams, which would take it even as borrowers; only while the KV cache
+is at ease. A user's second stream, coming after its first took the
+budget, so takes turns with it instead of waiting for it to end (2.9 s
+for 60 tokens at 20 tok/s in a full engine). The slots stay kept for those requests in the
 step: a waiting request of a user without budget is admitted to compute its
 prefill ahead only beside them (``_orl_resident_room``). vLLM's waiting loop
 then admits the requests with budget in its own order.
@@ -66,6 +75,10 @@ class ResidencyMixin:
     #: (or, with borrowing, below their user's share), and their ids
     _orl_resident_kept = 0
     _orl_kept_ids: set[str] = frozenset()
+    #: users whose first waiting request takes their next token in this step
+    _orl_turns: set[str] = frozenset()
+    #: with borrowing, those requests (id -> user): a token set aside each
+    _orl_turn_ids: dict[str, str] = {}
     #: the engine's step period (ns; None before two busy steps) and when
     #: the last step began
     _orl_period_ns: int | None = None
@@ -109,15 +122,30 @@ class ResidencyMixin:
         users with budget, preempting throttled ones when none are free."""
         self._orl_resident_kept = 0
         self._orl_kept_ids = frozenset()
+        self._orl_turns = frozenset()
+        self._orl_turn_ids = {}
         waiting = self.waiting
         running = self.running
         if waiting and self._orl_chunked and self._orl_lender is None and not self._orl_priority:
             self._orl_budgeted_first()
         free = self.max_num_running_reqs - len(running)
-        if not waiting or free >= len(waiting):
-            return  # every waiting request has a slot: nothing to keep
+        if not waiting:
+            return
         left = self._orl_left
         resident = self._orl_streams()
+        if free >= len(waiting):  # every waiting request has a slot: nothing to keep
+            if resident:  # but a user's first waiting one may take its turn
+                seen: set[str] = set()
+                turns = []
+                for request in waiting:
+                    user = request.output_rate_user
+                    if user not in seen:
+                        seen.add(user)
+                        if self._orl_turn_due(request, left(user), resident.get(user, 0)):
+                            turns.append(request)
+                if turns:
+                    self._orl_give_turns(turns)
+            return
         # the active slots left beside the resident requests with budget (a
         # request kept beyond them would wait for an active slot anyway)
         most = self._orl_base_active
@@ -126,26 +154,36 @@ class ResidencyMixin:
             most -= min(n, max(budgets[user], 0))
         if most <= 0:
             return
-        # with borrowing: each user's share of the resident set (by
-        # guaranteed rate, among the users with requests), which a user who
-        # may borrow is kept slots up to
+        # each user's share of the resident set (by guaranteed rate, among
+        # the users with requests), which a user who may borrow is kept
+        # slots up to, and a user's first waiting request takes its turn
+        # below it (``_orl_turn_due``)
         lender = self._orl_lender
-        share = None if lender is None else self._orl_resident_shares(resident)
+        share = None
         holds = dict(resident)
         wanted: dict[str, int] = {}
         kept: list[Request] = []
-        borrowers: set[str] = set()
+        below_share: set[str] = set()
+        turns: list[Request] = []
         for request in waiting:
             user = request.output_rate_user
             n = wanted.get(user)
+            turn = False
             if n is None:
-                n = left(user) - resident.get(user, 0)
+                n = left(user)
+                turn = self._orl_turn_due(request, n, resident.get(user, 0))
+                n -= resident.get(user, 0)
             wanted[user] = n - 1
             if n <= 0:
-                if share is None or holds.get(user, 0) + 1 > share.get(user, 0) \
-                        or not lender.may_borrow(user):
+                if not turn and (lender is None or not lender.may_borrow(user)):
                     continue
-                borrowers.add(request.request_id)
+                if share is None:
+                    share = self._orl_resident_shares(resident)
+                if holds.get(user, 0) + 1 > share.get(user, 0):
+                    continue
+                below_share.add(request.request_id)
+                if turn:
+                    turns.append(request)
             kept.append(request)
             holds[user] = holds.get(user, 0) + 1
             if len(kept) >= most:
@@ -155,15 +193,54 @@ class ResidencyMixin:
         short = len(kept) - free
         if short > 0:
             # the first kept ones (vLLM admits in queue order)
-            freed = self._orl_evict(kept[:short], resident, share, borrowers)
+            freed = self._orl_evict(kept[:short], resident, share, below_share)
             short -= freed
         self._orl_resident_kept = len(kept) - max(short, 0)
         self._orl_kept_ids = {r.request_id for r in kept}
+        if turns:  # those with a resident slot now (the first kept ones have them)
+            slotted = {id(r) for r in kept[:self._orl_resident_kept]}
+            self._orl_give_turns([r for r in turns if id(r) in slotted])
+
+    def _orl_turn_due(self, request: Request, budget: int, resident: int) -> bool:
+        """Whether ``request``, its user's first in ``waiting``, takes its
+        user's next token ahead of the user's resident streams (rotation
+        across the resident set): it never had a token, and its user has a
+        token of budget that its resident streams would take all of.
+        Without this a user's second stream, coming after the first took
+        the budget, waits for the first to end whenever the resident or the
+        active slots are full (2.9 s for 60 tokens at 20 tok/s)."""
+        return 0 < budget <= resident and not request.output_rate_served_ns \
+            and request.num_output_tokens == 0 and self._orl_kv_at_ease()
+
+    def _orl_kv_at_ease(self) -> bool:
+        """Whether the step cannot run out of KV blocks (every resident
+        request a new block, the token budget's worth of prefill): only then
+        does a request take its turn, which would otherwise preempt a stream
+        (its user's own, throttled for it) for its blocks."""
+        return self._orl_free_blocks() >= (self._orl_groups * len(self.running)
+                                           + self._orl_step_blocks)
+
+    def _orl_give_turns(self, requests: list[Request]) -> None:
+        """These waiting requests, each with a resident slot in this step,
+        take their users' next token: their users' resident streams are
+        a token short in the running order (``_orl_order_running``), and
+        with borrowing the step keeps their room (``_orl_keep``)."""
+        self._orl_turns = {r.output_rate_user for r in requests}
+        if self._orl_lender is not None:
+            # (the token set aside from the user's step budget, which its
+            # resident streams would take first even as borrowers)
+            self._orl_turn_ids = {}
+            for request in requests:
+                self._orl_keep(request)
+                user = request.output_rate_user
+                self._orl_left(user)
+                self._orl_allow[user] -= 1
+                self._orl_turn_ids[request.request_id] = user
 
     def _orl_resident_shares(self, resident: dict[str, int]) -> dict[str, float]:
         """Each user's share of the resident slots, in proportion to its
         guaranteed rate, among the users with requests resident or waiting."""
-        rate_of = self._orl_lender.config.rate_of
+        rate_of = self.output_rate_limiter.rate_of
         users = set(resident)
         users.update(r.output_rate_user for r in self.waiting)
         weights = {u: float(rate_of(u)) for u in users}
@@ -172,12 +249,13 @@ class ResidencyMixin:
         return {u: slots * w / total for u, w in weights.items()}
 
     def _orl_evict(self, for_requests: list[Request], resident: dict[str, int],
-                   share: dict[str, float] | None = None, borrowers: set[str] = frozenset()
+                   share: dict[str, float] | None = None, below_share: set[str] = frozenset()
                    ) -> int:
         """Preempt up to one resident request per ``for_requests`` entry
-        (see the module; for a request kept to borrow, only of a user above
-        its share of the resident set); returns how many were preempted,
-        each taken off ``resident`` (the step's count, ``_orl_streams``)."""
+        (see the module; for a request kept below its user's share of the
+        resident set, only of a user above its share); returns how many
+        were preempted, each taken off ``resident`` (the step's count,
+        ``_orl_streams``)."""
         budgets = self._orl_budgets()
         sustained = self._orl_sustained
         excess = {user: n - max(budgets[user], sustained(user)) for user, n in resident.items()}
@@ -198,10 +276,10 @@ class ResidencyMixin:
                 and can_be_freed(r)]
         freed = 0
         for request in for_requests:
-            above = share if request.request_id in borrowers else None
-            # for a request kept to borrow: only of a user above its share
-            # and without budget in this step (borrowers never displace a
-            # request within its guaranteed rate)
+            above = share if request.request_id in below_share else None
+            # for a request kept below its share: only of a user above its
+            # share and without budget in this step (borrowers never
+            # displace a request within its guaranteed rate)
             candidates = [
                 r for r in pool
                 if excess[r.output_rate_user] > 0
@@ -211,7 +289,10 @@ class ResidencyMixin:
                 and (not priority or r.priority >= request.priority)]
             if not candidates:
                 break
-            victim = max(candidates, key=lambda r: (excess[r.output_rate_user],
+            # (a user without budget in this step first: one with budget
+            # keeps its streams while another's can go)
+            victim = max(candidates, key=lambda r: (budgets[r.output_rate_user] <= 0,
+                                                    excess[r.output_rate_user],
                                                     r.priority, r.arrival_time))
             pool.remove(victim)
             self.running.remove(victim)
@@ -266,6 +347,8 @@ class ResidencyMixin:
             # its own preemptions, admit nothing new in this step.
             return False
         user = request.output_rate_user
+        if self._orl_turn_ids and self._orl_turn_ids.pop(request.request_id, None):
+            self._orl_allow[user] += 1  # its turn: the token set aside for it
         if self._orl_left(user) > 0:
             self._orl_take_kept(request, any_slot=True)
             return True

@@ -223,7 +223,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         self._orl_capped = running > self._orl_base_active
         throttled = None
         if running > 1 and (was_short or self._orl_capped) or (
-                running and self._orl_lender is not None):
+                running and (self._orl_lender is not None or self._orl_turns)):
             # (with borrowing every step: who borrows is decided here)
             throttled = self._orl_order_running()
         held = self._orl_hold_back(throttled) if throttled else None
@@ -366,12 +366,13 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         Only reorders when it matters: when some user has fewer tokens than
         running streams, or when more requests could run than the active cap.
         Returns the throttled requests now at the tail of ``running`` (those
-        of users without budget at the step's start), or None when no user
-        is short of budget.
-        """
+        of users without budget at the step's start, less a waiting request's
+        turn: ``residency``), or None when no user is short of budget."""
         running = self.running
         streams = self._orl_streams()
         budget = dict(self._orl_budgets())  # (taken from as requests are ordered)
+        for user in self._orl_turns:
+            budget[user] -= 1
         short = any(budget[user] < n for user, n in streams.items())
         cap_binds = len(running) > self._orl_base_active
         if not short and not cap_binds:
