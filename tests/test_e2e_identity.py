@@ -189,22 +189,35 @@ def test_introspection_matches_the_metrics(server):
         while not received and not task.done():
             await asyncio.sleep(0.05)
         first = received[0]
+        polls = []  # (asked, s after sending; answered, s after; the export's age then)
         while True:  # the first export after the first chunk arrived
+            asked = time.monotonic()
             state = (await asyncio.to_thread(introspect, server, "users/slowpoke")).json()
+            polls.append((round(asked - sent, 2), round(time.monotonic() - sent, 2),
+                          round(time.time() - state["as_of_unix"], 2)))
             if state["as_of_unix"] > first or task.done():
                 break
             await asyncio.sleep(0.2)
         window_s = time.monotonic() - sent
         samples = await asyncio.to_thread(scrape, server)
         await task
-        return state, samples, len(received), window_s, sent_unix, first
+        return state, samples, len(received), window_s, sent_unix, first, polls
 
-    state, during, chunks, window_s, sent_unix, first = asyncio.run(run())
-    print(f"\nslowpoke while streaming ({window_s:.2f} s in, the export "
-          f"{state['as_of_unix'] - first:+.2f} s after the first chunk):", state)
+    for attempt in (1, 2):
+        state, during, chunks, window_s, sent_unix, first, polls = asyncio.run(run())
+        print(f"\nslowpoke while streaming ({window_s:.2f} s in, the export "
+              f"{state['as_of_unix'] - first:+.2f} s after the first chunk):", state)
+        earliest_end = sent_unix + (n - 1) / 2 - 0.1
+        if first < state["as_of_unix"] < earliest_end:
+            break
+        # No export seen while it ran: once on CI (two loaded cores) every
+        # look for 7.5 s showed an export from before its first token. Said,
+        # and tried once more after its tokens left the 10 s window.
+        print(f"attempt {attempt}: no export seen while it ran; the looks: {polls}")
+        if attempt == 1:
+            time.sleep(10.5)
     assert chunks == n
-    earliest_end = sent_unix + (n - 1) / 2 - 0.1
-    assert first < state["as_of_unix"] < earliest_end, "no engine export while it ran"
+    assert first < state["as_of_unix"] < earliest_end, ("no engine export while it ran", polls)
     assert state["tracked"] and state["running"] == 1 and state["limit"] == 2
     assert state["throttled"] in (0, 1) and 0 <= state["ready_in_s"] <= 0.5
     if state["throttled"]:
