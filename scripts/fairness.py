@@ -592,8 +592,8 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
             ratio = with_flood["ttft_s"]["p99"] / without["ttft_s"]["p99"]
             add(f"flood: {arm}, victims' TTFT p99 / without the flood", round(ratio, 4),
                 "<= 1.2", ratio <= 1.2)
-        # the real engine: the same, engine-side (client's send to the first
-        # token's step), without the API server's way back
+        # the real engine: the same, engine-side (the scheduler receiving it
+        # to the first token's step), without the API server's work
         eng = (with_flood or {}).get("ttft_engine_s", {}).get("p99")
         eng0 = (without or {}).get("ttft_engine_s", {}).get("p99")
         if eng is not None and eng0:
@@ -646,8 +646,9 @@ def render(results: dict[str, Any], scale: Scale, command: str) -> str:
             (f"{a} without the flood", f) for a, f in res["baseline"].items())]
             for group, g in fig["groups"].items() if g.get("ttft_engine_s")]
         if engine_side:
-            lines += ["", "TTFT engine-side (this project's arms: from the client's send to the "
-                      "step that sampled the first token, in the engine's event log):", "",
+            lines += ["", "TTFT engine-side (this project's arms: from the scheduler receiving "
+                      "the request to the step that sampled its first token, in the engine's "
+                      "event log):", "",
                       "| arm | group | TTFT p50 ms | TTFT p99 ms |", "|---|---|---:|---:|"]
             lines += [f"| {arm} | {group} | {_f(g['ttft_engine_s']['p50'], 1e3)} | "
                       f"{_f(g['ttft_engine_s']['p99'], 1e3)} |" for arm, group, g in engine_side]

@@ -24,10 +24,10 @@ in tokens whatever the tokenizer), ``ignore_eos``, each user named by the
 request's ``vllm_xargs.output_rate_user`` (through the gateway: by its key).
 Times are the client's (sent, each chunk's arrival); this project's arms
 also write the engine's event log, and their TTFT is measured engine-side
-too (from the client's send to the step that sampled the first token, on
-the same monotonic clock, matched by X-Request-Id: ``engine_ttft``),
-without the API server's way back, which on two cores shared with the
-engine and the client grows with the tokens streamed. The run stops
+too (from the scheduler receiving the request to the step that sampled the
+first token, on the same monotonic clock, matched by X-Request-Id:
+``engine_ttft``), without the API server's work both ways, which on two
+cores shared with the engine and the client grows with the tokens streamed. The run stops
 ``GRACE_S`` after the arrivals end and cancels what is left, so throughput
 is over the busy window (from ``WARMUP_S`` to the end of the arrivals), not
 the drain. Tokens borrowed come from the engine's ``/metrics``, scraped at
@@ -414,10 +414,12 @@ def wait_for_log(path: Path, quiet_s: float = 2.5, most_s: float = 15.0) -> None
 
 
 def engine_ttft(events: Path, records: list[Record]) -> dict[str, list[int]]:
-    """Per user, each request's TTFT engine-side (ns): from the client's
-    send to the step that sampled its first token, in the engine's event
-    log (the same monotonic clock); the API server's way back, which a
-    busy 2-core machine makes long, is not in it."""
+    """Per user, each request's TTFT engine-side (ns): from the scheduler
+    receiving it (its ``queued`` line; the client's send when the log has
+    none) to the step that sampled its first token, in the engine's event
+    log (the same monotonic clock). The API server's work both ways, which
+    a busy 2-core machine makes long (1-2 s while the engine streams 600
+    tok/s and more), is not in it."""
     from vllm_output_rate.telemetry.events import EngineLog
     from vllm_output_rate.tools.twin_calibrate import _matcher
 
@@ -425,8 +427,10 @@ def engine_ttft(events: Path, records: list[Record]) -> dict[str, list[int]]:
             if rec.cid and not rec.refused and rec.error is None}
     ids = list(sent)
     match = _matcher({cid: i for i, cid in enumerate(ids)})
+    log = EngineLog.read(events)
+    since = {ids[i]: t for rid, (t, _) in log.queued.items() if (i := match(rid)) is not None}
     first: dict[str, int] = {}
-    for t, tokens in EngineLog.read(events).steps:
+    for t, tokens in log.steps:
         for rid, _user, k in tokens:
             i = match(rid) if k else None
             if i is not None and ids[i] not in first:
@@ -434,7 +438,7 @@ def engine_ttft(events: Path, records: list[Record]) -> dict[str, list[int]]:
     out: dict[str, list[int]] = defaultdict(list)
     for cid, t in first.items():
         user, sent_ns = sent[cid]
-        out[user].append(t - sent_ns)
+        out[user].append(t - since.get(cid, sent_ns))
     return dict(out)
 
 

@@ -223,7 +223,8 @@ def test_the_rate_goal_with_nobody_backlogged_says_so():
 
 
 def test_engine_side_ttft_from_the_event_log(tmp_path):
-    """Per user, from each request's send (monotonic ns) to the first step
+    """Per user, from each request's ``queued`` line (the scheduler received
+    it; without one, the client's send in monotonic ns) to the first step
     of the engine's event log that gave it a token, matched by the client's
     X-Request-Id inside vLLM's request id; refused requests and other
     requests of the log (a warm-up) left out."""
@@ -234,13 +235,15 @@ def test_engine_side_ttft_from_the_event_log(tmp_path):
              {"kind": "tokens", "t_ns": 5_000, "tokens": [["cmpl-fair-1-a-0", "a", 1]]},
              {"kind": "tokens", "t_ns": 7_000, "tokens": [["cmpl-fair-1-a-0", "a", 1],
                                                           ["cmpl-fair-10-a-0", "a", 2]]},
-             {"kind": "tokens", "t_ns": 9_000, "tokens": [["cmpl-fair-2-b-0", "b", 1]]}]
+             {"kind": "tokens", "t_ns": 9_000, "tokens": [["cmpl-fair-2-b-0", "b", 1]]},
+             # fair-2-b reached the scheduler 4,000 ns after it was sent
+             {"kind": "queued", "t_ns": 6_000, "request_id": "cmpl-fair-2-b-0", "user": "b"}]
     events.write_text("".join(json.dumps(x) + "\n" for x in lines))
     recs = [fe.Record("a", 0.0, cid="fair-1-a", sent_ns=1_500),
             fe.Record("a", 0.0, cid="fair-10-a", sent_ns=6_000),
             fe.Record("b", 0.0, cid="fair-2-b", sent_ns=2_000),
             fe.Record("b", 0.0, cid="fair-3-b", sent_ns=2_000, refused=True)]
-    assert fe.engine_ttft(events, recs) == {"a": [3_500, 1_000], "b": [7_000]}
+    assert fe.engine_ttft(events, recs) == {"a": [3_500, 1_000], "b": [3_000]}
     # and the figures' groups carry it, as quantiles in seconds
     scenario = fairness.Scenario("f", "", [], {"a": 1.0, "b": 1.0}, {"a": "g", "b": "g"})
     result = fe.result_of(recs[:3], 40.0, {}, 30.0, fairness.WARMUP_S)
