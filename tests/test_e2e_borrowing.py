@@ -152,16 +152,16 @@ def test_a_user_alone_borrows_up_to_its_ceiling_and_the_panels_show_it(engines, 
 
 @pytest.mark.parametrize("pool_config", ["tiny", "tiny-async"], ids=["sync", "async"])
 def test_a_guaranteed_user_arriving_gets_its_rate_within_a_second(engines, pool_config):
-    """``lender-a`` ``{rate: 5, ceiling: 300}`` fills every resident
-    slot (sixteen streams, eight active, borrowing); ``user-g`` (20 tok/s, plain) arrives with
+    """``lender-a`` ``{rate: 5, ceiling: 300}`` fills every active slot
+    (eight streams, borrowing); ``user-g`` (20 tok/s, plain) arrives with
     two streams: each one's first token within a second of the scheduler
     receiving it (engine-side, less the time the engine took no step), its
     rate from then on at least 0.85 of its limit while the engine stepped
     and within its bound; lender-a borrowed before and beside it."""
     # (a ceiling, not unlimited: the engine alone does ~3,600 tok/s here,
     # faster than a client on two loaded cores reads; at 300 tok/s the
-    # sixteen streams take 50 s and still hold every slot when user-g's
-    # requests reach the scheduler, however late the API server is)
+    # eight streams take 25 s and still run when user-g's requests reach
+    # the scheduler, however late the API server is)
     limits = {LONE: {"rate": 5, "ceiling": 300}, GUARANTEED: 20}
     server = engines.get(pool_config, default=DEFAULT, users=limits)
     # a fresh server's first chat requests take seconds: not what is measured
@@ -173,9 +173,9 @@ def test_a_guaranteed_user_arriving_gets_its_rate_within_a_second(engines, pool_
         client = httpx.AsyncClient(timeout=httpx.Timeout(600.0),
                                    limits=httpx.Limits(max_connections=64))
         async with client:
-            # every resident slot (--max-num-seqs 16)
+            # every active slot (--max-num-active-seqs 8)
             lender = [asyncio.create_task(stream_chat(client, server.base_url, "tiny", LONE, 960))
-                      for _ in range(16)]
+                      for _ in range(8)]
             await asyncio.sleep(2.0)  # lender-a alone, borrowing
             sent = time.monotonic_ns()
             mine = await asyncio.gather(*(stream_chat(client, server.base_url, "tiny",
