@@ -430,11 +430,10 @@ def engine_ttft(events: Path, records: list[Record]) -> dict[str, list[int]]:
     log = EngineLog.read(events)
     since = {ids[i]: t for rid, (t, _) in log.queued.items() if (i := match(rid)) is not None}
     first: dict[str, int] = {}
-    for t, tokens in log.steps:
-        for rid, _user, k in tokens:
-            i = match(rid) if k else None
-            if i is not None and ids[i] not in first:
-                first[ids[i]] = t
+    for rid, t in log.first_tokens().items():  # (in time order)
+        i = match(rid)
+        if i is not None and ids[i] not in first:
+            first[ids[i]] = t
     out: dict[str, list[int]] = defaultdict(list)
     for cid, t in first.items():
         user, sent_ns = sent[cid]
