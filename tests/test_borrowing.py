@@ -15,7 +15,7 @@ from dataclasses import replace
 from fractions import Fraction
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from harness import Driver, VirtualClock, make_request, make_scheduler, observe_steps
@@ -285,6 +285,13 @@ def test_a_borrower_gets_its_share_of_the_resident_slots(is_async):
     kv=st.sampled_from([None, (10, "fcfs"), (10, "priority"), (20, "priority")]),
     priorities=st.lists(st.integers(0, 1), min_size=4, max_size=4),
 )
+# cases a clean clone's run found: a slot freed from a user with budget
+# while another's without budget were there; a waiting stream's turn
+# (``residency``) counted twice against its user's budget while another borrowed
+@example(users=[(2, None, 5, 0), (5, None, 6, 18), (5, 10, 6, 28)], active=3, is_async=False,
+         kv=None, priorities=[0, 0, 0, 0])
+@example(users=[(2, 10, 1, 0), (50, None, 4, 0)], active=3, is_async=False, kv=None,
+         priorities=[0, 0, 0, 0])
 def test_borrowers_never_displace_a_request_within_its_guaranteed_rate(
         users, active, is_async, kv, priorities):
     """In every step that lends, every user got every guaranteed token it

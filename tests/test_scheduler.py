@@ -631,15 +631,20 @@ def test_a_user_within_budget_is_not_kept_out_by_throttled_residents(is_async):
     assert len(sched.running) <= 8
 
 
+@pytest.mark.parametrize("ceiling", [None, 300, "unlimited"])
 @pytest.mark.parametrize("is_async", MODES)
-def test_a_users_second_stream_takes_turns_with_its_first_in_a_full_engine(is_async):
-    """A heavy user's throttled streams fill every resident slot; a light
-    user's first stream comes and runs, taking its whole budget, then its
-    second comes: it gets a resident slot (one of the heavy user's
-    preempted) at the light user's next token and the two take turns.
-    Before, the second waited for the first to end: 2.9 s at 20 tok/s for
-    60 tokens (the real engine showed it with a borrower in the slots)."""
-    sched, drv, clock = setup(limits(5, light=20), is_async, step_ms=5.0, max_num_seqs=16,
+def test_a_users_second_stream_takes_turns_with_its_first_in_a_full_engine(is_async, ceiling):
+    """A heavy user's throttled streams (or, with a ceiling, borrowing
+    streams) fill every resident slot; a light user's first stream comes
+    and runs, taking its whole budget, then its second comes: it gets a
+    resident slot (one of the heavy user's preempted) at the light user's
+    next token and the two take turns. Before, the second waited for the
+    first to end: 2.9 s at 20 tok/s for 60 tokens (the real engine showed
+    it with a borrower in the slots)."""
+    lim = limits(5, light=20)
+    if ceiling is not None:
+        lim["ceilings"] = {"heavy": ceiling}
+    sched, drv, clock = setup(lim, is_async, step_ms=5.0, max_num_seqs=16,
                               max_num_active_seqs=8)
     heavy = [make_request("heavy", prompt_len=20, max_tokens=900) for _ in range(16)]
     drv.add(*heavy)

@@ -116,6 +116,19 @@ class LendingMixin:
             # held by borrowers) would keep them waiting longer
             self._orl_lending = False
 
+    def _orl_keep(self, request: Request) -> None:
+        """Keep room in this step for a waiting request taking its user's
+        turn (``residency``), as for one with budget: borrowers are not
+        given its active slot, tokens or KV blocks."""
+        if request.request_id in self._orl_kept:
+            return
+        need = _prompt_left(request)
+        blocks = self._orl_blocks_for(need)
+        self._orl_kept[request.request_id] = (need, blocks)
+        self._orl_kept_slots += 1
+        self._orl_kept_tokens += need
+        self._orl_kept_blocks += blocks
+
     def _orl_give(self, request: Request, n: int) -> None:
         """The charge point gave ``request`` ``n`` tokens of this step (one
         active slot): off the room, and off what was kept for it."""
@@ -244,6 +257,8 @@ class LendingMixin:
     def _orl_settle_ceilings(self, record: StepReport, scheduled: dict[str, int]) -> None:
         """Give back what was lent but not dispatched, and put the step's
         tokens on the ceilings and the borrowing counters."""
+        if self._orl_turn_ids:
+            self._orl_return_turns()
         borrowed, ceil_left, lent = record.borrowed, self._orl_ceil_left, self._orl_borrowed
         if self._orl_at_ceiling:
             record.at_ceiling = list(self._orl_at_ceiling)

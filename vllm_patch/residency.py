@@ -26,17 +26,18 @@ may borrow is kept a slot too while its user holds less than its share of
 the resident set (``--max-num-seqs`` split by guaranteed rate among the
 users with requests), and preempts only for a user above its share: a
 heavy borrower's backlog does not keep another borrower from its weighted
-split of what is lent. Without borrowing, rotation reaches ``waiting``
-too: a user's first waiting request that never had a token, when its user
-has a token of budget its resident streams would take all of, takes that
-token (a "turn", ``_orl_turn_due``) below its user's share, with a slot
-freed the same way, only while the KV cache is at ease. A user's second
-stream, coming after its first took the budget, so takes turns with it
-instead of waiting for it to end (2.9 s for 60 tokens at 20 tok/s in a
-full engine). With borrowing not yet: setting the token aside from the
-resident borrowers lost a guaranteed token in a step (the displacement
-property test found it). The slots stay kept for those requests in the
-step: a waiting request of a user without budget is admitted to compute its
+split of what is lent. Rotation reaches ``waiting`` too: a user's first
+waiting request that never had a token, when its user has a token of budget
+its resident streams would take all of, takes that token (a "turn",
+``_orl_turn_due``) below its user's share, with a slot freed the same way,
+only while the KV cache is at ease. With borrowing the step also keeps its
+room and sets the token aside, of the guaranteed budget and of the
+ceiling, from the user's resident streams, which would take it even as
+borrowers: the request's when vLLM's waiting loop reaches it, its user's
+again, uncharged, if the loop never does (``_orl_return_turns``). A user's
+second stream, coming after its first took the budget, so takes turns
+with it instead of waiting for it to end (2.9 s for 60 tokens at 20 tok/s
+in a full engine). The slots stay kept for those requests in the step: a waiting request of a user without budget is admitted to compute its
 prefill ahead only beside them (``_orl_resident_room``). vLLM's waiting loop
 then admits the requests with budget in its own order.
 
@@ -78,6 +79,8 @@ class ResidencyMixin:
     _orl_kept_ids: set[str] = frozenset()
     #: users whose first waiting request takes their next token in this step
     _orl_turns: set[str] = frozenset()
+    #: with borrowing, those requests (id -> user): a token set aside each
+    _orl_turn_ids: dict[str, str] = {}
     #: the engine's step period (ns; None before two busy steps) and when
     #: the last step began
     _orl_period_ns: int | None = None
@@ -122,6 +125,7 @@ class ResidencyMixin:
         self._orl_resident_kept = 0
         self._orl_kept_ids = frozenset()
         self._orl_turns = frozenset()
+        self._orl_turn_ids = {}
         waiting = self.waiting
         running = self.running
         if waiting and self._orl_chunked and self._orl_lender is None and not self._orl_priority:
@@ -205,12 +209,10 @@ class ResidencyMixin:
         across the resident set): it never had a token, and its user has a
         token of budget that its resident streams would take all of.
         Without this a user's second stream, coming after the first took
-        the budget, waits for the first to end whenever the resident slots
-        are full (2.9 s for 60 tokens at 20 tok/s). Not with borrowing
-        (the module)."""
-        return 0 < budget <= resident and self._orl_lender is None \
-            and not request.output_rate_served_ns and request.num_output_tokens == 0 \
-            and self._orl_kv_at_ease()
+        the budget, waits for the first to end whenever the resident or the
+        active slots are full (2.9 s for 60 tokens at 20 tok/s)."""
+        return 0 < budget <= resident and not request.output_rate_served_ns \
+            and request.num_output_tokens == 0 and self._orl_kv_at_ease()
 
     def _orl_kv_at_ease(self) -> bool:
         """Whether the step cannot run out of KV blocks (every resident
@@ -223,8 +225,40 @@ class ResidencyMixin:
     def _orl_give_turns(self, requests: list[Request]) -> None:
         """These waiting requests, each with a resident slot in this step,
         take their users' next token: their users' resident streams are
-        a token short in the running order (``_orl_order_running``)."""
+        a token short in the running order (``_orl_order_running``), and
+        with borrowing the step keeps their room (``_orl_keep``)."""
         self._orl_turns = {r.output_rate_user for r in requests}
+        if self._orl_lender is not None:
+            # (the token set aside from the user's step budget, which its
+            # resident streams would take first even as borrowers; the
+            # running order reads the budgets from before, less the turn)
+            self._orl_budgets()
+            self._orl_turn_ids = {}
+            for request in requests:
+                self._orl_keep(request)
+                user = request.output_rate_user
+                self._orl_left(user)
+                self._orl_allow[user] -= 1
+                self._orl_ceiling_left(user)  # (a borrower of the user's takes it not either)
+                self._orl_ceil_left[user] -= 1
+                self._orl_turn_ids[request.request_id] = user
+            turns = self._orl_turn_ids  # (not among the waiting borrowers)
+            self._orl_waiting_borrowers = [r for r in self._orl_waiting_borrowers
+                                           if r.request_id not in turns]
+
+    def _orl_turn_taken(self, req_id: str) -> None:
+        """vLLM's waiting loop reaches a request taking its user's turn
+        (with borrowing): the token set aside for it is its user's again."""
+        user = self._orl_turn_ids.pop(req_id, None)
+        if user is not None:
+            self._orl_allow[user] += 1
+            self._orl_ceil_left[user] += 1
+
+    def _orl_return_turns(self) -> None:
+        """The step ends: tokens set aside for turns vLLM's waiting loop
+        never reached go back to their users, uncharged."""
+        for req_id in list(self._orl_turn_ids):
+            self._orl_turn_taken(req_id)
 
     def _orl_resident_shares(self, resident: dict[str, int]) -> dict[str, float]:
         """Each user's share of the resident slots, in proportion to its
@@ -336,6 +370,8 @@ class ResidencyMixin:
             # its own preemptions, admit nothing new in this step.
             return False
         user = request.output_rate_user
+        if self._orl_turn_ids:
+            self._orl_turn_taken(request.request_id)  # its turn: the token set aside for it
         if self._orl_left(user) > 0:
             self._orl_take_kept(request, any_slot=True)
             return True
