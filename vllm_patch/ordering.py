@@ -33,24 +33,25 @@ def last_token_in_flight(request: Any) -> bool:
 
 
 def rotated(running: list[Any]) -> list[Any]:
-    """``running`` with each (user, priority) group's streams rotated so the
-    one after the stream served last goes first; the groups keep their
-    places."""
+    """``running`` with each (user, priority) group's streams in the order
+    they were last served, longest ago (or never) first, ties in running
+    order; the groups keep their places. Read from the streams' own
+    served times, not from where they sit in ``running``: a step leaves
+    them ordered by what it did (charged, borrowing, held back), which is
+    not the order they were served in."""
     groups: dict[tuple[str, int], list[Any]] = {}
     for request in running:
         groups.setdefault((request.output_rate_user, request.priority), []).append(request)
     turns: dict[tuple[str, int], Any] = {}
     for key, members in groups.items():
         if len(members) > 1:
-            # the last, in running order, of those served most recently
-            last, latest = -1, 0
-            for i, request in enumerate(members):
-                if request.output_rate_served_ns and request.output_rate_served_ns >= latest:
-                    last, latest = i, request.output_rate_served_ns
-            if last >= 0:
-                members = members[last + 1 :] + members[: last + 1]
+            members = sorted(members, key=_served_ns)
         turns[key] = iter(members)
     return [next(turns[(r.output_rate_user, r.priority)]) for r in running]
+
+
+def _served_ns(request: Any) -> int:
+    return request.output_rate_served_ns
 
 
 def longest_waiting_first(ready: list[Any], running: list[Any]) -> list[Any]:

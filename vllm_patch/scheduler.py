@@ -567,7 +567,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             # Served times feed the next step's rotation, which only runs
             # after a step that refused someone (see schedule()).
             now, requests = self._orl_now, self.requests
-            for req_id in charged:
+            for req_id in (*charged, *record.borrowed):
                 requests[req_id].output_rate_served_ns = now
         self.output_rate_last_step = record
 
