@@ -180,7 +180,6 @@ class LendingMixin:
         tokens = self.max_num_scheduled_tokens - self._orl_kept_tokens - sum(
             r.num_tokens - r.num_computed_tokens if r.is_prefill_chunk else 1 for r in ready)
         chosen = []
-        waiting = []
         for request in self._orl_borrowers(throttled + prefilling + self._orl_waiting_borrowers):
             if id(request) in ahead:
                 chosen.append(request)
@@ -191,18 +190,17 @@ class LendingMixin:
                 slots -= 1
                 tokens -= need
                 if request.status != _RUNNING:
-                    waiting.append(request)
+                    # its room kept as for a waiting request with budget (a
+                    # waiting request admitted before it to compute its
+                    # prefill ahead took its active slot, and it waited a
+                    # step: the flood's victims at GPU scale, 1.44x their
+                    # no-flood TTFT p99)
+                    self._orl_keep(request)
         self._orl_chose = True
         step = self._orl_step_no
         for request in chosen:  # the charge point may lend to these
             request.output_rate_borrow_step = step
         borrowers = [r for r in chosen if r.status == _RUNNING]
-        # the waiting ones chosen: their room kept as for those with budget
-        # (a waiting request admitted before one of them to compute its
-        # prefill ahead took its active slot, and it waited a step: the
-        # flood's victims at GPU scale, 1.44x their no-flood TTFT p99)
-        for request in waiting:
-            self._orl_keep(request)
         if borrowers:
             ids = {id(r) for r in borrowers}
             ready = [r for r in ready if id(r) not in ids]

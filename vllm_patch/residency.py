@@ -37,9 +37,10 @@ borrowers: the request's when vLLM's waiting loop reaches it, its user's
 again, uncharged, if the loop never does (``_orl_return_turns``). A user's
 second stream, coming after its first took the budget, so takes turns
 with it instead of waiting for it to end (2.9 s for 60 tokens at 20 tok/s
-in a full engine). The slots stay kept for those requests in the step: a waiting request of a user without budget is admitted to compute its
-prefill ahead only beside them (``_orl_resident_room``). vLLM's waiting loop
-then admits the requests with budget in its own order.
+in a full engine). The slots stay kept for those requests in the step: a
+waiting request of a user without budget is admitted to compute its
+prefill ahead only beside them (``_orl_resident_room``). vLLM's waiting
+loop then admits the requests with budget in its own order.
 
 The admission hook lives here too (``_handle_blocked_waiting_request``,
 hook 3 of ``internals``): a waiting request of a user with budget passes; one
