@@ -238,14 +238,17 @@ def test_profile_real_engine(tmp_path, engines):
     server = engines.get("tiny", default=100_000, users={"user-a": 20})
     core = prof.find_engine_core(server.proc.pid, timeout_s=30)
     # Sampling: schedule() is a few percent of the engine loop and the
-    # limiter a fraction of that, so a short recording can miss it by
-    # chance. 1 kHz, and up to three recordings before calling it absent.
+    # limiter a fraction of that (about 6 of 1,250 samples), so a short
+    # recording can miss it by chance: up to three recordings before calling
+    # it absent. 250 Hz: py-spy pauses the engine for each sample, and on two
+    # cores shared with the load it takes 8 ms a sample (5 s at 1 kHz
+    # recorded for 22-39 s; at 250 Hz for 9)
     for attempt in range(3):
         out = tmp_path / f"attempt-{attempt}"
         out.mkdir()
         report = prof.profile_engine(
             core, out, "on", seconds=5, base_url=server.base_url,
-            plan=[("user-a", 4, 200), ("user-b", 4, 900)], warmup_s=2.0, rate=1000)
+            plan=[("user-a", 4, 200), ("user-b", 4, 900)], warmup_s=2.0, rate=250)
         if report.inclusive_counts[LIMITER] > 0:
             break
     print("\n" + prof.format_table({"on": report}))
