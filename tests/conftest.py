@@ -98,3 +98,21 @@ def pytest_runtest_teardown(item, nextitem):
             nextitem is None or nextitem.path.name not in POOL_MODULES):
         for pool in _POOLS:
             pool.close()
+
+
+def pytest_runtest_logreport(report):
+    """With ``TEST_TIMELINE=FILE``, one JSON line per test phase: the worker,
+    the test, the phase, its start and end (wall clock) and outcome; what
+    `make test` spent where, per worker (``tests/timeline.py`` sums
+    it)."""
+    path = os.environ.get("TEST_TIMELINE")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # written once, by the controller (or a run without workers)
+    import json
+
+    node = getattr(report, "node", None)
+    worker = node.gateway.id if node is not None else "main"
+    with open(path, "a") as f:
+        f.write(json.dumps({"worker": worker, "test": report.nodeid, "when": report.when,
+                            "start": report.start, "stop": report.stop,
+                            "outcome": report.outcome}) + "\n")
