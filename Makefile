@@ -65,7 +65,7 @@ test-versions: venv
 # vLLM VERSION's wheel in .cache/vllm-VERSION (no dependencies), first on the path.
 test-vllm-%: venv
 	@scripts/setup/ensure_vllm_wheel.sh $*
-	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/.cache/vllm-$* EXPECT_VLLM_MINOR=$(basename $*) \
+	VLLM_TARGET_DEVICE=cpu PYTHONPATH=$(CURDIR)/.cache/vllm-$* EXPECT_VLLM_MINOR=$(basename $*) TEST_TIMELINE= \
 	    $(PY) -m pytest -q -n $(MATRIX_WORKERS) $(SCHEDULER_SUITES)
 
 bench: venv

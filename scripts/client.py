@@ -114,8 +114,10 @@ async def stream_into(
     on_tokens: Any = None,
     cancel_after_tokens: int | None = None,
     record_first_chunk: bool = False,
+    path: str = "/v1/chat/completions",
 ) -> bool:
-    """POST ``body`` to ``/v1/chat/completions`` and record its stream into
+    """POST ``body`` to ``path`` (a streamed chat completion, or a
+    completion at ``/v1/completions``) and record its stream into
     ``rec``: per chunk that added tokens its client arrival time (monotonic
     s) and the completion tokens counted so far (also the first chunk, with
     ``record_first_chunk``), the token and prompt-token counts, the finish
@@ -126,7 +128,7 @@ async def stream_into(
     With ``cancel_after_tokens``, closes the stream (the server aborts the
     request) once that many tokens came before a finish reason, and returns
     True; False otherwise."""
-    async with client.stream("POST", f"{base_url}/v1/chat/completions", json=body,
+    async with client.stream("POST", f"{base_url}{path}", json=body,
                              headers=headers) as resp:
         if resp.status_code != 200:
             rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:300]}"

@@ -9,6 +9,7 @@ A JSON file (``STEP_TIME_SCHEMA``), version 1, kind ``linear``::
      "per_prefill_token_s": 2e-05,  # each prompt token computed
      "per_context_token_s": 1e-08,  # each token of context the step attends to
      "request_path_s": 0.003,       # a request's way from the server to the scheduler
+     "request_path_quantiles_s": [0.002, ..., 0.009],  # optional: its spread
      "source": "estimate" | "measured" | "hand",
      "note": "free text (the GPU, where the figures came from)"}
 
@@ -17,7 +18,13 @@ prefill tokens + per_context_token_s x context tokens, for a step that
 schedules anything; a step that schedules nothing takes no model time.
 A request reaches the scheduler ``request_path_s`` after it arrived (the
 API server's HTTP handling, input processing and the hop to the engine
-core); its TTFT counts from its arrival.
+core); its TTFT counts from its arrival. With ``request_path_quantiles_s``
+(equally spaced quantiles of the path, from its least to its largest: 11
+values are p0, p10, ..., p100) each request's path is drawn from that
+spread instead (a quantile drawn uniformly, linear between the given ones;
+the twin's ``--seed`` fixes the draws): on a real engine a request that
+reaches the scheduler a millisecond earlier or later may take its user's
+next token or wait a whole period for the next one.
 ``DEFAULT`` (no file given) is a fixed estimate: every report marks it so.
 """
 
@@ -54,6 +61,11 @@ STEP_TIME_SCHEMA: dict[str, Any] = {
                            "description": "seconds from a request's arrival at the server to "
                                           "the scheduler seeing it (HTTP, input processing, "
                                           "the hop to the engine core)"},
+        "request_path_quantiles_s": {
+            "type": "array", "minItems": 2, "items": {"type": "number", "minimum": 0},
+            "description": "optional: the request path's spread, equally spaced quantiles "
+                           "from the least to the largest (non-decreasing); each request's path "
+                           "is drawn from it instead of request_path_s"},
         "source": {"enum": list(SOURCES), "default": "hand"},
         "note": {"type": "string"},
         "fit": {"type": "object", "description": "a measured model's fit (twin calibrate): "
@@ -75,6 +87,7 @@ class StepTimeModel:
     per_prefill_token_s: float = 0.0
     per_context_token_s: float = 0.0
     request_path_s: float = 0.0
+    request_path_quantiles_s: tuple[float, ...] | None = None
     source: str = "hand"
     note: str = ""
     kind: str = "linear"
@@ -87,7 +100,26 @@ class StepTimeModel:
         return self.source == "estimate"
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        out = {k: v for k, v in asdict(self).items() if v is not None}
+        if self.request_path_quantiles_s is not None:
+            out["request_path_quantiles_s"] = list(self.request_path_quantiles_s)
+        return out
+
+    def request_path_of(self, rng: Any):
+        """``() -> seconds``: each request's path, drawn with ``rng`` from
+        ``request_path_quantiles_s``, or ``request_path_s`` without them."""
+        qs = self.request_path_quantiles_s
+        if not qs:
+            fixed = self.request_path_s
+            return lambda: fixed
+        last = len(qs) - 1
+
+        def draw() -> float:
+            x = rng.random() * last
+            i = min(int(x), last - 1)
+            return qs[i] + (qs[i + 1] - qs[i]) * (x - i)
+
+        return draw
 
     def seconds(self, decodes: int, prefill_tokens: int, context_tokens: int) -> float:
         if not (decodes or prefill_tokens):
@@ -153,6 +185,21 @@ def parse_step_time(data: Any, where: str = "step-time") -> StepTimeModel:
                 or not math.isfinite(value) or value < 0):
             raise StepTimeError(f"{where}: {key}: expected a number >= 0, got {value!r}")
         terms[key] = float(value)
+    if "request_path_quantiles_s" in data:
+        qs = data["request_path_quantiles_s"]
+        key = "request_path_quantiles_s"
+        if not isinstance(qs, list) or len(qs) < 2:
+            raise StepTimeError(f"{where}: {key}: expected a list of at least 2 numbers, "
+                                f"got {qs!r}")
+        for i, value in enumerate(qs):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0):
+                raise StepTimeError(f"{where}: {key}[{i}]: expected a number >= 0, "
+                                    f"got {value!r}")
+            if i and value < qs[i - 1]:
+                raise StepTimeError(f"{where}: {key}[{i}]: {value!r} is less than the quantile "
+                                    f"before it ({qs[i - 1]!r}): the list must not decrease")
+        terms["request_path_quantiles_s"] = tuple(float(v) for v in qs)
     source = data.get("source", "hand")
     if source not in SOURCES:
         raise StepTimeError(f"{where}: source: expected one of {', '.join(SOURCES)}, "

@@ -321,12 +321,14 @@ class Twin:
                                    stamp_at_end=True, on_update=self._on_update,
                                    keep_tokens=False)
         # a request reaches the scheduler the step-time model's request path
-        # after its arrival; a limits change is in the file at its time
-        path_s = self.step_model.request_path_s
+        # after its arrival (drawn from its spread when the model has one:
+        # a stream of its own, so that the prompts stay those of the seed);
+        # a limits change is in the file at its time
+        path_of = self.step_model.request_path_of(random.Random(f"path-{self.seed}"))
         #: (when the scheduler sees it, ns; the request or limits change)
         self.pending = deque(sorted(
-            ((T0_NS + round((e.t + (path_s if isinstance(e, WorkloadRequest) else 0.0)) * NS), e)
-             for e in self.workload.events), key=lambda p: p[0]))
+            ((T0_NS + round((e.t + (path_of() if isinstance(e, WorkloadRequest) else 0.0)) * NS),
+              e) for e in self.workload.events), key=lambda p: p[0]))
         self.limit_changes: list[dict[str, Any]] = []
         limits_at_start = None
         if self.limited:

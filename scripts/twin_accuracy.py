@@ -10,13 +10,17 @@
    a live limit change; on/off bursts; each beside an unlimited user) replays
    it ``--replays`` times, each on a fresh engine started with the same
    options (``SERVE_ARGS`` and the workload's limits file) after a short
-   warm-up, and runs the twin once on it with the calibrated step time and
-   the same options, cut at the same moment (``GRACE_S`` after the arrivals).
+   warm-up, and runs the twin on each replay's own arrivals (when the client
+   sent each request: its event loop runs late by up to a few hundred ms at
+   times, and a request sent late may find its user's next token free) with
+   the calibrated step time (the request path drawn from its measured
+   spread, a seed per replay) and the same options, cut at the same moment
+   (``GRACE_S`` after the arrivals).
 3. Compares per user the figures of the twin's ``summary.json``: rate
    (first token to last), TTFT p50/p90 (arrival to first token) and
-   spacing p50/p90, the twin against the median of the real runs, beside
-   the real runs' own spread (each real run against the median of the
-   others).
+   spacing p50/p90, the median of the twin's runs against the median of
+   the real runs, beside the real runs' own spread (each real run against
+   the median of the others).
 
 The real figures are engine-side, computed as the twin computes its own
 (``figures_from_log``; a test checks that both agree on a twin run): a
@@ -162,6 +166,34 @@ def bursts(seed: int, duration: float = 30.0) -> AccuracyWorkload:
 WORKLOADS = {"flood": flood, "tiers": tiers, "bursts": bursts}
 
 
+def replay_events(wl: AccuracyWorkload) -> list[tuple[float, Any]]:
+    """The workload's requests and limit changes in the order they are
+    sent: ``(t, request line)`` or ``(t, limits text)``; the client's id of
+    the request at index i is ``acc-{i:05d}-{user}``."""
+    events: list[tuple[float, Any]] = [(x["t"], x) for x in wl.lines]
+    events += [(t, text) for t, text in wl.changes]
+    events.sort(key=lambda e: e[0])
+    return events
+
+
+def client_id(i: int, user: str) -> str:
+    return f"acc-{i:05d}-{user}"
+
+
+def as_sent(wl: AccuracyWorkload, sent_s: dict[str, float]) -> AccuracyWorkload:
+    """The workload as a replay sent it: each request at the moment the
+    client sent it (``sent_s``: client id -> seconds from the start; a
+    request missing there keeps its planned time), the limit changes at
+    theirs."""
+    lines = []
+    for i, (t, event) in enumerate(replay_events(wl)):
+        if isinstance(event, str):
+            continue
+        lines.append({**event, "t": round(sent_s.get(client_id(i, event["user"]), t), 6)})
+    return AccuracyWorkload(wl.name, sorted(lines, key=lambda x: x["t"]), wl.limits,
+                            list(wl.changes), wl.duration_s)
+
+
 def write_workload(wl: AccuracyWorkload, work: Path) -> tuple[Path, Path]:
     """The twin's files: the workload (JSON Lines, its limit changes as
     ``limits_file`` lines) and the limits file at the start."""
@@ -263,20 +295,27 @@ def goal_of(name: str, unlimited: bool) -> float:
     return GOALS[name.split()[-1]]
 
 
-def compare(real_runs: list[dict[str, dict[str, Any]]], twin: dict[str, dict[str, Any]],
+def compare(real_runs: list[dict[str, dict[str, Any]]],
+            twin_runs: list[dict[str, dict[str, Any]]] | dict[str, dict[str, Any]],
             unlimited: set[str]) -> list[dict[str, Any]]:
     """One row per user and figure: the real runs' values, their median,
     the real runs' own spread (each against the median of the others, the
-    largest relative difference), the twin's value, its error against the
-    median (relative and absolute), the goal and whether it is met."""
+    largest relative difference), the twin's runs' values and their median
+    (``twin_runs``: each run's users, or one run's), its error against the
+    real median (relative and absolute), the goal and whether it is met."""
+    if isinstance(twin_runs, dict):
+        twin_runs = [twin_runs]
     rows = []
-    users = sorted(set(twin) | {u for run in real_runs for u in run})
+    users = sorted({u for run in twin_runs for u in run} | {u for run in real_runs for u in run})
     for user in users:
         for name, key, q in FIGURES:
             values = [figure(run.get(user, {}), key, q) for run in real_runs]
             values = [v for v in values if v is not None]
-            tv = figure(twin.get(user, {}), key, q)
+            tvs = [figure(run.get(user, {}), key, q) for run in twin_runs]
+            tvs = [v for v in tvs if v is not None]
+            tv = statistics.median(tvs) if tvs else None
             row: dict[str, Any] = {"user": user, "figure": name, "real": values, "twin": tv,
+                                   "twin_runs": tvs,
                                    "median": statistics.median(values) if values else None}
             spread = []
             for i, v in enumerate(values):
@@ -338,9 +377,7 @@ async def replay(wl: AccuracyWorkload, server: Any, limits_path: Path, vocab: in
         arrivals: dict[str, tuple[str, int]] = {}
         records: list[Record] = []
         tasks = []
-        events: list[tuple[float, Any]] = [(x["t"], x) for x in wl.lines]
-        events += [(t, text) for t, text in wl.changes]
-        events.sort(key=lambda e: e[0])
+        events = replay_events(wl)
         start = time.monotonic_ns()
         for i, (t, event) in enumerate(events):
             await asyncio.sleep(max(0.0, (start + t * NS - time.monotonic_ns()) / NS))
@@ -350,7 +387,7 @@ async def replay(wl: AccuracyWorkload, server: Any, limits_path: Path, vocab: in
                 os.replace(tmp, limits_path)
                 os.kill(server.proc.pid, signal.SIGHUP)
                 continue
-            cid = f"acc-{i:05d}-{event['user']}"
+            cid = client_id(i, event["user"])
             rec = Record(event["user"], 0.0)
             records.append(rec)
             arrivals[cid] = (event["user"], time.monotonic_ns())
@@ -390,6 +427,7 @@ def real_run(wl: AccuracyWorkload, work: Path, model: str, vocab: int, seed: int
     log = EngineLog.read(events)
     start = log.starts[0] if log.starts else {}
     return {"figures": figures_from_log(log, arrivals, cut), "errors": errors,
+            "sent_s": {cid: (t - start_ns) / NS for cid, (_, t) in arrivals.items()},
             "async_scheduling": bool(start.get("async_scheduling")),
             "kv_tokens": kv_tokens_of((work / "engine.log").read_text(errors="replace")),
             "limit_changes": [(e["t_ns"] - start_ns) / NS for e in log.limit_changes]}
@@ -408,7 +446,9 @@ def calibrate(work: Path, model: str, seconds: float) -> dict[str, Any]:
     prompts = work / "step_time.prompts.jsonl"
     with Server(model, [*SERVE_ARGS, "--default-user-output-tokens-per-second", str(UNLIMITED)],
                 work / "engine.log", extra_env={"OUTPUT_RATE_EVENTS": str(events)}) as server:
-        load = run_calibration_load(server.base_url, "tiny", prompts, seconds, show_progress=False)
+        # the replays' kind of request: completions of token ids
+        load = run_calibration_load(server.base_url, "tiny", prompts, seconds,
+                                    show_progress=False, api="completions")
         time.sleep(2.5)
     since = warmup_end_ns(EngineLog.read(events), str(prompts))
     model_json = calibrate_from_log(str(events), str(prompts), since)
@@ -491,12 +531,13 @@ def render(result: dict[str, Any]) -> str:
     met = total = 0
     for name, wl in result["workloads"].items():
         lines += [f"### {name}", "",
-                  f"{wl['replays']} real runs (errors: {wl['errors']}), the twin once; "
-                  f"rate in tok/s, times in ms; error: the twin against the real median; "
-                  f"real spread: the largest difference of a real run from the median of the "
-                  f"others.", "",
-                  "| user | figure | real median | real runs | real spread | twin | error | goal | met |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"{wl['replays']} real runs (errors: {wl['errors']}), the twin on each "
+                  f"one's arrivals; rate in tok/s, times in ms; error: the twin's median "
+                  f"against the real median; real spread: the largest difference of a real run "
+                  f"from the median of the others.", "",
+                  "| user | figure | real median | real runs | real spread | twin median "
+                  "| twin runs | error | goal | met |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for row in wl["rows"]:
             if row["median"] is None and row["twin"] is None:
                 continue
@@ -505,9 +546,10 @@ def render(result: dict[str, Any]) -> str:
             if row["met"] is not None:
                 total += 1
                 met += bool(row["met"])
+            twins = ", ".join(_val(v, row["figure"]) for v in row.get("twin_runs", ()))
             lines.append(f"| {row['user']} | {row['figure']} | {_val(row['median'], row['figure'])} "
                          f"| {runs} | {_pct(row['real_spread'])} | {_val(row['twin'], row['figure'])} "
-                         f"| {_pct(row['error'])} | {100 * row['goal']:.0f}% | {ok} |")
+                         f"| {twins} | {_pct(row['error'])} | {100 * row['goal']:.0f}% | {ok} |")
         lines.append("")
     lines.insert(1, f"Goals met: {met} of {total} figures (a time figure also passes within "
                     f"{1000 * ABS_S:.0f} ms).")
@@ -558,14 +600,18 @@ def main(argv: list[str], twin_cls: Any) -> int:
         for k in range(args.replays):
             print(f"{name}: real run {k + 1} of {args.replays} ...", flush=True)
             runs.append(real_run(wl, out / name / f"real-{k + 1}", model, vocab, args.seed + k))
-        print(f"{name}: the twin ...", flush=True)
-        summary = twin_run(twin_cls, wl, out / name, model, step_path, runs[0]["async_scheduling"],
-                           runs[0]["kv_tokens"], args.seed)
-        rows = compare([r["figures"] for r in runs], summary["users"], wl.unlimited_users())
+        print(f"{name}: the twin on each replay's arrivals ...", flush=True)
+        twins = [twin_run(twin_cls, as_sent(wl, run["sent_s"]), out / name / f"twin-{k + 1}",
+                          model, step_path, runs[0]["async_scheduling"], runs[0]["kv_tokens"],
+                          args.seed + k)
+                 for k, run in enumerate(runs)]
+        rows = compare([r["figures"] for r in runs], [t["users"] for t in twins],
+                       wl.unlimited_users())
         result["workloads"][name] = {
             "replays": len(runs), "errors": sum(len(r["errors"]) for r in runs),
             "first_error": next((e for r in runs for e in r["errors"]), None),
-            "real": runs, "twin": summary["users"], "twin_run": summary["run"], "rows": rows,
+            "real": runs, "twin": [t["users"] for t in twins],
+            "twin_run": twins[0]["run"], "rows": rows,
             "unlimited": sorted(wl.unlimited_users())}
         (out / "accuracy.json").write_text(json.dumps(result, indent=1) + "\n")
     result["wall_s"] = round(time.monotonic() - began, 1)

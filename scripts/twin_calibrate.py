@@ -92,14 +92,21 @@ def read_prompts(path: str | None) -> tuple[dict[str, int], dict[str, int]]:
     return prompts, sent
 
 
+#: the request path's spread in the model: p0, p5, ..., p100
+PATH_QUANTILES = 20
+
+
 def request_path_fit(log: Any, sent: dict[str, int], prompts: dict[str, int],
                      terms: dict[str, float], since_ns: int = 0) -> dict[str, Any] | None:
     """The request path: from a request's send to the scheduler seeing it.
     Measured on the requests sent to an idle engine (no step ended between
-    the send and the step of the request's first token, so that step began
-    when the request reached the scheduler): the first token's time, minus
-    that step's time by the fitted model, minus the send. The median is the
-    model's ``request_path_s``; None with fewer than 8 such requests."""
+    the send and the step of the request's first token): the log's
+    ``queued`` line of the request minus the send (an older log without
+    ``queued`` lines: the first token's time, minus that step's time by the
+    fitted model, minus the send; that step began when the request reached
+    the scheduler). The median is the model's ``request_path_s``, the
+    quantiles p0, p5, ..., p100 its ``request_path_quantiles_s``; None with
+    fewer than 8 such requests."""
     import bisect
 
     if not sent:
@@ -107,8 +114,10 @@ def request_path_fit(log: Any, sent: dict[str, int], prompts: dict[str, int],
     match_sent = _matcher(sent)
     prompt_of = _matcher(prompts)
     stamps = [t for t, _ in log.steps]
+    queued_of = {rid: t for rid, (t, _) in getattr(log, "queued", {}).items()}
     seen: set[str] = set()
     values = []
+    by_queued = 0
     for i, (t, tokens) in enumerate(log.steps):
         decodes = prefill = 0
         firsts = []
@@ -121,23 +130,28 @@ def request_path_fit(log: Any, sent: dict[str, int], prompts: dict[str, int],
             if s_ns is None:
                 continue
             prefill += prompt_of(rid) or 0
-            firsts.append(s_ns)
+            firsts.append((rid, s_ns))
         if not firsts or t < since_ns:
             continue
         step_ns = 1e9 * (terms["base_s"] + terms["per_decode_s"] * decodes
                          + terms["per_prefill_token_s"] * prefill)
-        for s_ns in firsts:
+        for rid, s_ns in firsts:
             before = bisect.bisect_left(stamps, t) - 1  # the step before this one
             if before >= 0 and stamps[before] >= s_ns:
                 continue  # the engine was busy when the request came
-            values.append((t - step_ns - s_ns) / NS)
+            queued = queued_of.get(rid)
+            by_queued += queued is not None
+            values.append(((queued - s_ns) if queued is not None else (t - step_ns - s_ns)) / NS)
     if len(values) < 8:
         return None
     values.sort()
     from vllm_output_rate.tools.stats import quantile
 
     return {"requests": len(values), "p10_s": round(quantile(values, 0.1), 6),
-            "p50_s": round(quantile(values, 0.5), 6), "p90_s": round(quantile(values, 0.9), 6)}
+            "p50_s": round(quantile(values, 0.5), 6), "p90_s": round(quantile(values, 0.9), 6),
+            "from_queued_lines": by_queued,
+            "quantiles_s": [round(max(0.0, quantile(values, q / PATH_QUANTILES)), 6)
+                            for q in range(PATH_QUANTILES + 1)]}
 
 
 def _matcher(prompts: dict[str, int]):
@@ -302,7 +316,8 @@ def calibrate_from_log(events: str, prompts_path: str | None = None,
     fit = result["fit"]
     path = request_path_fit(log, sent, prompts, result["terms"], since_ns)
     fit["request_path"] = path
-    path_terms = {"request_path_s": max(0.0, path["p50_s"])} if path else {}
+    path_terms = ({"request_path_s": max(0.0, path["p50_s"]),
+                   "request_path_quantiles_s": path["quantiles_s"]} if path else {})
     note = (f"fitted on {fit['steps']} steps of {Path(events).name}: R² {fit['r2']}, "
             f"median relative error {fit['median_rel_error']}" + async_note
             + ("" if prompts else "; no prompt lengths: prefill and context terms not fitted")
@@ -431,10 +446,19 @@ WARMUP_S = 3.0
 USERS = 3
 
 
+#: the APIs the calibration load can speak: its requests should be those of
+#: the traffic the twin is to predict (the request path differs: chat
+#: renders a template and tokenizes text, completions of token ids do not)
+APIS = ("chat", "completions")
+
+
 async def calibration_load(base_url: str, model: str, duration_s: float, bar: Any = None,
-                           seed: int = 0) -> list[dict[str, Any]]:
+                           seed: int = 0, api: str = "chat") -> list[dict[str, Any]]:
     """Drive the load; per request its client id (``X-Request-Id``),
-    prompt tokens (the server's count), phase and error."""
+    prompt tokens (the server's count), phase and error. ``api``: chat
+    completions of text (``/v1/chat/completions``) or completions of token
+    ids (``/v1/completions``, the ids of the same texts, shuffled per
+    request: no prefix-cache hits)."""
     import asyncio
     import random
     import time
@@ -442,6 +466,7 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
 
     import httpx
 
+    from vllm_output_rate.config import USER_FIELD
     from vllm_output_rate.tools.client import chat_body, StreamResult, stream_into
     from vllm_output_rate.tools.loadgen import text_of_tokens
 
@@ -453,6 +478,13 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
     async with httpx.AsyncClient(timeout=httpx.Timeout(duration_s + 60), limits=limits) as client:
         texts = {n: await text_of_tokens(client, base_url, model, n, seed + n)
                  for n in PROMPT_TOKENS}
+        ids: dict[int, list[int]] = {}
+        if api == "completions":
+            for n, text in texts.items():
+                resp = await client.post(f"{base_url}/tokenize", json={
+                    "model": model, "prompt": text, "add_special_tokens": False})
+                resp.raise_for_status()
+                ids[n] = list(resp.json()["tokens"])
         phase_s = max(1.0, (duration_s - WARMUP_S) / len(CONCURRENCY))
         started = time.monotonic()
 
@@ -460,14 +492,26 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
             nonlocal seq
             rid = f"cal-{run}-{seq:05d}"
             seq += 1
-            # a distinct first word: no prefix-cache hits between requests
-            text = f"{rid} {texts[rng.choice(PROMPT_TOKENS)]}"
+            n = rng.choice(PROMPT_TOKENS)
             user = f"cal-{seq % USERS}"
             rec = StreamResult(user, rng.choice(OUTPUT_TOKENS))
+            if api == "completions":
+                prompt = list(ids[n])
+                rng.shuffle(prompt)
+                body = {"model": model, "prompt": prompt, "max_tokens": rec.max_tokens,
+                        "stream": True, "ignore_eos": True,
+                        "stream_options": {"include_usage": True,
+                                           "continuous_usage_stats": True},
+                        "vllm_xargs": {USER_FIELD: user}}
+                path = "/v1/completions"
+            else:
+                # a distinct first word: no prefix-cache hits between requests
+                body = chat_body(model, f"{rid} {texts[n]}", rec.max_tokens, user)
+                path = "/v1/chat/completions"
             sent_ns = time.monotonic_ns()  # the engine core's clock (one per machine)
             try:
-                await stream_into(client, base_url, chat_body(model, text, rec.max_tokens, user),
-                                  rec, headers={"X-Request-Id": rid})
+                await stream_into(client, base_url, body, rec, headers={"X-Request-Id": rid},
+                                  path=path)
             except Exception as exc:  # recorded: one stream must not stop the load
                 rec.error = f"{type(exc).__name__}: {exc}"
             records.append({"request_id": rid, "prompt_tokens": rec.prompt_tokens,
@@ -494,7 +538,8 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
 
 
 def run_calibration_load(base_url: str, model_name: str, prompts_out: Path,
-                         duration_s: float, show_progress: bool = True) -> dict[str, Any]:
+                         duration_s: float, show_progress: bool = True,
+                         api: str = "chat") -> dict[str, Any]:
     """Drive the calibration load (a progress bar of its seconds); writes
     ``prompts_out`` (JSON Lines: the client's request ids, prompt tokens,
     phase)."""
@@ -504,7 +549,7 @@ def run_calibration_load(base_url: str, model_name: str, prompts_out: Path,
 
     with tqdm(total=math.ceil(duration_s), unit="s", desc="calibration load", mininterval=0.5,
               disable=not show_progress, file=sys.stderr) as bar:
-        records = asyncio.run(calibration_load(base_url, model_name, duration_s, bar))
+        records = asyncio.run(calibration_load(base_url, model_name, duration_s, bar, api=api))
     with open(prompts_out, "w") as f:
         for rec in records:
             if rec["prompt_tokens"]:
@@ -572,6 +617,10 @@ def main(argv: list[str]) -> int:
                         help="with --url: the calibration load's bound in seconds (at most 300)")
     parser.add_argument("--since-s", type=float, default=None,
                         help="fit only steps this many seconds after the log's first step")
+    parser.add_argument("--api", choices=APIS, default="chat",
+                        help="with --url: the load's requests, chat completions of text "
+                        "(default) or completions of token ids: the API your traffic uses (the "
+                        "request path measured differs)")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
@@ -592,7 +641,7 @@ def main(argv: list[str]) -> int:
                     parser.error("--duration: expected 0 < seconds <= 300")
                 prompts = prompts or str(Path(args.out).with_suffix(".prompts.jsonl"))
                 load = run_calibration_load(args.url.rstrip("/"), args.model, Path(prompts),
-                                            args.duration, not args.no_progress)
+                                            args.duration, not args.no_progress, args.api)
                 print(f"calibration load: {load['requests']} requests, {load['errors']} errors"
                       + (f" (first: {load['first_error']})" if load["errors"] else ""))
                 import time

@@ -178,6 +178,94 @@ def test_the_twin_puts_a_request_on_the_scheduler_its_request_path_after_arrival
         parse_step_time({**step, "request_path_s": -1})
 
 
+def test_the_request_path_is_the_queued_line_when_the_log_has_it():
+    """With ``queued`` lines the path is measured, not inferred: queued
+    minus sent (the step-time model's estimate of the first token's step
+    would say 1 ms more here); the quantiles p0..p100 go into the model."""
+    terms = {"base_s": 0.002, "per_decode_s": 0.0, "per_prefill_token_s": 0.0}
+    lines, sent = [], {}
+    t = 10 * NS
+    for i in range(10):
+        rid = f"cal-{i:03d}"
+        sent[rid] = t
+        path = (2 + i) * 1_000_000  # 2 .. 11 ms
+        lines.append({"kind": "queued", "t_ns": t + path, "request_id": f"cmpl-{rid}-0",
+                      "user": "u"})
+        lines.append({"kind": "tokens", "t_ns": t + path + 3_000_000,
+                      "tokens": [[f"cmpl-{rid}-0", "u", 1]]})
+        t += NS
+    fit = request_path_fit(_log(lines), sent, {}, terms)
+    assert fit["requests"] == 10 and fit["from_queued_lines"] == 10
+    assert fit["p50_s"] == pytest.approx(0.0065)
+    qs = fit["quantiles_s"]
+    assert len(qs) == 21 and qs[0] == pytest.approx(0.002) and qs[-1] == pytest.approx(0.011)
+    assert qs == sorted(qs)
+    # without the queued lines: the first token less the model's step (2 ms)
+    old = request_path_fit(_log([x for x in lines if x["kind"] == "tokens"]), sent, {}, terms)
+    assert old["from_queued_lines"] == 0 and old["p50_s"] == pytest.approx(0.0075)
+
+
+def test_each_requests_path_is_drawn_from_the_spread_seeded(tmp_path):
+    """``request_path_quantiles_s``: each request reaches the scheduler a
+    path drawn from the spread after its arrival (alone on an idle engine:
+    TTFT = its path + one step), the same draws for the same seed, others
+    for another; a spread that decreases is refused with its index."""
+    step = {"version": 1, "kind": "linear", "base_s": 0.01, "source": "hand",
+            "request_path_s": 0.004, "request_path_quantiles_s": [0.002, 0.004, 0.012]}
+    wl = ta.AccuracyWorkload("alone", [ta._req(1.0 + i, "open", 16, 4) for i in range(20)],
+                             "default: 100000\n")
+
+    def ttfts(name, seed):
+        path, summary = _twin(tmp_path / name, wl, step=step, extra=("--seed", str(seed)))
+        log = EngineLog.read(tmp_path / name / "twin" / "events.jsonl")
+        firsts = {}
+        for t, tokens in log.steps:
+            for rid, _, _ in tokens:
+                firsts.setdefault(rid, t)
+        arrivals = _arrivals(path)
+        return [(firsts[rid] - at) / NS for rid, (_, at) in arrivals.items()], summary
+
+    a, summary = ttfts("a", 1)
+    b, _ = ttfts("b", 1)
+    c, _ = ttfts("c", 2)
+    assert a == b and a != c
+    assert all(0.012 - 1e-9 <= x <= 0.022 + 1e-9 for x in a + c)  # 2-12 ms path + 10 ms step
+    assert len({round(x, 6) for x in a}) > 10  # drawn, not one value
+    assert summary["run"]["step_time"]["request_path_quantiles_s"] == [0.002, 0.004, 0.012]
+    model = parse_step_time(step)
+    assert model.request_path_quantiles_s == (0.002, 0.004, 0.012)
+    with pytest.raises(ValueError, match=r"request_path_quantiles_s\[1\].*must not decrease"):
+        parse_step_time({**step, "request_path_quantiles_s": [0.002, 0.001]})
+    with pytest.raises(ValueError, match="request_path_quantiles_s: expected a list"):
+        parse_step_time({**step, "request_path_quantiles_s": [0.002]})
+
+
+def test_the_twin_replays_what_each_real_run_sent():
+    """``as_sent``: the workload with each request at the moment a replay's
+    client sent it (by the client's id of it), limit changes kept; a
+    request the replay did not send keeps its planned time."""
+    wl = ta.tiers(1, 30.0)
+    events = ta.replay_events(wl)
+    requests = [(i, e) for i, (_, e) in enumerate(events) if not isinstance(e, str)]
+    sent = {ta.client_id(i, e["user"]): e["t"] + 0.2 for i, e in requests[:-1]}
+    moved = ta.as_sent(wl, sent)
+    assert moved.changes == wl.changes and moved.limits == wl.limits
+    assert len(moved.lines) == len(wl.lines)
+    assert sorted(x["t"] for x in moved.lines) == sorted(
+        [round(e["t"] + 0.2, 6) for _, e in requests[:-1]] + [requests[-1][1]["t"]])
+    assert [x["t"] for x in moved.lines] == sorted(x["t"] for x in moved.lines)
+
+
+def test_the_twins_runs_median_is_compared():
+    """Several twin runs: their median against the real median, each run's
+    value kept in the row."""
+    real = [{"u": {"rate_tok_s": 10.0}}, {"u": {"rate_tok_s": 10.2}}, {"u": {"rate_tok_s": 9.9}}]
+    twins = [{"u": {"rate_tok_s": 10.5}}, {"u": {"rate_tok_s": 10.1}}, {"u": {"rate_tok_s": 9.0}}]
+    row = ta.compare(real, twins, set())[0]
+    assert row["twin"] == 10.1 and row["twin_runs"] == [10.5, 10.1, 9.0]
+    assert row["error"] == pytest.approx(0.01) and row["met"] is True
+
+
 def test_the_kv_size_is_read_from_the_engine_log():
     assert ta.kv_tokens_of("INFO ... [kv_cache_utils.py:1234] GPU KV cache size: 131,072 tokens") \
         == 131072
