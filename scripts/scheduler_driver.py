@@ -280,7 +280,9 @@ class Driver:
     ``on_update(engine outputs, now_ns)`` sees every update's outputs;
     ``keep_tokens`` False leaves ``tokens``, ``finished`` and ``outputs``
     empty (a long run's memory stays flat: every ``SchedulerOutput`` kept
-    holds a list per scheduled request).
+    holds a list per scheduled request). ``schedule_ns`` and ``update_ns``:
+    the wall time spent in the scheduler's ``schedule()`` and
+    ``update_from_output()`` (what the twin's speed cannot beat).
     """
 
     scheduler: Any
@@ -296,6 +298,8 @@ class Driver:
     stamp_at_end: bool = False
     on_update: Callable[[dict, int], None] | None = None
     keep_tokens: bool = True
+    schedule_ns: int = 0
+    update_ns: int = 0
     _pending: list[tuple[SchedulerOutput, ModelRunnerOutput]] = field(default_factory=list)
 
     def add(self, *requests: Request) -> None:
@@ -303,7 +307,9 @@ class Driver:
             self.scheduler.add_request(request)
 
     def step(self) -> SchedulerOutput:
+        t0 = time.perf_counter_ns()
         out = self.scheduler.schedule()
+        self.schedule_ns += time.perf_counter_ns() - t0
         if self.keep_tokens:
             self.outputs.append(out)
         self.steps += 1
@@ -324,7 +330,9 @@ class Driver:
 
     def _apply(self, out: SchedulerOutput, mro: ModelRunnerOutput) -> None:
         now = self.clock() if self.clock is not None else 0
+        t0 = time.perf_counter_ns()
         engine_outputs = self.scheduler.update_from_output(out, mro)
+        self.update_ns += time.perf_counter_ns() - t0
         if self.on_update is not None:
             self.on_update(engine_outputs, now)
         if not self.keep_tokens:

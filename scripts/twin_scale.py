@@ -33,7 +33,11 @@ stream for each waiting request with budget at every step, and the resident
 set falls well below R (BENCHMARKS.md); the Zipf users keep it at R.
 
 Per cell: virtual s per wall s (1.0 keeps up with real time), steps per
-wall s, wall ms per step, the resident and waiting requests (mean of a
+wall s, wall ms per step and how much of it the scheduler's own
+``schedule()`` and ``update_from_output()`` took (vLLM's; in the limited arm
+with the limiter's wrapper inside them): the virtual s per wall s of those
+calls alone is what no twin running that scheduler can beat on this
+machine; the resident and waiting requests (mean of a
 sample per virtual second), the share of resident request-seconds
 throttled, the peak RSS. Each cell runs in a child process forked for it
 (``--in-process``: in this one), so that one cell's heap neither slows nor
@@ -231,6 +235,12 @@ def run_cell(twin_cls: Any, size: int, users: int, arm: str, virtual_s: float, s
     throttled_s = sum(u["throttled_request_s"] for u in summary["users"].values())
     tokens = sum(u["output_tokens"] for u in summary["users"].values())
     virtual, wall = run["virtual_s"], run["wall_s"]
+    steps = run["steps"]
+    # the scheduler's own calls: vLLM's schedule() and update_from_output()
+    # (the limited arm's with the limiter's wrapper inside); the twin can
+    # run no faster than these alone
+    sched_ms = 1e-6 * twin.driver.schedule_ns / steps if steps else None
+    update_ms = 1e-6 * twin.driver.update_ns / steps if steps else None
     return {
         "size": size, "users": users, "arm": arm,
         "limit_tok_s": limit_streams / STEP_S if arm == "limited" else None,
@@ -240,6 +250,13 @@ def run_cell(twin_cls: Any, size: int, users: int, arm: str, virtual_s: float, s
         "speed": round(virtual / wall, 3) if wall else None,
         "steps_per_s": round(run["steps"] / wall, 1) if wall else None,
         "ms_per_step": round(1e3 * wall / run["steps"], 3) if run["steps"] else None,
+        "schedule_ms_per_step": round(sched_ms, 3) if steps else None,
+        "update_ms_per_step": round(update_ms, 3) if steps else None,
+        "scheduler_share": (round(1e-9 * (twin.driver.schedule_ns + twin.driver.update_ns) / wall,
+                                  3) if wall else None),
+        "scheduler_bound_speed": (round(virtual / (1e-9 * (twin.driver.schedule_ns
+                                                           + twin.driver.update_ns)), 3)
+                                  if twin.driver.schedule_ns else None),
         "resident_min": min(resident, default=0), "resident_max": max(resident, default=0),
         "resident_mean": round(sum(resident) / len(resident), 1) if resident else 0,
         "waiting_mean": round(sum(waiting) / len(waiting), 1) if waiting else 0,
@@ -326,14 +343,17 @@ def render(doc: dict[str, Any]) -> str:
              f"- step: {STEP_S * 1e3:g} ms fixed; {facts['virtual_s']:g} virtual s a cell; "
              f"each cell in {'this process' if facts['in_process'] else 'a child process'}",
              "", "| R | users | arm | limit tok/s | virtual s / wall s | steps / wall s | "
-             "wall ms / step | resident mean (min) | waiting mean | throttled | "
-             "peak RSS MiB | load 1 min after |",
-             "|---:|---:|---|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
+             "wall ms / step | of it schedule() + update_from_output() ms | "
+             "scheduler alone: virtual s / wall s | resident mean (min) | waiting mean | "
+             "throttled | peak RSS MiB | load 1 min after |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
     for c in doc["cells"]:
         limit = "–" if c["limit_tok_s"] is None else f"{c['limit_tok_s']:g}"
         lines.append(
             f"| {c['size']:,} | {c['users']:,} | {c['arm']} | {limit} | **{c['speed']:.2f}** | "
-            f"{c['steps_per_s']:.1f} | {c['ms_per_step']:.1f} | {c['resident_mean']:,.0f} "
+            f"{c['steps_per_s']:.1f} | {c['ms_per_step']:.1f} | "
+            f"{c['schedule_ms_per_step'] + c['update_ms_per_step']:.1f} | "
+            f"{c['scheduler_bound_speed']:.2f} | {c['resident_mean']:,.0f} "
             f"({c['resident_min']:,}) | {c['waiting_mean']:,.0f} | "
             f"{100 * c['throttled_share']:.0f}% | {c['peak_rss_mib']:,.0f} | "
             f"{c['load_after'][0]:.2f} |")

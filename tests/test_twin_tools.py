@@ -280,6 +280,11 @@ def test_scale_keeps_r_resident_and_samples_memory(tmp_path):
         assert c["steps"] == c["model_steps"] == pytest.approx(3.0 / twin_scale.STEP_S, abs=1)
         assert c["resident_min"] == c["resident_max"] == 8 and c["waiting_mean"] > 0
         assert c["speed"] > 0 and c["steps_per_s"] > 0 and c["peak_rss_mib"] > 0
+        # the scheduler's own calls are part of the run's wall time, so
+        # alone they run at least as fast as the whole twin
+        assert c["schedule_ms_per_step"] > 0 and c["update_ms_per_step"] > 0
+        assert 0 < c["scheduler_share"] <= 1
+        assert c["scheduler_bound_speed"] >= c["speed"]
         assert (c["limit_tok_s"] == 80.0) == (c["arm"] == "limited")
         assert (c["scheduler"].endswith("OutputRateScheduler")) == (c["arm"] == "limited")
         assert (out / "runs" / f"R8-U{c['users']}-{c['arm']}.summary.json").exists()
