@@ -2,7 +2,11 @@
 ``vllm-output-rate twin accuracy``.
 
 ``vllm-output-rate twin accuracy [--model DIR] [--replays N] [--workload NAME ...]
-[--calibration-s S | --step-time FILE] --out DIR``
+[--calibration-s S | --step-time FILE] [--real-from DIR] --out DIR``
+
+``--real-from DIR`` takes the real runs (and the calibration's log, fitted
+again) of an earlier run's ``--out`` and runs only the twin: a change to the
+twin is scored against the same real runs.
 
 1. Calibrates the twin's step time on a real engine (``twin calibrate``'s
    load against a fresh ``vllm-output-rate serve``, its event log fitted).
@@ -457,6 +461,37 @@ def calibrate(work: Path, model: str, seconds: float) -> dict[str, Any]:
     return model_json
 
 
+def refit(earlier: Path, work: Path) -> dict[str, Any]:
+    """The step time fitted again on an earlier run's calibration log (its
+    ``calibration/events.jsonl`` and ``step_time.prompts.jsonl``)."""
+    from vllm_output_rate.telemetry.events import EngineLog
+    from vllm_output_rate.tools.twin_calibrate import calibrate_from_log, warmup_end_ns
+
+    cal = earlier / "calibration"
+    events, prompts = cal / "events.jsonl", cal / "step_time.prompts.jsonl"
+    since = warmup_end_ns(EngineLog.read(events), str(prompts))
+    model_json = calibrate_from_log(str(events), str(prompts), since)
+    model_json["note"] += f"; fitted again on {earlier.name}'s calibration log"
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "step_time.json").write_text(json.dumps(model_json, indent=1) + "\n")
+    return model_json
+
+
+def earlier_runs(earlier: Path, name: str) -> list[dict[str, Any]]:
+    """An earlier run's real runs of workload ``name`` (their figures and
+    facts), each with its send times (from its ``arrivals.json`` when the
+    earlier ``accuracy.json`` predates them)."""
+    doc = json.loads((earlier / "accuracy.json").read_text())
+    if name not in doc["workloads"]:
+        raise SystemExit(f"--real-from {earlier}: no real runs of {name!r} there")
+    runs = doc["workloads"][name]["real"]
+    for k, run in enumerate(runs):
+        if "sent_s" not in run:
+            arr = json.loads((earlier / name / f"real-{k + 1}" / "arrivals.json").read_text())
+            run["sent_s"] = {cid: off / NS for cid, (_, off) in arr["requests"].items()}
+    return runs
+
+
 def twin_run(twin_cls: Any, wl: AccuracyWorkload, work: Path, model: str, step_time: Path,
              is_async: bool, kv_tokens: int | None, seed: int) -> dict[str, Any]:
     """The twin (``twin_cls``: ``tools.twin.Twin``, given by its caller)
@@ -575,6 +610,10 @@ def main(argv: list[str], twin_cls: Any) -> int:
                         help="a step-time file to use instead of calibrating")
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--real-from", default=None, metavar="DIR",
+                        help="the real runs and calibration log of an earlier --out: run only "
+                        "the twin against them (its step time fitted again on that log unless "
+                        "--step-time)")
     args = parser.parse_args(argv)
     from vllm_output_rate.tools.fairness_engine import model_vocab
     from vllm_output_rate.tools.tiny_model import ensure_tiny_model
@@ -584,20 +623,28 @@ def main(argv: list[str], twin_cls: Any) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     began = time.monotonic()
+    earlier = Path(args.real_from) if args.real_from else None
     if args.step_time:
         step_path = Path(args.step_time)
         step = json.loads(step_path.read_text())
+    elif earlier is not None:
+        step = refit(earlier, out / "calibration")
+        step_path = out / "calibration" / "step_time.json"
+        print(f"  {step['note']}", flush=True)
     else:
         print(f"calibrating ({args.calibration_s:.0f} s of load) ...", flush=True)
         step = calibrate(out / "calibration", model, args.calibration_s)
         step_path = out / "calibration" / "step_time.json"
         print(f"  {step['note']}", flush=True)
     result: dict[str, Any] = {"model": Path(model).name, "serve_args": SERVE_ARGS,
-                              "step_time": step, "workloads": {}}
+                              "step_time": step, "workloads": {},
+                              "real_from": str(earlier) if earlier is not None else None}
     for name in args.workload or list(WORKLOADS):
         wl = WORKLOADS[name](args.seed, args.duration)
         runs = []
-        for k in range(args.replays):
+        if earlier is not None:
+            runs = earlier_runs(earlier, name)
+        for k in range(len(runs), args.replays if earlier is None else 0):
             print(f"{name}: real run {k + 1} of {args.replays} ...", flush=True)
             runs.append(real_run(wl, out / name / f"real-{k + 1}", model, vocab, args.seed + k))
         print(f"{name}: the twin on each replay's arrivals ...", flush=True)

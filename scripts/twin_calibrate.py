@@ -92,8 +92,10 @@ def read_prompts(path: str | None) -> tuple[dict[str, int], dict[str, int]]:
     return prompts, sent
 
 
-#: the request path's spread in the model: p0, p5, ..., p100
-PATH_QUANTILES = 20
+#: the request path's spread in the model: p0, p1, ..., p100 (a draw between
+#: two neighbours; coarser steps gave the largest path, one stall among a
+#: hundred requests, a twentieth of the draws)
+PATH_QUANTILES = 100
 
 
 def request_path_fit(log: Any, sent: dict[str, int], prompts: dict[str, int],
@@ -105,7 +107,7 @@ def request_path_fit(log: Any, sent: dict[str, int], prompts: dict[str, int],
     ``queued`` lines: the first token's time, minus that step's time by the
     fitted model, minus the send; that step began when the request reached
     the scheduler). The median is the model's ``request_path_s``, the
-    quantiles p0, p5, ..., p100 its ``request_path_quantiles_s``; None with
+    quantiles p0, p1, ..., p100 its ``request_path_quantiles_s``; None with
     fewer than 8 such requests."""
     import bisect
 

@@ -181,7 +181,7 @@ def test_the_twin_puts_a_request_on_the_scheduler_its_request_path_after_arrival
 def test_the_request_path_is_the_queued_line_when_the_log_has_it():
     """With ``queued`` lines the path is measured, not inferred: queued
     minus sent (the step-time model's estimate of the first token's step
-    would say 1 ms more here); the quantiles p0..p100 go into the model."""
+    would say 1 ms more here); the quantiles p0, p1, ..., p100 go into the model."""
     terms = {"base_s": 0.002, "per_decode_s": 0.0, "per_prefill_token_s": 0.0}
     lines, sent = [], {}
     t = 10 * NS
@@ -198,7 +198,7 @@ def test_the_request_path_is_the_queued_line_when_the_log_has_it():
     assert fit["requests"] == 10 and fit["from_queued_lines"] == 10
     assert fit["p50_s"] == pytest.approx(0.0065)
     qs = fit["quantiles_s"]
-    assert len(qs) == 21 and qs[0] == pytest.approx(0.002) and qs[-1] == pytest.approx(0.011)
+    assert len(qs) == 101 and qs[0] == pytest.approx(0.002) and qs[-1] == pytest.approx(0.011)
     assert qs == sorted(qs)
     # without the queued lines: the first token less the model's step (2 ms)
     old = request_path_fit(_log([x for x in lines if x["kind"] == "tokens"]), sent, {}, terms)
@@ -291,3 +291,48 @@ def test_counted_samples_give_the_quantile_of_the_samples(values, q):
     assert len(counted) == len(samples) and list(counted) == sorted(samples)
     assert counted.quantile(q) == pytest.approx(quantile(samples, q), abs=1e-6)
     assert len(counted.counts) == len(set(values))
+
+
+def test_real_from_scores_the_twin_against_earlier_real_runs(tmp_path):
+    """``--real-from DIR``: no engine starts; the earlier run's real runs
+    are taken as they were (their figures, their send times), the step time
+    is fitted again on its calibration log, and the twin runs once per real
+    run. Here the "real" runs are a twin run's own figures: the twin on the
+    same send times reproduces them exactly."""
+    import shutil
+
+    from harness import REPO
+
+    earlier = tmp_path / "earlier"
+    cal = earlier / "calibration"
+    cal.mkdir(parents=True)
+    data = REPO / "tests" / "data"
+    shutil.copy(data / "calibration-events.jsonl", cal / "events.jsonl")
+    shutil.copy(data / "calibration-prompts.jsonl", cal / "step_time.prompts.jsonl")
+    wl = ta.tiers(1, 6.0)
+    step = {"version": 1, "kind": "linear", "base_s": 0.002, "source": "hand"}
+    (tmp_path / "step.json").write_text(json.dumps(step))
+    planned = {ta.client_id(i, e["user"]): e["t"] for i, (_, e) in enumerate(ta.replay_events(wl))
+               if not isinstance(e, str)}
+    summary = ta.twin_run(Twin, wl, tmp_path / "made", tiny_model(), tmp_path / "step.json",
+                          False, None, 1)
+    real = {"figures": summary["users"], "sent_s": planned, "errors": [],
+            "async_scheduling": False, "kv_tokens": None}
+    (earlier / "accuracy.json").write_text(json.dumps(
+        {"workloads": {"tiers": {"real": [real, real]}}}))
+    out = tmp_path / "out"
+    assert ta.main(["--out", str(out), "--real-from", str(earlier), "--workload", "tiers",
+                    "--duration", "6", "--model", tiny_model(), "--step-time",
+                    str(tmp_path / "step.json")], Twin) == 0
+    doc = json.loads((out / "accuracy.json").read_text())
+    assert doc["real_from"] == str(earlier)
+    wl_doc = doc["workloads"]["tiers"]
+    assert wl_doc["replays"] == 2 and len(wl_doc["twin"]) == 2
+    assert all(r["met"] for r in wl_doc["rows"] if r["met"] is not None)
+    assert all(r["error"] == 0 for r in wl_doc["rows"] if r["error"] is not None)
+    assert not (out / "tiers" / "real-1").exists()  # no engine ran
+    # without --step-time: fitted again on the earlier calibration log
+    assert ta.main(["--out", str(tmp_path / "out2"), "--real-from", str(earlier), "--workload",
+                    "tiers", "--duration", "6", "--model", tiny_model()], Twin) == 0
+    refit = json.loads((tmp_path / "out2" / "calibration" / "step_time.json").read_text())
+    assert refit["source"] == "measured" and "fitted again on earlier" in refit["note"]
