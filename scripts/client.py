@@ -104,6 +104,23 @@ def chat_body(model: str, prompt: str, max_tokens: int, user: str | None,
     return body
 
 
+def completion_body(model: str, prompt_ids: list[int], max_tokens: int, user: str | None,
+                    ignore_eos: bool = True) -> dict[str, Any]:
+    """``chat_body``'s twin for ``/v1/completions``: one streamed completion
+    of a prompt given as token ids, with per-chunk usage."""
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": ignore_eos,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    if user is not None:
+        body["vllm_xargs"] = {USER_FIELD: user}
+    return body
+
+
 async def stream_into(
     client: httpx.AsyncClient,
     base_url: str,

@@ -239,16 +239,20 @@ def _tokens_mark(n: int, seed: int) -> str:
     return f"\x00tokens:{n}:{seed}\x00"
 
 
+async def tokenize(client: Any, base_url: str, model: str, text: str) -> list[int]:
+    """The server's token ids of ``text`` (vLLM's ``/tokenize``, without
+    special tokens)."""
+    resp = await client.post(f"{base_url}/tokenize", json={
+        "model": model, "prompt": text, "add_special_tokens": False})
+    resp.raise_for_status()
+    return list(resp.json()["tokens"])
+
+
 async def text_of_tokens(client: Any, base_url: str, model: str, n: int, seed: int) -> str:
     """Generated text that the server's tokenizer reads as exactly ``n``
     tokens (vLLM's ``/tokenize`` and ``/detokenize``, without special
     tokens): words are tokenized, cut to ``n`` ids, detokenized, and cut
     again while the round trip merges or splits at the edge."""
-    async def tokenize(text: str) -> list[int]:
-        resp = await client.post(f"{base_url}/tokenize", json={
-            "model": model, "prompt": text, "add_special_tokens": False})
-        resp.raise_for_status()
-        return list(resp.json()["tokens"])
 
     async def detokenize(ids: list[int]) -> str:
         resp = await client.post(f"{base_url}/detokenize", json={"model": model, "tokens": ids})
@@ -256,14 +260,14 @@ async def text_of_tokens(client: Any, base_url: str, model: str, n: int, seed: i
         return str(resp.json()["prompt"])
 
     words = max(n, 8)
-    ids = await tokenize(generated_text(words, seed))
+    ids = await tokenize(client, base_url, model, generated_text(words, seed))
     while len(ids) < n:  # a tokenizer with more than one word per token
         words *= 2
-        ids = await tokenize(generated_text(words, seed))
+        ids = await tokenize(client, base_url, model, generated_text(words, seed))
     want = n
     for _ in range(20):
         text = await detokenize(ids[:want])
-        got = len(await tokenize(text))
+        got = len(await tokenize(client, base_url, model, text))
         if got == n:
             return text
         want += n - got

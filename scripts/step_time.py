@@ -178,13 +178,14 @@ def parse_step_time(data: Any, where: str = "step-time") -> StepTimeModel:
         raise StepTimeError(f"{where}: version: expected {VERSION}, got {data['version']!r}")
     if data["kind"] != "linear":
         raise StepTimeError(f"{where}: kind: expected \"linear\", got {data['kind']!r}")
-    terms = {}
-    for key in (*TERMS, "request_path_s"):
-        value = data.get(key, 0.0)
+    def number(name: str, value: Any) -> float:
         if (isinstance(value, bool) or not isinstance(value, (int, float))
                 or not math.isfinite(value) or value < 0):
-            raise StepTimeError(f"{where}: {key}: expected a number >= 0, got {value!r}")
-        terms[key] = float(value)
+            raise StepTimeError(f"{where}: {name}: expected a number >= 0, got {value!r}")
+        return float(value)
+
+    terms: dict[str, Any] = {key: number(key, data.get(key, 0.0))
+                             for key in (*TERMS, "request_path_s")}
     if "request_path_quantiles_s" in data:
         qs = data["request_path_quantiles_s"]
         key = "request_path_quantiles_s"
@@ -192,10 +193,7 @@ def parse_step_time(data: Any, where: str = "step-time") -> StepTimeModel:
             raise StepTimeError(f"{where}: {key}: expected a list of at least 2 numbers, "
                                 f"got {qs!r}")
         for i, value in enumerate(qs):
-            if (isinstance(value, bool) or not isinstance(value, (int, float))
-                    or not math.isfinite(value) or value < 0):
-                raise StepTimeError(f"{where}: {key}[{i}]: expected a number >= 0, "
-                                    f"got {value!r}")
+            number(f"{key}[{i}]", value)
             if i and value < qs[i - 1]:
                 raise StepTimeError(f"{where}: {key}[{i}]: {value!r} is less than the quantile "
                                     f"before it ({qs[i - 1]!r}): the list must not decrease")

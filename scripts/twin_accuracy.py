@@ -641,12 +641,14 @@ def main(argv: list[str], twin_cls: Any) -> int:
                               "real_from": str(earlier) if earlier is not None else None}
     for name in args.workload or list(WORKLOADS):
         wl = WORKLOADS[name](args.seed, args.duration)
-        runs = []
         if earlier is not None:
             runs = earlier_runs(earlier, name)
-        for k in range(len(runs), args.replays if earlier is None else 0):
-            print(f"{name}: real run {k + 1} of {args.replays} ...", flush=True)
-            runs.append(real_run(wl, out / name / f"real-{k + 1}", model, vocab, args.seed + k))
+        else:
+            runs = []
+            for k in range(args.replays):
+                print(f"{name}: real run {k + 1} of {args.replays} ...", flush=True)
+                runs.append(real_run(wl, out / name / f"real-{k + 1}", model, vocab,
+                                     args.seed + k))
         print(f"{name}: the twin on each replay's arrivals ...", flush=True)
         twins = [twin_run(twin_cls, as_sent(wl, run["sent_s"]), out / name / f"twin-{k + 1}",
                           model, step_path, runs[0]["async_scheduling"], runs[0]["kv_tokens"],

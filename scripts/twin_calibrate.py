@@ -468,9 +468,9 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
 
     import httpx
 
-    from vllm_output_rate.config import USER_FIELD
-    from vllm_output_rate.tools.client import chat_body, StreamResult, stream_into
-    from vllm_output_rate.tools.loadgen import text_of_tokens
+    from vllm_output_rate.tools.client import (
+        chat_body, completion_body, StreamResult, stream_into)
+    from vllm_output_rate.tools.loadgen import text_of_tokens, tokenize
 
     rng = random.Random(seed)
     run = uuid.uuid4().hex[:8]
@@ -480,13 +480,8 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
     async with httpx.AsyncClient(timeout=httpx.Timeout(duration_s + 60), limits=limits) as client:
         texts = {n: await text_of_tokens(client, base_url, model, n, seed + n)
                  for n in PROMPT_TOKENS}
-        ids: dict[int, list[int]] = {}
-        if api == "completions":
-            for n, text in texts.items():
-                resp = await client.post(f"{base_url}/tokenize", json={
-                    "model": model, "prompt": text, "add_special_tokens": False})
-                resp.raise_for_status()
-                ids[n] = list(resp.json()["tokens"])
+        ids = ({n: await tokenize(client, base_url, model, text) for n, text in texts.items()}
+               if api == "completions" else {})
         phase_s = max(1.0, (duration_s - WARMUP_S) / len(CONCURRENCY))
         started = time.monotonic()
 
@@ -500,11 +495,7 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
             if api == "completions":
                 prompt = list(ids[n])
                 rng.shuffle(prompt)
-                body = {"model": model, "prompt": prompt, "max_tokens": rec.max_tokens,
-                        "stream": True, "ignore_eos": True,
-                        "stream_options": {"include_usage": True,
-                                           "continuous_usage_stats": True},
-                        "vllm_xargs": {USER_FIELD: user}}
+                body = completion_body(model, prompt, rec.max_tokens, user)
                 path = "/v1/completions"
             else:
                 # a distinct first word: no prefix-cache hits between requests

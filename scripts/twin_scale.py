@@ -239,8 +239,8 @@ def run_cell(twin_cls: Any, size: int, users: int, arm: str, virtual_s: float, s
     # the scheduler's own calls: vLLM's schedule() and update_from_output()
     # (the limited arm's with the limiter's wrapper inside); the twin can
     # run no faster than these alone
-    sched_ms = 1e-6 * twin.driver.schedule_ns / steps if steps else None
-    update_ms = 1e-6 * twin.driver.update_ns / steps if steps else None
+    schedule_ns, update_ns = twin.driver.schedule_ns, twin.driver.update_ns
+    scheduler_s = 1e-9 * (schedule_ns + update_ns)
     return {
         "size": size, "users": users, "arm": arm,
         "limit_tok_s": limit_streams / STEP_S if arm == "limited" else None,
@@ -250,13 +250,10 @@ def run_cell(twin_cls: Any, size: int, users: int, arm: str, virtual_s: float, s
         "speed": round(virtual / wall, 3) if wall else None,
         "steps_per_s": round(run["steps"] / wall, 1) if wall else None,
         "ms_per_step": round(1e3 * wall / run["steps"], 3) if run["steps"] else None,
-        "schedule_ms_per_step": round(sched_ms, 3) if steps else None,
-        "update_ms_per_step": round(update_ms, 3) if steps else None,
-        "scheduler_share": (round(1e-9 * (twin.driver.schedule_ns + twin.driver.update_ns) / wall,
-                                  3) if wall else None),
-        "scheduler_bound_speed": (round(virtual / (1e-9 * (twin.driver.schedule_ns
-                                                           + twin.driver.update_ns)), 3)
-                                  if twin.driver.schedule_ns else None),
+        "schedule_ms_per_step": round(1e-6 * schedule_ns / steps, 3) if steps else None,
+        "update_ms_per_step": round(1e-6 * update_ns / steps, 3) if steps else None,
+        "scheduler_share": round(scheduler_s / wall, 3) if wall else None,
+        "scheduler_bound_speed": round(virtual / scheduler_s, 3) if scheduler_s else None,
         "resident_min": min(resident, default=0), "resident_max": max(resident, default=0),
         "resident_mean": round(sum(resident) / len(resident), 1) if resident else 0,
         "waiting_mean": round(sum(waiting) / len(waiting), 1) if waiting else 0,
