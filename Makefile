@@ -29,7 +29,9 @@ demo: venv
 
 # Two test workers (pytest-xdist), each module on one of them (the engine
 # pool's modules as one): the modules that start engines mostly wait on
-# paced streams (the suite keeps about one of two cores busy). Three were
+# paced streams (the suite keeps about one of two cores busy), the longest
+# first (tests/conftest.py's SLOW_FIRST; --no-loadscope-reorder keeps that
+# order, which xdist would otherwise sort by test count). Three were
 # faster but left verify's rates to the machine (tests/README.md). The
 # version matrix (CPU-bound, no engine) runs beside the suite at the lowest
 # CPU priority (nice 19): it takes the cores only when the suite leaves them
@@ -41,7 +43,7 @@ test: venv tools
 	@mkdir -p .cache/logs; \
 	nice -n 19 $(MAKE) --no-print-directory test-versions > .cache/logs/test-versions.log 2>&1 & \
 	matrix=$$!; \
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) tests; suite=$$?; \
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS) tests; suite=$$?; \
 	wait $$matrix; versions=$$?; \
 	echo "--- the version matrix (make test-versions, beside the suite at nice 19):"; \
 	cat .cache/logs/test-versions.log; \

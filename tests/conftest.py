@@ -31,21 +31,21 @@ def pytest_configure(config):
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(worker[2:]) % cores))
 
 
-#: The modules that start engines, longest first (tests/README.md,
-#: durations): with two workers (``--dist loadfile``) each takes the next
-#: module as it frees up, and starting the long ones first keeps one worker
-#: from finishing a long module alone at the end. Other modules keep their
-#: order after these.
+#: The modules that start engines, longest first (their busy seconds in a
+#: clean run, ``TEST_TIMELINE``; tests/README.md): with two workers
+#: (``--dist loadfile --no-loadscope-reorder``: xdist's default reorder by
+#: test count would override this order) each takes the next module as it
+#: frees up; the long ones first, the short unit modules last, so that both
+#: workers end together. Other modules keep their order after these.
 SLOW_FIRST = (
     # the engine pool's modules, one unit of work (POOL_SCOPE); verify's
     # last: its last test stops the engine it used in the middle of a run
     "test_e2e.py", "test_e2e_live_limits.py", "test_e2e_borrowing.py", "test_profile.py",
     "test_verify_e2e.py",
-    "test_soak.py", "test_e2e_shared_state.py", "test_stress.py",
-    "test_tools_second_model.py", "test_e2e_traces.py",
-    "test_dashboards_e2e.py", "test_e2e_affinity.py", "test_bench_scheduler.py",
-    "test_e2e_api_servers.py", "test_e2e_identity.py",
-    "test_package.py",
+    "test_e2e_shared_state.py", "test_e2e_traces.py", "test_stress.py",
+    "test_tools_second_model.py", "test_e2e_api_servers.py", "test_dashboards_e2e.py",
+    "test_package.py", "test_e2e_identity.py", "test_e2e_affinity.py",
+    "test_bench_scheduler.py", "test_soak.py",
 )
 
 #: The modules that take their engines from the session's pool (the
