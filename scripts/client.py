@@ -84,15 +84,14 @@ def parse_chunk(line: str) -> tuple[dict[str, Any], str | None] | None:
     return data.get("usage") or {}, finish
 
 
-def chat_body(model: str, prompt: str, max_tokens: int, user: str | None,
-              ignore_eos: bool = True, **options: Any) -> dict[str, Any]:
-    """The body of one streamed chat completion with per-chunk usage
-    (``continuous_usage_stats``); ``options`` (stop_token_ids, temperature,
-    ...) are added as given; ``user`` None sends no user field (the server's
-    anonymous user)."""
+def _streamed_body(model: str, prompt: dict[str, Any], max_tokens: int, user: str | None,
+                   ignore_eos: bool, options: dict[str, Any]) -> dict[str, Any]:
+    """One streamed request's body with per-chunk usage (``continuous_usage_stats``):
+    ``prompt`` is its messages or prompt field, ``options`` added as given, no
+    user field for ``user`` None (the server's anonymous user)."""
     body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "user", "content": prompt}],
+        **prompt,
         "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": ignore_eos,
@@ -104,21 +103,21 @@ def chat_body(model: str, prompt: str, max_tokens: int, user: str | None,
     return body
 
 
+def chat_body(model: str, prompt: str, max_tokens: int, user: str | None,
+              ignore_eos: bool = True, **options: Any) -> dict[str, Any]:
+    """The body of one streamed chat completion with per-chunk usage
+    (``continuous_usage_stats``); ``options`` (stop_token_ids, temperature,
+    ...) are added as given; ``user`` None sends no user field (the server's
+    anonymous user)."""
+    return _streamed_body(model, {"messages": [{"role": "user", "content": prompt}]},
+                          max_tokens, user, ignore_eos, options)
+
+
 def completion_body(model: str, prompt_ids: list[int], max_tokens: int, user: str | None,
                     ignore_eos: bool = True) -> dict[str, Any]:
     """``chat_body``'s twin for ``/v1/completions``: one streamed completion
     of a prompt given as token ids, with per-chunk usage."""
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt_ids,
-        "max_tokens": max_tokens,
-        "stream": True,
-        "ignore_eos": ignore_eos,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    if user is not None:
-        body["vllm_xargs"] = {USER_FIELD: user}
-    return body
+    return _streamed_body(model, {"prompt": prompt_ids}, max_tokens, user, ignore_eos, {})
 
 
 async def stream_into(

@@ -253,7 +253,6 @@ async def text_of_tokens(client: Any, base_url: str, model: str, n: int, seed: i
     tokens (vLLM's ``/tokenize`` and ``/detokenize``, without special
     tokens): words are tokenized, cut to ``n`` ids, detokenized, and cut
     again while the round trip merges or splits at the edge."""
-
     async def detokenize(ids: list[int]) -> str:
         resp = await client.post(f"{base_url}/detokenize", json={"model": model, "tokens": ids})
         resp.raise_for_status()

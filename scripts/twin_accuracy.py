@@ -441,12 +441,26 @@ def real_run(wl: AccuracyWorkload, work: Path, model: str, vocab: int, seed: int
             "limit_changes": [(e["t_ns"] - start_ns) / NS for e in log.limit_changes]}
 
 
+def fit_calibration(cal: Path, note: str, work: Path) -> dict[str, Any]:
+    """The step time fitted on the calibration log in ``cal`` (its
+    ``events.jsonl`` and ``step_time.prompts.jsonl``, after the warm-up),
+    ``note`` added to its note, written to ``work/step_time.json``."""
+    from vllm_output_rate.telemetry.events import EngineLog
+    from vllm_output_rate.tools.twin_calibrate import calibrate_from_log, warmup_end_ns
+
+    events, prompts = cal / "events.jsonl", cal / "step_time.prompts.jsonl"
+    since = warmup_end_ns(EngineLog.read(events), str(prompts))
+    model_json = calibrate_from_log(str(events), str(prompts), since)
+    model_json["note"] += note
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "step_time.json").write_text(json.dumps(model_json, indent=1) + "\n")
+    return model_json
+
+
 def calibrate(work: Path, model: str, seconds: float) -> dict[str, Any]:
     """``twin calibrate``'s load against a fresh engine, fitted."""
-    from vllm_output_rate.telemetry.events import EngineLog
     from vllm_output_rate.tools.client import Server
-    from vllm_output_rate.tools.twin_calibrate import (
-        calibrate_from_log, run_calibration_load, warmup_end_ns)
+    from vllm_output_rate.tools.twin_calibrate import run_calibration_load
 
     work.mkdir(parents=True, exist_ok=True)
     events = work / "events.jsonl"
@@ -458,27 +472,14 @@ def calibrate(work: Path, model: str, seconds: float) -> dict[str, Any]:
         load = run_calibration_load(server.base_url, "tiny", prompts, seconds,
                                     show_progress=False, api="completions")
         time.sleep(2.5)
-    since = warmup_end_ns(EngineLog.read(events), str(prompts))
-    model_json = calibrate_from_log(str(events), str(prompts), since)
-    model_json["note"] += f"; calibration load {load['requests']} requests, {load['errors']} errors"
-    (work / "step_time.json").write_text(json.dumps(model_json, indent=1) + "\n")
-    return model_json
+    return fit_calibration(
+        work, f"; calibration load {load['requests']} requests, {load['errors']} errors", work)
 
 
 def refit(earlier: Path, work: Path) -> dict[str, Any]:
-    """The step time fitted again on an earlier run's calibration log (its
-    ``calibration/events.jsonl`` and ``step_time.prompts.jsonl``)."""
-    from vllm_output_rate.telemetry.events import EngineLog
-    from vllm_output_rate.tools.twin_calibrate import calibrate_from_log, warmup_end_ns
-
-    cal = earlier / "calibration"
-    events, prompts = cal / "events.jsonl", cal / "step_time.prompts.jsonl"
-    since = warmup_end_ns(EngineLog.read(events), str(prompts))
-    model_json = calibrate_from_log(str(events), str(prompts), since)
-    model_json["note"] += f"; fitted again on {earlier.name}'s calibration log"
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "step_time.json").write_text(json.dumps(model_json, indent=1) + "\n")
-    return model_json
+    """The step time fitted again on an earlier run's calibration log."""
+    return fit_calibration(earlier / "calibration",
+                           f"; fitted again on {earlier.name}'s calibration log", work)
 
 
 def earlier_runs(earlier: Path, name: str) -> list[dict[str, Any]]:
