@@ -19,7 +19,7 @@ from vllm_output_rate.tools import cli, gen_docs
 DOCS = REPO / "docs"
 README = REPO / "README.md"
 #: verbatim history: old figures, old paths, old names; not checked
-HISTORY = {"benchmark-history.md", "reliability-history.md"}
+HISTORY = {"benchmark-history.md", "reliability-history.md", "test-history.md"}
 README_MAX_BYTES = 20_000
 
 
@@ -123,3 +123,29 @@ def test_docs_pages_are_linked_from_the_readme():
     text = README.read_text()
     unlinked = [p.name for p in sorted(DOCS.glob("*.md")) if f"docs/{p.name}" not in text]
     assert unlinked == []
+
+
+#: a commit name as the documents used to cite one: 7 to 40 hex digits, at
+#: least one a-f and one 0-9 (so that 134217728 or "defaced" are not taken)
+COMMIT = re.compile(r"(?<![\w.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])")
+#: the documents that state the current truth and cite no commit (history
+#: goes to the history pages)
+NO_COMMITS = ("README.md", "tests/README.md", "dashboards/README.md")
+
+
+def commits_cited(text: str) -> list[str]:
+    return COMMIT.findall(text)
+
+
+def test_current_truth_documents_cite_no_commit():
+    pages = [REPO / name for name in NO_COMMITS]
+    pages += [p for p in sorted(DOCS.glob("*.md")) if p.name not in HISTORY]
+    found = {str(p.relative_to(REPO)): commits_cited(p.read_text()) for p in pages}
+    assert {page: names for page, names in found.items() if names} == {}, (
+        "commit names in current-truth documents: state the date and the command; "
+        "runs of earlier code go to the history pages")
+
+
+def test_the_commit_check_sees_commits():
+    assert commits_cited("on `959024c`, 22 min; and 1ffbb2c's run") == ["959024c", "1ffbb2c"]
+    assert commits_cited("134217728 bytes, defaced, sha256 a1b2c3d4e5f6-x, v0.34.0") == []
