@@ -348,7 +348,15 @@ class Server:
             return ""
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
+            # The API server is gone; what it started may not be (its
+            # session is its process group): end them.
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             return
         os.killpg(self.proc.pid, signal.SIGINT)
         try:

@@ -124,6 +124,12 @@ class Fleet:
                 each_step(self)
             self.step()
 
+    def leave(self, engine: SimEngine) -> None:
+        """The engine shuts down as an engine core does: it stops, then
+        leaves the store (``SharedBudgetLimiter.close``)."""
+        engine.alive = False
+        engine.limiter.close()
+
     def rate_of(self, user: str) -> Fraction:
         return self.user_rates.get(user, self.default_rate)
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import signal
 import threading
 import time
 from fractions import Fraction
@@ -310,6 +312,77 @@ def test_store_stopped_mid_run_then_back_empty(fleet):
         seen = lines[1:] if lines[:1] == [back] else lines
         seen = seen[:-1] if seen[-1:] == [down] else seen
         assert seen and seen == [down, back] * (len(seen) // 2), lines
+
+
+def _engine_core(server):
+    import psutil
+
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name():
+            return child
+    raise AssertionError("no engine-core process found")
+
+
+def test_an_orphaned_engine_core_ends_and_gives_its_share_back(fleet):
+    """Engine 1's API server alone is killed (SIGKILL) while user-a streams
+    on both engines: its engine core sees its parent gone, aborts its
+    requests, leaves the store and exits; engine 0's user-a gets the whole
+    limit back. (vLLM's engine core does not watch its API server: without
+    the plugin's watch it lived on, leasing, and engine 0's user-a stayed at
+    half its limit.) Last of the fleet's tests: engine 1 is gone after it."""
+    import psutil
+
+    redis, engines, events = fleet
+    core = _engine_core(engines[1])
+    log_size = engines[1].log_path.stat().st_size
+    start = time.monotonic_ns()
+    marks = {}
+
+    def kill_api_server():
+        wait_for_events(events[1:], "user-a", 10, start)  # engine 1 serves user-a
+        marks["killed"] = time.monotonic_ns()
+        os.kill(engines[1].proc.pid, signal.SIGKILL)
+        try:
+            core.wait(timeout=120)
+        except psutil.TimeoutExpired:
+            core.kill()  # no orphan left behind by a failing test
+            raise
+        finally:
+            marks["gone"] = time.monotonic_ns()
+
+    async def run():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+            jobs = [stream_chat(client, engines[i].base_url, "tiny", "user-a", tokens)
+                    for i, tokens in ((0, 200), (0, 200), (1, 400), (1, 400))]
+            return await asyncio.gather(*jobs)
+
+    side = threading.Thread(target=kill_api_server)
+    side.start()
+    results = asyncio.run(run())
+    side.join()
+    assert "gone" in marks and not core.is_running()
+    gone_s = (marks["gone"] - marks["killed"]) / NS_PER_S
+    # engine 0's streams completed; engine 1's were cut (their server died)
+    assert [r.completion_tokens for r in results[:2]] == [200, 200]
+    assert all(r.error or r.completion_tokens < 400 for r in results[2:])
+    with open(engines[1].log_path, "rb") as f:
+        f.seek(log_size)
+        log = f.read().decode(errors="replace")
+    assert "parent process" in log and "is gone; shutting the engine core down" in log
+    assert "aborting in-flight requests" in log  # vLLM's own shutdown, in abort mode
+    assert re.search(r"left the store at \S+ \(\d+ users\)", log), log[-3000:]
+    # engine 0's user-a after the orphan left: the whole limit, over the time
+    # engine 0 was stepping (half of it if the orphan still leased)
+    wait_for_events(events[:1], "user-a", 400, start)
+    log0 = EngineLog.read(events[0])
+    after = [(t, n) for t, n in log0.user_spends("user-a", marks["gone"])]
+    steps = sorted(t for t, _ in log0.steps if t >= marks["gone"])
+    stepping = rate_while_stepping(after, steps, LIMIT_A)
+    print(f"\nthe orphaned engine core exited {gone_s:.2f} s after its API server was killed; "
+          f"engine 0's user-a then {spend_rate(after):.2f} tok/s, {stepping:.2f} while stepping "
+          f"({sum(n for _, n in after)} tokens)")
+    assert sum(n for _, n in after) >= 40, marks  # the run went on well past the exit
+    assert stepping >= 0.8 * LIMIT_A, (stepping, spend_rate(after))
 
 
 def test_data_parallel_ranks_share_one_budget(tmp_path):

@@ -255,7 +255,10 @@ def test_fleet_bound_holds_for_random_demands_joins_and_leaves(redis_server, dat
             t = phase_s
         engine = engines[i]
         if streams == 0 and data.draw(st.booleans()):
-            engine.alive = False  # an engine that dies (its leases simply lapse)
+            if data.draw(st.booleans()):
+                engine.alive = False  # an engine that dies (its leases simply lapse)
+            else:
+                fleet.leave(engine)  # one that shuts down and leaves the store
         else:
             engine.alive = True
             engine.streams = {"u": streams}
@@ -355,6 +358,49 @@ def test_a_dead_engine_holds_no_budget_past_the_horizon(store_url):
     rate = fleet.spent("u", ready) / ((fleet.now_ns - ready) / NS_PER_S)
     assert rate >= 0.97 * 20
     _check_bound(fleet, "u")
+
+
+@needs_redis
+def test_an_engine_that_shuts_down_leaves_the_store_at_once(store_url):
+    """An engine core shutting down (an orphan whose API server is gone
+    included) leaves the store: at the survivor's next call the store counts
+    it as neither live nor sharing the user, where an engine that just
+    stops calling counts for ``LIVE_S`` (2 s) more. Both in one fleet."""
+    fleet = Fleet(store_url, Fraction(20), seed=7)
+    a, b, c = fleet.add_engine(), fleet.add_engine(), fleet.add_engine()
+    a.streams = b.streams = c.streams = {"u": 3}
+    fleet.run(1.0)
+    assert b.limiter.thread.sharing["u"] == 3 and b.limiter.thread.live_engines == 3
+    fleet.leave(a)          # shuts down: leaves
+    c.alive = False         # dies: its marks lapse
+    fleet.run(0.2)          # a few of b's calls
+    assert b.limiter.thread.sharing["u"] == 2  # c still counted, a not
+    assert b.limiter.thread.live_engines == 2
+    fleet.run(2.5)          # past LIVE_S: c lapsed too
+    assert b.limiter.thread.sharing["u"] == 1 and b.limiter.thread.live_engines == 1
+    assert a.limiter.thread.sharing == {}
+    _check_bound(fleet, "u")
+
+
+@needs_redis
+def test_leaving_a_store_that_does_not_answer_changes_nothing(redis_server):
+    """The store is down when the engine shuts down: a logged line, no
+    exception (the marks lapse after ``LIVE_S``)."""
+    import redis
+
+    if redis_server.proc is None:
+        redis_server.start()
+    redis.Redis.from_url(redis_server.url).flushdb()
+    fleet = Fleet(redis_server.url, Fraction(20),
+                  settings=SharedStateSettings(redis_server.url, timeout_s=0.05), seed=2)
+    a = fleet.add_engine()
+    a.streams = {"u": 1}
+    fleet.run(0.5)
+    redis_server.stop()
+    try:
+        assert a.limiter.thread.leave() is False
+    finally:
+        redis_server.start()
 
 
 @needs_redis

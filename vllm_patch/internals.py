@@ -108,6 +108,17 @@ vLLM", has the count before and after). The same on 0.32, 0.33 and 0.34.
   preempts ``running[-1]``, where the throttled requests sit. (Preemption
   for a resident slot, any policy: hook 1.)
 
+Relied on, not changed, in an engine-core process whose scheduler is ours
+(``vllm_output_rate.orphan``), the same on 0.32, 0.33 and 0.34: vLLM's
+engine core does not watch the process that started it (its workers watch
+it through a death pipe); ``CoreEngineProcManager`` names each engine-core
+process ``EngineCore`` or ``EngineCore_DP<n>`` (``multiprocessing``'s
+process name); ``EngineCoreProc.run_engine_core`` handles SIGTERM as its
+shutdown (``shutdown_state`` REQUESTED: in-flight requests aborted with
+``--shutdown-timeout`` 0, drained otherwise), and ``EngineCore.shutdown``
+calls ``Scheduler.shutdown``. The plugin's watch sends that SIGTERM when
+the parent is gone, after leaving the shared store.
+
 Observing only (subclass overrides that change nothing vLLM decides):
   - ``Scheduler.add_request``: resolves the request's user once.
   - ``Scheduler.finish_requests(request_ids, finished_status)``: returns the

@@ -151,6 +151,25 @@ return out
 """
 
 
+#: An engine that stops (its engine core shutting down, an orphan included)
+#: leaves the fleet in one call: out of the heartbeat set, and its marks on
+#: each user it leased (``e:``, ``s:``, ``w:``) gone, so the other engines
+#: stop counting it as sharing those users, and as waiting, at their next
+#: call instead of after ``LIVE_S``. The tokens it leased and did not spend
+#: are not given back: the store cannot tell which of a user's grants came
+#: after them, and the fleet bound counts every grant (they lapse with
+#: their lease, within horizon + lookahead). KEYS: the heartbeat set, then
+#: one hash per user. ARGV: the engine id. Returns the users it left.
+LEAVE_SCRIPT = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+local left = 0
+for i = 2, #KEYS do
+  left = left + redis.call('HDEL', KEYS[i], 'e:' .. ARGV[1], 's:' .. ARGV[1], 'w:' .. ARGV[1])
+end
+return left
+"""
+
+
 @dataclass(frozen=True)
 class LeaseAsk:
     """What an engine asks of the store for one user in one call."""
@@ -197,6 +216,7 @@ class RedisStore:
         self.client = client
         self.settings = settings
         self._script = client.register_script(LEASE_SCRIPT)
+        self._leave_script = client.register_script(LEAVE_SCRIPT)
         #: script calls made, and user entries sent in them
         self.calls = 0
         self.entries = 0
@@ -222,6 +242,13 @@ class RedisStore:
             granted[ask.user] = (int(out[4 + 2 * i]), int(out[5 + 2 * i]))
         epoch = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
         return LeaseReply(float(out[0]), epoch, int(out[2]), bool(int(out[3])), granted)
+
+    def leave(self, engine: str, users: list[str]) -> int:
+        """Take ``engine`` out of the fleet (one call): see ``LEAVE_SCRIPT``.
+        Returns the marks removed."""
+        keys = [KEY_PREFIX + "engines", *(KEY_PREFIX + "user:" + u for u in users)]
+        self.calls += 1
+        return int(self._leave_script(keys=keys, args=[engine]))
 
 
 def new_engine_id(rank: int | str = 0) -> str:

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 from vllm_output_rate.fleet_math import LeaseSizer
 from vllm_output_rate.lease_book import LeaseBook
-from vllm_output_rate.lease_store import RedisStore, new_engine_id
+from vllm_output_rate.lease_store import LIVE_S, RedisStore, new_engine_id
 from vllm_output_rate.limiter import NS_PER_S
 
 #: How long the most engines seen sharing a user is remembered for its
@@ -139,6 +139,7 @@ class LeaseThread:
         #: loop looks again then)
         self.round_trip_ns = 2_000_000
         self._thread: threading.Thread | None = None
+        self._left = False
 
     # -- scheduler's side (cheap, lock-free reads) ---------------------------
 
@@ -164,6 +165,28 @@ class LeaseThread:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=2 * self.settings.timeout_s + 1)
+
+    def leave(self) -> bool:
+        """Leave the fleet (the engine core is shutting down, its thread
+        stopped): one store call that drops this engine's heartbeat and its
+        marks on the users it leased, so that the other engines get their
+        share of those users at their next call, not ``LIVE_S`` later.
+        A store that does not answer changes nothing: the marks lapse then.
+        Returns whether the store took it."""
+        if self._left or (self._store is None and not self.sharing):
+            return False  # left already, or never leased: nothing to leave
+        self._left = True
+        try:
+            self.store.leave(self.engine_id, sorted(self.sharing))
+        except Exception as exc:  # down or slow: the liveness window does it
+            logger.warning("output-rate shared state: could not leave the store at %s (%s: %s); "
+                           "the other engines stop counting this one within %.0f s",
+                           self.settings.redacted_url, type(exc).__name__, str(exc)[:200], LIVE_S)
+            return False
+        logger.info("output-rate shared state: left the store at %s (%d users)",
+                    self.settings.redacted_url, len(self.sharing))
+        self.sharing = {}
+        return True
 
     @property
     def store(self) -> Any:

@@ -119,7 +119,6 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         self.output_rate_limiter = self._orl_new_limiter(config)
         #: borrowing's ceilings and counters, when a limit has a ceiling
         self._orl_lender = Lender(config) if config.borrowing else None
-        # Shared-budget mode: leases taken up at every step boundary.
         self._orl_limiter_begin = getattr(self.output_rate_limiter, "begin_step", None)
         if config.limits_file is not None:
             from vllm_output_rate.limits_watch import LimitsWatcher
@@ -144,9 +143,10 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         if self._orl_priority:
             self.kv_cache_manager.allocate_slots = self._orl_allocate_slots
 
-        from vllm_output_rate import engine_loop
+        from vllm_output_rate import engine_loop, orphan
 
         engine_loop.install()
+        orphan.watch_parent(getattr(self.output_rate_limiter, "close", None))  # (API server gone)
         self.output_rate_observer = create_observer(SchedulerView(self))
 
     def _orl_new_limiter(self, config: OutputRateConfig) -> OutputRateLimiter:

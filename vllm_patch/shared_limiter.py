@@ -213,7 +213,10 @@ class SharedBudgetLimiter(OutputRateLimiter):
         return super().cleanup_idle_users(now_ns)
 
     def close(self) -> None:
+        """The engine core is shutting down: stop the lease thread, then
+        leave the fleet (``LeaseThread.leave``)."""
         self.thread.stop()
+        self.thread.leave()
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges of the lease machinery (plain numbers, read
