@@ -127,16 +127,28 @@ def test_the_api_server_checks_and_keeps_the_option(monkeypatch):
         configure(_args(output_rate_user_sources=""), on=False)
 
 
-def test_the_option_reaches_vllms_parser():
+@pytest.mark.parametrize("value, why", [("vllm_xargs,email", "'email'"), ("", "got ''")])
+def test_serve_refuses_a_bad_value_at_start_up(monkeypatch, value, why):
+    """Through vLLM's serve parser and ``from_cli_args``, as ``serve`` runs
+    them before any engine starts."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from harness import tiny_model
     from vllm_output_rate.internals import serve_cli
 
+    monkeypatch.setattr(frontend, "_identity", None)
     plugin.register()
     parser = serve_cli()[0](FlexibleArgumentParser())
-    assert parser.parse_args([USER_SOURCES_OPTION, "vllm_xargs,user"]).output_rate_user_sources == (
-        "vllm_xargs,user")
-    assert parser.parse_args([]).output_rate_user_sources is None
+    good = parser.parse_args(["--model", tiny_model(), USER_SOURCES_OPTION, "vllm_xargs,user",
+                              "--output-rate-default-tokens-per-second", "5"])
+    assert good.output_rate_user_sources == "vllm_xargs,user"
+    AsyncEngineArgs.from_cli_args(good)
+    assert frontend.user_sources() == ("vllm_xargs", "user")
+    bad = parser.parse_args(["--model", tiny_model(), USER_SOURCES_OPTION, value,
+                             "--output-rate-default-tokens-per-second", "5"])
+    with pytest.raises(OutputRateConfigError, match=f"^{USER_SOURCES_OPTION}.*{why}"):
+        AsyncEngineArgs.from_cli_args(bad)
 
 
 def _request(kind, openai_user, xargs):
