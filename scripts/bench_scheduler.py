@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 
+from vllm_output_rate.tools.help_text import PlainHelpFormatter
 from vllm_output_rate.tools.scheduler_driver import (
     VirtualClock,
     attach_telemetry,
@@ -439,7 +440,7 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
 
 def main(argv: list[str] | None = None) -> None:
     global THROTTLED, CPU, THREAD_CPU, SHARED_STATE, WAITING
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=PlainHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
     parser.add_argument("--sizes", type=int, nargs="*", help="running requests R to measure")
     parser.add_argument("--telemetry", action="store_true",

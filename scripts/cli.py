@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 USAGE = """usage: vllm-output-rate <command> [args]
-       vllm-output-rate --version
+       vllm-output-rate -v|--version
 
 commands:
   serve <model> [vllm serve flags]   run vLLM's OpenAI server with output-rate limits
@@ -58,10 +58,7 @@ def serve(argv: list[str]) -> None:
 
     make_arg_parser, validate_parsed_serve_args, cli_env_setup = serve_cli()
     cli_env_setup()
-    parser = make_arg_parser(FlexibleArgumentParser(
-        prog="vllm-output-rate serve",
-        description="vLLM's OpenAI-compatible server with per-user output-rate limits."))
-    args = parser.parse_args(argv)
+    args = serve_parser(make_arg_parser, FlexibleArgumentParser).parse_args(argv)
     configure_logging_from_args(args)
     from vllm_output_rate.config import OutputRateConfigError
 
@@ -73,6 +70,36 @@ def serve(argv: list[str]) -> None:
         # line naming the option and the value, as argparse does, no traceback.
         print(f"vllm-output-rate serve: error: {exc}", file=sys.stderr)
         sys.exit(2)
+
+
+#: What ``serve --help`` says, with vLLM's hint on finding options (the
+#: project's own are the group ``{group}``, ``plugin.GROUP_TITLE``).
+SERVE_DESCRIPTION = """vLLM's OpenAI-compatible server with per-user output-rate limits.
+
+Search by using: --help=<ConfigGroup> to explore options by section (e.g.,
+--help={group}, --help=ModelConfig, --help=Frontend)
+  Use --help=all to show all available flags at once.
+"""
+SERVE_EPILOG = (
+    "For full list:            vllm-output-rate serve --help=all\n"
+    "For a section:            vllm-output-rate serve --help={group:<15}(case-insensitive)\n"
+    "For a flag:               vllm-output-rate serve --help=max-model-len  (_ or - accepted)\n"
+    "Output-rate options:      vllm-output-rate serve --help=output-rate\n")
+
+
+def serve_parser(make_arg_parser, parser_cls):
+    """``serve``'s parser: vLLM's serve options and the plugin's, with
+    vLLM's help (``--help=<group>``, ``--help=<flag>``) and its hint."""
+    from vllm.utils.argparse_utils import SortedHelpFormatter
+
+    from vllm_output_rate.plugin import GROUP_TITLE
+    from vllm_output_rate.tools.help_text import plain_formatter
+
+    return make_arg_parser(parser_cls(
+        prog="vllm-output-rate serve", usage="vllm-output-rate serve [model_tag] [options]",
+        description=SERVE_DESCRIPTION.format(group=GROUP_TITLE),
+        epilog=SERVE_EPILOG.format(group=GROUP_TITLE),
+        formatter_class=plain_formatter(SortedHelpFormatter)))
 
 
 def version() -> str:
@@ -107,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         print(usage())
         sys.exit(0 if argv else 2)
     command, rest = argv[0], argv[1:]
-    if command in ("--version", "-V"):
+    if command in ("-v", "--version", "-V"):
         print(version())
         sys.exit(0)
     if command == "serve":

@@ -45,6 +45,7 @@ from typing import Any
 import psutil
 from vllm_output_rate import settings
 from vllm_output_rate.config import USER_FIELD
+from vllm_output_rate.tools.help_text import PlainHelpFormatter
 from vllm_output_rate.telemetry.metrics import metric, series_name
 from vllm_output_rate.tools.client import (
     Samples,
@@ -67,8 +68,8 @@ LIMITS = {
     "slow": 0.5,
     **{f"tp-{i}": UNLIMITED for i in range(4)},
 }
-LIMIT_FLAGS = ["--default-user-output-tokens-per-second", str(UNLIMITED),
-               "--user-output-tokens-per-second", json.dumps(LIMITS)]
+LIMIT_FLAGS = ["--output-rate-default-tokens-per-second", str(UNLIMITED),
+               "--output-rate-user-tokens-per-second", json.dumps(LIMITS)]
 #: the per-user spacing histogram (family name: hist_delta adds the series suffixes)
 SPACING = metric("inter_token_seconds").full_name
 FLOOD = [("user-a", 32, 1000)]
@@ -398,7 +399,7 @@ def report(res: dict[str, Any], args: argparse.Namespace, elapsed_s: float) -> s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=PlainHelpFormatter)
     parser.add_argument("--out", default=str(Path(".cache") / "compare-upstream.md"))
     parser.add_argument("--b-requests", type=int, default=8)
     parser.add_argument("--b-tokens", type=int, default=200)

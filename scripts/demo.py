@@ -1,7 +1,7 @@
 """The demo: a tiny local model served with per-user limits, load, results.
 
 1. generate the tiny random-weight Llama and its tokenizer (no hub);
-2. serve it with ``--default-user-output-tokens-per-second`` and overrides;
+2. serve it with ``--output-rate-default-tokens-per-second`` and overrides;
 3. stream load through the OpenAI API: user-a 4 streams at 20 tok/s,
    user-b 1 stream at 100 tok/s, user-c (10,000 tok/s, far above what two
    stream can do on a CPU) 2 streams;
@@ -16,6 +16,7 @@ import json
 import time
 from fractions import Fraction
 
+from vllm_output_rate.tools.help_text import PlainHelpFormatter
 from vllm_output_rate.tools.tiny_model import cache_dir, default_model_dir
 
 DEFAULT_LIMIT = 10_000
@@ -27,7 +28,7 @@ PLAN = [("user-a", 4, 100), ("user-b", 1, 400), ("user-c", 2, 600)]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-output-rate demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=PlainHelpFormatter)
     parser.add_argument("--model-dir", default=None,
                         help="where the tiny model is made (default: %s)" % default_model_dir())
     parser.add_argument("--model", default=None,
@@ -53,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         model = str(ensure_tiny_model(args.model_dir))
     serve_args = [
         "--max-num-seqs", "16", "--max-num-active-seqs", "8", "--max-model-len", "1024",
-        "--default-user-output-tokens-per-second", str(DEFAULT_LIMIT),
-        "--user-output-tokens-per-second", json.dumps(USER_LIMITS),
+        "--output-rate-default-tokens-per-second", str(DEFAULT_LIMIT),
+        "--output-rate-user-tokens-per-second", json.dumps(USER_LIMITS),
     ]
     print("[2/3] starting vllm-output-rate serve (about a minute on a CPU); log: " + args.log)
     print("      limits: default %s tok/s per user, overrides %s" % (DEFAULT_LIMIT, USER_LIMITS))

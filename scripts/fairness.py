@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_output_rate.tools import fairness_engine as fe
+from vllm_output_rate.tools.help_text import PlainHelpFormatter, description_and_epilog
 from vllm_output_rate.tools.stats import quantile
 from vllm_output_rate.tools.workload import _poisson, gen_clients
 
@@ -671,10 +672,9 @@ def render(results: dict[str, Any], scale: Scale, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vllm-output-rate fairness",
-                                     description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog=__doc__)
+    description, epilog = description_and_epilog(__doc__)
+    parser = argparse.ArgumentParser(prog="vllm-output-rate fairness", description=description,
+                                     formatter_class=PlainHelpFormatter, epilog=epilog)
     parser.add_argument("--scale", choices=list(SCALES), default="small")
     parser.add_argument("--scenario", action="append", choices=list(SCENARIOS),
                         help="repeat for several (default: all)")

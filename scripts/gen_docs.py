@@ -110,14 +110,15 @@ def settings_page() -> str:
     cmd_rows = [("`vllm-output-rate serve <model> [vllm serve flags]`", "vLLM's OpenAI server with the options "
                  "above (works with both vLLM builds)")]
     cmd_rows += [(f"`vllm-output-rate {name}`", text) for name, (_module, text) in cli.COMMANDS.items()]
-    cmd_rows += [("`vllm-output-rate --version`", "this package's version and the vLLM beside it")]
+    cmd_rows += [("`vllm-output-rate -v` (`--version`)", "this package's version and the vLLM beside it")]
     lines = [
         "# Settings",
         "",
         "## Options of `vllm serve`",
         "",
-        "The group \"Output-rate limits (vllm-output-rate)\" that the plugin adds to vLLM's own "
-        "parser (`vllm-output-rate serve --help`). From Python, the same settings go in "
+        f"The group `{plugin.GROUP_TITLE}` that the plugin adds to vLLM's own parser "
+        f"(`vllm-output-rate serve --help={plugin.GROUP_TITLE}` lists them; a second name of "
+        "an option is its first spelling, still accepted). From Python, the same settings go in "
         f"`additional_config={{\"{ADDITIONAL_CONFIG_KEY}\": {{...}}}}` under the destination "
         "names. What they do in practice: [operations](operations.md), [fleet](fleet.md).",
         "",

@@ -27,6 +27,7 @@ from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError, GrafanaException
 
 from vllm_output_rate.dashboards import grafana as g
+from vllm_output_rate.tools.help_text import PlainHelpFormatter, description_and_epilog
 from vllm_output_rate.dashboards.generate import FOLDER_TITLE, FOLDER_UID
 
 #: keys Grafana sets itself on a stored dashboard
@@ -136,8 +137,9 @@ class Provisioner:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    description, epilog = description_and_epilog(__doc__)
+    parser = argparse.ArgumentParser(description=description, epilog=epilog,
+                                     formatter_class=PlainHelpFormatter)
     parser.add_argument("--url", required=True, help="Grafana base URL")
     parser.add_argument("--token", default=os.environ.get("GRAFANA_TOKEN"),
                         help="API / service account token (default: $GRAFANA_TOKEN)")

@@ -35,7 +35,13 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from vllm_output_rate.config import ANONYMOUS_USER
+from vllm_output_rate.config import (
+    ANONYMOUS_USER,
+    DEFAULT_OPTION,
+    DEFAULT_OPTION_ALIAS,
+    USERS_OPTION,
+    USERS_OPTION_ALIAS,
+)
 from vllm_output_rate.tools.client import chat_body, stream_into
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
@@ -146,8 +152,8 @@ class Scenario:
 
     def server_args(self, limits: dict[str, float] | None = None) -> list[str]:
         return [*self.server.args,
-                "--default-user-output-tokens-per-second", str(_num(self.server.default_limit)),
-                "--user-output-tokens-per-second",
+                DEFAULT_OPTION, str(_num(self.server.default_limit)),
+                USERS_OPTION,
                 json.dumps(limits if limits is not None else self.server_limits())]
 
     def expected_tokens(self) -> int:
@@ -412,7 +418,8 @@ def parse_scenario(data: Any, path: str = "<scenario>") -> Scenario:
                                                  for a in args):
             raise ctx.fail("server.args", "expected a list of command-line arguments", args)
         for a in args:
-            if str(a) in ("--default-user-output-tokens-per-second", "--user-output-tokens-per-second"):
+            if str(a).split("=")[0] in (DEFAULT_OPTION, DEFAULT_OPTION_ALIAS, USERS_OPTION,
+                                        USERS_OPTION_ALIAS):
                 raise ctx.fail("server.args", "limits come from users and server.default_limit, "
                                "not from args", a)
         env = sm.get("env", {})

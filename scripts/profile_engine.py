@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from vllm_output_rate import settings
+from vllm_output_rate.tools.help_text import PlainHelpFormatter
 
 #: categories in report order
 CATEGORIES = (
@@ -554,8 +555,8 @@ def profile_engine(pid: int, out_dir: Path, name: str, *, seconds: float = 10.0,
 def serve_args(limited: bool, limits: dict[str, float], default_limit: float) -> list[str]:
     args = list(DEFAULT_SERVE_ARGS)
     if limited:
-        args += ["--default-user-output-tokens-per-second", str(default_limit),
-                 "--user-output-tokens-per-second", json.dumps(limits)]
+        args += ["--output-rate-default-tokens-per-second", str(default_limit),
+                 "--output-rate-user-tokens-per-second", json.dumps(limits)]
     return args
 
 
@@ -579,7 +580,7 @@ def _profile_new_server(model: str, limited: bool, args: argparse.Namespace, out
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="vllm-output-rate profile", description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=PlainHelpFormatter)
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--pid", type=int,
                        help="a running server: the API server's or the engine core's pid")

@@ -452,8 +452,10 @@ def run(model: str, minutes: float, sample_s: float, churn_s: float, out_dir: Pa
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm_output_rate.tools.help_text import PlainHelpFormatter  # the docstring, no markup
+
     parser = argparse.ArgumentParser(prog="vllm-output-rate soak", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=PlainHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the tiny model, made here)")
     parser.add_argument("--minutes", type=float, default=30.0, help="how long the load runs (default 30)")
     parser.add_argument("--sample-s", type=float, default=60.0,

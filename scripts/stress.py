@@ -1427,8 +1427,10 @@ def model_and_logs(model: str | None) -> tuple[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm_output_rate.tools.help_text import PlainHelpFormatter  # the docstring, no markup
+
     parser = argparse.ArgumentParser(prog="vllm-output-rate stress", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=PlainHelpFormatter)
     parser.add_argument("--model", default=None, help="model directory (default: the tiny model, made here)")
     parser.add_argument("--profile", choices=("quick", "full"), default="quick",
                         help="quick: a few minutes; full: every config case also as a real server, "

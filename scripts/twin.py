@@ -11,7 +11,7 @@ clock on a workload file.
 The options are parsed by vLLM's own ``EngineArgs`` parser with the
 plugin's options added (``--max-num-seqs``, ``--max-num-batched-tokens``,
 ``--async-scheduling``, ``--num-gpu-blocks-override``,
-``--default-user-output-tokens-per-second``, ``--output-rate-limits-file``
+``--output-rate-default-tokens-per-second``, ``--output-rate-limits-file``
 ...): the same flag means the same thing as for ``serve``, and the
 scheduler class is the one ``serve`` would run (the plugin's with limits,
 vLLM's without). Options about devices, parallelism or the API server are
@@ -141,17 +141,23 @@ class TwinError(Exception):
 
 def build_parser():
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser, SortedHelpFormatter
+
     from vllm_output_rate import plugin
+    from vllm_output_rate.tools.help_text import plain_formatter
 
     plugin.register()  # the plugin's options on vLLM's parser
     parser = FlexibleArgumentParser(
-        prog="vllm-output-rate twin run",
-        description="Run vLLM's scheduler with the output-rate limiter on a workload in "
-                    "virtual time. Takes vllm serve's scheduler and limit options.")
+        prog="vllm-output-rate twin run", usage=RUN_USAGE,
+        description="Run vLLM's scheduler with the output-rate limiter on a workload in\n"
+                    "virtual time. Takes vllm serve's scheduler and limit options; those\n"
+                    "about devices, parallelism or the API server play no part.",
+        epilog=RUN_EPILOG.format(group=plugin.GROUP_TITLE),
+        formatter_class=plain_formatter(SortedHelpFormatter))
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(model=None)
-    twin = parser.add_argument_group("What-if twin")
+    twin = parser.add_argument_group(
+        "Twin", description="The twin's own options: the workload, the outputs, the clock.")
     twin.add_argument("--workload", required=True, help="the workload (JSON Lines)")
     twin.add_argument("--out", required=True, help="the output directory")
     twin.add_argument("--step-time", default=None,
@@ -454,8 +460,26 @@ def metrics_text(telemetry_dir: Path) -> bytes:
     return generate_latest(registry)
 
 
+RUN_USAGE = "vllm-output-rate twin run --workload FILE --out DIR [options]"
+RUN_EPILOG = (
+    "For the twin's own options:  vllm-output-rate twin run --help=Twin\n"
+    "For the limits:              vllm-output-rate twin run --help={group}\n"
+    "For the scheduler:           vllm-output-rate twin run --help=SchedulerConfig\n"
+    "For a flag:                  vllm-output-rate twin run --help=max-num-seqs\n"
+    "For full list:               vllm-output-rate twin run --help=all\n")
+
+#: The twin's subcommands, one line each (``twin --help``).
+SUBCOMMANDS = {
+    "run": "vLLM's scheduler and the limiter on a workload in virtual time; a report",
+    "compare": "one workload under several configurations, side by side",
+    "workload": "write a workload: generated (flood, tiers, bursts, clients) or from BurstGPT",
+    "calibrate": "fit the step-time model from an engine's event log, or estimate one",
+    "accuracy": "replay workloads on real engines and in the twin; compare per user",
+    "scale": "the twin's own speed and memory against requests resident and users",
+}
+
 USAGE = """usage: vllm-output-rate twin run --workload FILE --out DIR [options]
-       vllm-output-rate twin compare --workload FILE --out DIR --config NAME="OPTIONS" \
+       vllm-output-rate twin compare --workload FILE --out DIR --config NAME="OPTIONS"
            --config NAME="OPTIONS" [...] [options of every run]
        vllm-output-rate twin workload {flood,tiers,bursts,clients} --out FILE [options]
        vllm-output-rate twin workload burstgpt --trace FILE.csv --users RULE --out FILE [options]
@@ -467,14 +491,23 @@ USAGE = """usage: vllm-output-rate twin run --workload FILE --out DIR [options]
 """
 
 
+def usage() -> str:
+    """``twin --help``: the usage lines and a line per subcommand."""
+    lines = [USAGE, "commands:"]
+    lines += [f"  {name:<11}{text}" for name, text in SUBCOMMANDS.items()]
+    lines += ["", "vllm-output-rate twin COMMAND --help: the command's options"]
+    return "\n".join(lines)
+
+
 def compare_main(argv: list[str]) -> int:
     from vllm_output_rate.config import OutputRateConfigError
     from vllm_output_rate.tools import twin_compare
+    from vllm_output_rate.tools.help_text import plain
     from vllm_output_rate.tools.step_time import StepTimeError
     from vllm_output_rate.tools.workload import WorkloadError
 
     if not argv or argv[0] in ("-h", "--help"):
-        print(twin_compare.__doc__.split("\n\n", 2)[1])
+        print(plain(twin_compare.__doc__.split("\n\n", 2)[1]))
         return 0 if argv else 2
     plots = "--no-plots" not in argv
     try:
@@ -507,7 +540,7 @@ def scale_main(argv: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(usage())
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "workload":
@@ -527,7 +560,7 @@ def main(argv: list[str]) -> int:
     if command == "scale":
         return scale_main(rest)
     if command != "run":
-        print(f"vllm-output-rate twin: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+        print(f"vllm-output-rate twin: unknown command {command!r}\n{usage()}", file=sys.stderr)
         return 2
     from vllm_output_rate.config import OutputRateConfigError
     from vllm_output_rate.tools.step_time import StepTimeError

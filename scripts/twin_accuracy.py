@@ -466,7 +466,7 @@ def calibrate(work: Path, model: str, seconds: float) -> dict[str, Any]:
     events = work / "events.jsonl"
     events.unlink(missing_ok=True)
     prompts = work / "step_time.prompts.jsonl"
-    with Server(model, [*SERVE_ARGS, "--default-user-output-tokens-per-second", str(UNLIMITED)],
+    with Server(model, [*SERVE_ARGS, "--output-rate-default-tokens-per-second", str(UNLIMITED)],
                 work / "engine.log", extra_env={"OUTPUT_RATE_EVENTS": str(events)}) as server:
         # the replays' kind of request: completions of token ids
         load = run_calibration_load(server.base_url, "tiny", prompts, seconds,

@@ -5,7 +5,7 @@ configurations, the users' figures side by side.
 --config NAME="OPTIONS" --config NAME="OPTIONS" [...] [options of every run]``
 
 Each ``--config`` names a configuration and its own ``twin run`` options
-(split as a shell would: ``base="--default-user-output-tokens-per-second
+(split as a shell would: ``base="--output-rate-default-tokens-per-second
 10"``, ``strict="--output-rate-limits-file strict.yaml"``, ``none=""`` for
 no limits, ``cap="--max-num-active-seqs 4"``); the options after the
 configurations go to every run, before its own. Every run is a full

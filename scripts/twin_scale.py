@@ -18,7 +18,7 @@ with weight 1/(k+1): a few heavy users with many streams beside many light
 ones). Two arms:
 
 * ``limited``: the plugin's scheduler with its telemetry (the event log
-  written), every user at 80 tok/s (``--default-user-output-tokens-per-second``:
+  written), every user at 80 tok/s (``--output-rate-default-tokens-per-second``:
   two streams at full speed), so a user with more than two streams
   resident is paced (19% to 98% of the resident request-seconds throttled
   in BENCHMARKS.md's grid); arrivals at 1.1 times what the users' expected
@@ -160,7 +160,7 @@ def twin_argv(size: int, users: int, arm: str, workload: Path, step: Path, out: 
             "--num-gpu-blocks-override", str(size * MAX_MODEL_LEN // BLOCK_SIZE + 1), "--no-plots",
             "--until", f"{until:g}", "--seed", str(seed)]
     if arm == "limited":
-        argv += ["--default-user-output-tokens-per-second", f"{limit_streams / STEP_S:g}"]
+        argv += ["--output-rate-default-tokens-per-second", f"{limit_streams / STEP_S:g}"]
     return argv
 
 

@@ -170,6 +170,22 @@ def test_a_malformed_user_field_is_refused_with_400(server):
     assert ok.status_code == 200, ok.text
 
 
+def test_the_openai_user_field_is_not_read_without_the_option(server):
+    """Without --output-rate-user-sources the OpenAI ``user`` field is
+    vLLM's (ignored): the request is the anonymous user's."""
+    charged = "vllm_output_rate_tokens_charged_total"
+    before = scrape_metrics(server.base_url)
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "ignore_eos": True,
+            "user": "openai-field-user"}
+    resp = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    after = scrape_until(server.base_url, lambda s: metric_value(
+        s, charged, user="__anonymous__") - metric_value(before, charged, user="__anonymous__") >= 3)
+    assert metric_value(after, charged, user="__anonymous__") - metric_value(
+        before, charged, user="__anonymous__") == 3
+    assert metric_value(after, charged, user="openai-field-user") == 0
+
+
 def _engine_core(server) -> psutil.Process:
     parent = psutil.Process(server.proc.pid)
     for child in parent.children(recursive=True):

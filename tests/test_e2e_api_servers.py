@@ -3,7 +3,9 @@
 vLLM then runs prometheus_client in multiprocess mode and every API server
 answers ``/metrics`` from a fresh registry; the engine's snapshots must still
 appear once per engine, whichever API server answers, and the API servers
-that never parsed our options (the parent did) must still refuse beam search.
+that never parsed our options (the parent did) must still refuse beam search
+and read the user from the request fields the parent was told
+(``--output-rate-user-sources``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from vllm_output_rate.tools.client import Server, metric_value, run_load, scrape
 pytestmark = pytest.mark.e2e
 
 LIMITS = {"default": 100000, "users": {"user-a": 20}}
-ARGS = ["--max-num-seqs", "16", "--max-model-len", "1024", "--api-server-count", "2"]
+ARGS = ["--max-num-seqs", "16", "--max-model-len", "1024", "--api-server-count", "2",
+        "--output-rate-user-sources", "vllm_xargs,user"]
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +95,28 @@ def test_every_api_server_shows_the_limits_in_force_after_a_reload(server):
         assert metric_value(samples, "vllm_output_rate_user_limit_tokens_per_second", user="user-a") == 30
         user = httpx.get(f"{server.base_url}/output-rate/users/user-new", timeout=30).json()
         assert user["limit"] == 5 and user["listed"] is True
+
+
+def test_every_api_server_charges_the_openai_user_field_it_was_told_to_read(server):
+    """The OpenAI SDK's ``user=`` is charged to that user (the server reads
+    ``vllm_xargs,user``); ``vllm_xargs.output_rate_user``, read first, wins
+    over it when both are given."""
+    from openai import OpenAI
+
+    charged = "vllm_output_rate_tokens_charged_total"
+    users = ("sdk-user", "xargs-user")
+    before = scrape_metrics(server.base_url)
+    for i in range(12):  # a new client (connection) each, spread over both API servers
+        extra = {"ignore_eos": True}
+        if i % 2:
+            extra["vllm_xargs"] = {"output_rate_user": "xargs-user"}
+        with OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0) as client:
+            out = client.completions.create(model="tiny", prompt="hello", max_tokens=3,
+                                            user="sdk-user", extra_body=extra)
+        assert out.usage.completion_tokens == 3
+    after = scrape_until(server.base_url, lambda s: all(
+        metric_value(s, charged, user=u) - metric_value(before, charged, user=u) >= 18
+        for u in users))
+    got = {u: metric_value(after, charged, user=u) - metric_value(before, charged, user=u)
+           for u in (*users, "__anonymous__")}
+    assert got == {"sdk-user": 18, "xargs-user": 18, "__anonymous__": 0}, got

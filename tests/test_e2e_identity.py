@@ -4,7 +4,9 @@ CPU engine.
 One server with every identity option: the user header (required), vLLM's
 own --api-key (a gateway's service key), a keys file mapping API keys to
 users (customers), an admin keys file (operators), hashed user labels,
-unlisted users sharing one budget, limits from a file. What is charged to
+unlisted users sharing one budget, limits from a file, the OpenAI ``user``
+field read too (``--output-rate-user-sources vllm_xargs,user``: never over
+the header or a key). What is charged to
 whom is read from the engine's own counters on /metrics (by each user's
 hashed label), and the introspection endpoints are compared with them. The
 tenant-isolation tests check who reads what, the RateLimit headers, and
@@ -74,6 +76,7 @@ def server(tmp_path_factory):
         "--output-rate-admin-keys", str(tmp / "admin.json"),
         "--output-rate-user-label", "hashed", "--output-rate-user-label-salt-file", str(tmp / "salt"),
         "--output-rate-unlisted-users", "shared",
+        "--output-rate-user-sources", "vllm_xargs,user",
     ], REPO / ".cache" / "logs" / "e2e-identity-server.log",
         extra_env={"OUTPUT_RATE_TELEMETRY": "1"})
     srv.limits_path = tmp / "limits.yaml"
@@ -111,6 +114,26 @@ def test_the_header_or_the_key_decides_the_user_never_the_body(server):
     got = {u: charged(after, u) - charged(before, u) for u in ("user-h", "alice", "vip")}
     print("\ncharged:", got)
     assert got == {"user-h": 20, "alice": 20, "vip": 0}
+
+
+def test_the_openai_user_field_never_overrides_the_header_or_the_key(server):
+    """This server reads the OpenAI ``user`` field too, but a gateway's
+    header and a customer's key decide: a body naming vip (listed, 100000
+    tok/s) charges nothing to vip."""
+    before = scrape(server)
+    body = {"model": "tiny", "prompt": "hello there", "max_tokens": 7, "ignore_eos": True,
+            "user": "vip"}
+    for headers in (svc("user-h"), {"Authorization": f"Bearer {ALICE_KEY}", "X-User": "vip"}):
+        resp = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers,
+                          timeout=120)
+        assert resp.status_code == 200, resp.text
+    # the header's required even when the body names a user
+    refused = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=svc(), timeout=120)
+    assert refused.status_code == 401 and "X-User" in refused.text
+    after = scrape_until(server.base_url, lambda s: all(
+        charged(s, u) - charged(before, u) >= 7 for u in ("user-h", "alice")))
+    got = {u: charged(after, u) - charged(before, u) for u in ("user-h", "alice", "vip")}
+    assert got == {"user-h": 7, "alice": 7, "vip": 0}, got
 
 
 @pytest.mark.parametrize("headers, why", [

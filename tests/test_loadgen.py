@@ -57,7 +57,7 @@ def test_default_scenario_covers_what_verification_asks_for():
     baseline = s.phases[0].streams
     assert {st.user for st in baseline} == {"user-c"}  # the unlimited user alone
     args = s.server_args()
-    overrides = json.loads(args[args.index("--user-output-tokens-per-second") + 1])
+    overrides = json.loads(args[args.index("--output-rate-user-tokens-per-second") + 1])
     assert overrides == {"user-a": 20, "user-b": 60, "user-c": 100000}
 
 
@@ -122,6 +122,8 @@ REJECTS = [
     (lambda d: d["prompts"].update(x={"text": "a", "tokens": 3}), ["prompts.x", "either text or tokens"]),
     (lambda d: d["prompts"].update(x=""), ["prompts.x", "must not be empty"]),
     (lambda d: d.update(server={"args": ["--user-output-tokens-per-second", "{}"]}),
+     ["server.args", "limits come from users"]),
+    (lambda d: d.update(server={"args": ["--output-rate-default-tokens-per-second=5"]}),
      ["server.args", "limits come from users"]),
     (lambda d: d.update(server={"default_limit": 0}), ["server.default_limit", "0"]),
     (lambda d: d.update(checks={"baseline_phase": "zzz", "compare_phase": "one"}),

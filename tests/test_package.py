@@ -20,8 +20,9 @@ from vllm_output_rate.tools.client import Server, metric_value
 PACKAGES = ("vllm_output_rate/", "vllm_output_rate-")  # the module and its dist-info
 
 
-def test_version_command():
-    run = subprocess.run([sys.executable, "-m", "vllm_output_rate.tools.cli", "--version"],
+@pytest.mark.parametrize("flag", ["-v", "--version"])
+def test_version_command(flag):
+    run = subprocess.run([sys.executable, "-m", "vllm_output_rate.tools.cli", flag],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("vllm-output-rate 0.1.0, vLLM 0.3"), run.stdout

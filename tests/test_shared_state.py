@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.config import OutputRateConfig, OutputRateConfigError
+from vllm_output_rate.config import DEFAULT_OPTION, OutputRateConfig, OutputRateConfigError
 from vllm_output_rate.fleet_math import fleet_bound
 from vllm_output_rate.lease_book import LeaseBook
 from vllm_output_rate.lease_store import LeaseAsk, RedisStore
@@ -153,7 +153,7 @@ def test_the_option_travels_with_the_limits_and_needs_them():
     again = OutputRateConfig.from_dict(config.to_dict())
     assert again.shared_state == "redis://127.0.0.1:6379/0"
     assert again.digest == OutputRateConfig.from_options("20").digest  # limits unchanged
-    with pytest.raises(OutputRateConfigError, match="needs --default-user-output-tokens-per-second"):
+    with pytest.raises(OutputRateConfigError, match=f"needs {DEFAULT_OPTION}"):
         OutputRateConfig.from_options(None, shared_state="redis://127.0.0.1:6379/0")
     with pytest.raises(OutputRateConfigError, match="--output-rate-shared-state"):
         OutputRateConfig.from_options("20", shared_state="redis://nowhere")

@@ -17,8 +17,11 @@ from typing import Any
 
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, parse_shared_state
 
-DEFAULT_OPTION = "--default-user-output-tokens-per-second"
-USERS_OPTION = "--user-output-tokens-per-second"
+DEFAULT_OPTION = "--output-rate-default-tokens-per-second"
+USERS_OPTION = "--output-rate-user-tokens-per-second"
+#: Their first names, still accepted.
+DEFAULT_OPTION_ALIAS = "--default-user-output-tokens-per-second"
+USERS_OPTION_ALIAS = "--user-output-tokens-per-second"
 LIMITS_FILE_OPTION = "--output-rate-limits-file"
 UNLISTED_OPTION = "--output-rate-unlisted-users"
 

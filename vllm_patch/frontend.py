@@ -17,6 +17,11 @@ not the client. Two options make the identity trusted:
   then checks both kinds of key itself, on the paths vLLM's own check
   guards, and vLLM's check is not installed (``settings_from_args``).
 
+Without them the request body decides: ``vllm_xargs.output_rate_user``, and
+with ``--output-rate-user-sources vllm_xargs,user`` also the OpenAI ``user``
+field, read in the order given (``request_fields.user_from_sources``). A
+trusted header or key always decides over every body field.
+
 Both are done by ``OutputRateMiddleware``, an ASGI middleware that vLLM
 loads through its own ``--middleware`` mechanism (the plugin adds itself to
 ``args.middleware`` while vLLM reads the serve arguments; ``internals``
@@ -50,12 +55,15 @@ from typing import Any
 
 from vllm_output_rate.config import (
     ANONYMOUS_USER,
+    DEFAULT_OPTION,
+    LIMITS_FILE_OPTION,
     MAX_USER_LEN,
     OutputRateConfigError,
 )
 from vllm_output_rate import access, settings
 from vllm_output_rate.access import ADMIN_KEYS_OPTION, INTROSPECTION_OPTION, OPERATOR, TENANT
 from vllm_output_rate.limits_watch import POLL_S, WatchedFile
+from vllm_output_rate.request_fields import DEFAULT_USER_SOURCES, USER_SOURCES_OPTION, parse_user_sources
 
 logger = logging.getLogger("vllm_output_rate")
 
@@ -195,6 +203,9 @@ class Identity:
     #: who reads ``/output-rate/`` (``access.introspection_mode``; None:
     #: its default for the keys this server has)
     introspection: str | None = None
+    #: the request fields the user is read from when nothing trusted decides
+    #: (``--output-rate-user-sources``), in order
+    user_sources: tuple[str, ...] = DEFAULT_USER_SOURCES
 
     @property
     def trusted(self) -> bool:
@@ -358,7 +369,8 @@ def settings_from_args(args: Any) -> dict[str, Any]:
             "api_keys": os.path.abspath(keys_path) if keys_path else None,
             "service_sha256": [key_digest(t) for t in tokens], "guards": guards,
             "admin_keys": os.path.abspath(admin_path) if admin_path else None,
-            "introspection": getattr(args, "output_rate_introspection", None)}
+            "introspection": getattr(args, "output_rate_introspection", None),
+            "user_sources": getattr(args, "output_rate_user_sources", None)}
 
 
 def configure_frontend(options: dict[str, Any], feature_on: bool,
@@ -371,12 +383,13 @@ def configure_frontend(options: dict[str, Any], feature_on: bool,
     header, require = options.get("user_header"), bool(options.get("require_user"))
     keys_path = options.get("api_keys")
     admin_path, wanted = options.get("admin_keys"), options.get("introspection")
+    sources = parse_user_sources(options.get("user_sources"))
     if not feature_on:
-        if header or require or keys_path or admin_path or wanted:
+        if header or require or keys_path or admin_path or wanted or options.get("user_sources"):
             raise OutputRateConfigError(
-                f"{HEADER_OPTION}, {REQUIRE_OPTION}, {API_KEYS_OPTION}, {ADMIN_KEYS_OPTION} "
-                f"and {INTROSPECTION_OPTION} need limits "
-                f"(--default-user-output-tokens-per-second or --output-rate-limits-file)")
+                f"{HEADER_OPTION}, {REQUIRE_OPTION}, {API_KEYS_OPTION}, {ADMIN_KEYS_OPTION}, "
+                f"{INTROSPECTION_OPTION} and {USER_SOURCES_OPTION} need limits "
+                f"({DEFAULT_OPTION} or {LIMITS_FILE_OPTION})")
         return None
     if require and not header:
         raise OutputRateConfigError(
@@ -400,6 +413,7 @@ def configure_frontend(options: dict[str, Any], feature_on: bool,
         identity.admin_keys = AdminKeysWatcher(admin_path) if admin_path else None
     identity.service_digests = tuple(options.get("service_sha256") or ())
     identity.introspection = mode
+    identity.user_sources = sources
     identity.guards = bool(options.get("guards"))
     identity.carry_trace = settings.traces_requested()
     _identity, _options = identity, dict(options)
@@ -416,6 +430,11 @@ def current_options() -> dict[str, Any] | None:
 
 def current_identity() -> Identity | None:
     return _identity
+
+
+def user_sources() -> tuple[str, ...]:
+    """The request fields this process reads the user from (in order)."""
+    return _identity.user_sources if _identity is not None else DEFAULT_USER_SOURCES
 
 
 def forget_identity() -> None:

@@ -7,9 +7,9 @@ it is idempotent and does nothing costly. It
 1. checks the vLLM version: on one it does not support (``internals.SUPPORTED``)
    it logs a warning and refuses only the limit options (plain ``vllm serve``
    keeps working);
-2. adds its options (``--default-user-output-tokens-per-second``,
-   ``--user-output-tokens-per-second``, ``--output-rate-limits-file`` and the
-   rest of the "Output-rate limits" group) to vLLM's own argument parser and
+2. adds its options (``--output-rate-default-tokens-per-second``,
+   ``--output-rate-user-tokens-per-second``, ``--output-rate-limits-file`` and
+   the rest of the group ``OutputRate``) to vLLM's own argument parser and
    carries them to the engine in ``additional_config["output_rate"]``;
 3. after vLLM built its ``VllmConfig``, calls ``configure_output_rate()``:
    with the feature on, refuse unsupported configurations and install the
@@ -28,11 +28,13 @@ from typing import Any
 from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
     DEFAULT_OPTION,
+    DEFAULT_OPTION_ALIAS,
     LIMITS_FILE_OPTION,
     SHARED_STATE_OPTION,
     UNLISTED_MODES,
     UNLISTED_OPTION,
     USERS_OPTION,
+    USERS_OPTION_ALIAS,
     OutputRateConfig,
     TRACEPARENT_FIELD,
     TRACESTATE_FIELD,
@@ -42,7 +44,7 @@ from vllm_output_rate.config import (
     config_of,
     to_wire,
 )
-from vllm_output_rate.request_fields import resolve_user, user_field_error
+from vllm_output_rate.request_fields import USER_SOURCES_OPTION, resolve_user, user_from_sources
 from vllm_output_rate import access, frontend, observers, settings, user_label
 from vllm_output_rate.shared_settings import parse_shared_state
 from vllm_output_rate.internals import UnsupportedVllmVersion, check_vllm_version
@@ -116,20 +118,27 @@ def _share_vllm_log_handlers() -> None:
 # -- options ------------------------------------------------------------------
 
 
+#: The title of the options' group: one token, as vLLM names its groups
+#: (``ModelConfig``), so that ``serve --help=OutputRate`` lists them all.
+GROUP_TITLE = "OutputRate"
+
+
 def add_output_rate_args(parser: Any) -> Any:
-    """Add the output-rate options (the group "Output-rate limits") to a
-    vLLM argument parser (once)."""
+    """Add the output-rate options (the group ``GROUP_TITLE``) to a vLLM
+    argument parser (once)."""
     if any(DEFAULT_OPTION in a.option_strings for a in parser._actions):
         return parser
     group = parser.add_argument_group(
-        title="Output-rate limits (vllm-output-rate)",
-        description="Per-user output-token rate limits inside the scheduler. "
-        "The user is vllm_xargs.output_rate_user of each request "
-        "(missing: the shared user __anonymous__).",
+        title=GROUP_TITLE,
+        description="Per-user output-token rate limits inside the scheduler "
+        "(vllm-output-rate).\n\nThe user is vllm_xargs.output_rate_user of each "
+        f"request (or the fields of {USER_SOURCES_OPTION}; none: the shared user "
+        "__anonymous__), unless a trusted header or API key names it.",
     )
     group.add_argument(
-        DEFAULT_OPTION,
+        DEFAULT_OPTION, DEFAULT_OPTION_ALIAS,
         dest="default_user_output_tokens_per_second",
+        metavar="TOKENS_PER_S",
         default=None,
         type=str,
         help="Output tokens per second for each user without an override, "
@@ -137,8 +146,9 @@ def add_output_rate_args(parser: Any) -> Any:
         "on; without it vLLM behaves exactly as upstream.",
     )
     group.add_argument(
-        USERS_OPTION,
+        USERS_OPTION, USERS_OPTION_ALIAS,
         dest="user_output_tokens_per_second",
+        metavar="JSON",
         default=None,
         type=str,
         help='Per-user overrides as a JSON object, e.g. \'{"user-a": 100, '
@@ -147,6 +157,7 @@ def add_output_rate_args(parser: Any) -> Any:
     group.add_argument(
         LIMITS_FILE_OPTION,
         dest="output_rate_limits_file",
+        metavar="FILE",
         default=None,
         type=str,
         help="A YAML or JSON file of limits: 'default' (tok/s of users not "
@@ -167,6 +178,7 @@ def add_output_rate_args(parser: Any) -> Any:
     group.add_argument(
         SHARED_STATE_OPTION,
         dest="output_rate_shared_state",
+        metavar="URL",
         default=None,
         type=str,
         help="redis://HOST:PORT[/DB]: keep each user's budget in this Redis (or "
@@ -179,10 +191,11 @@ def add_output_rate_args(parser: Any) -> Any:
     group.add_argument(
         frontend.HEADER_OPTION,
         dest="output_rate_user_header",
+        metavar="HEADER",
         default=None,
         type=str,
         help="Take the user from this request header (set by a gateway that "
-        "authenticated the caller, e.g. X-User-Id); the body field is then "
+        "authenticated the caller, e.g. X-User-Id); the body fields are then "
         "ignored. A request without it is the anonymous user.",
     )
     group.add_argument(
@@ -195,6 +208,7 @@ def add_output_rate_args(parser: Any) -> Any:
     group.add_argument(
         frontend.API_KEYS_OPTION,
         dest="output_rate_api_keys",
+        metavar="FILE",
         default=None,
         type=str,
         help="A YAML/JSON file 'keys: {SHA-256 hex of an API key: user}': the "
@@ -205,6 +219,7 @@ def add_output_rate_args(parser: Any) -> Any:
     group.add_argument(
         access.ADMIN_KEYS_OPTION,
         dest="output_rate_admin_keys",
+        metavar="FILE",
         default=None,
         type=str,
         help="Operators' keys, in the format of --output-rate-api-keys (reloaded the "
@@ -221,6 +236,18 @@ def add_output_rate_args(parser: Any) -> Any:
         "keys only) or 'off' (closed). A server without keys leaves them open.",
     )
     group.add_argument(
+        USER_SOURCES_OPTION,
+        dest="output_rate_user_sources",
+        metavar="FIELDS",
+        default=None,
+        type=str,
+        help="The request fields the user is read from, comma-separated, the first "
+        "one a request fills deciding: vllm_xargs (vllm_xargs.output_rate_user, the "
+        "default) and user (the OpenAI API's user field, as the OpenAI SDK and LiteLLM "
+        "send it), e.g. vllm_xargs,user. A trusted header or API key still decides "
+        "over every body field.",
+    )
+    group.add_argument(
         user_label.LABEL_OPTION,
         dest="output_rate_user_label",
         default=None,
@@ -232,6 +259,7 @@ def add_output_rate_args(parser: Any) -> Any:
     group.add_argument(
         user_label.SALT_OPTION,
         dest="output_rate_user_label_salt_file",
+        metavar="FILE",
         default=None,
         type=str,
         help="A file holding the secret salt (at least 16 bytes) of hashed user labels.",
@@ -310,7 +338,7 @@ def configure_user_label(mode: Any, salt_file: Any, feature_on: bool) -> None:
         if mode is not None or salt_file:
             raise OutputRateConfigError(
                 f"{user_label.LABEL_OPTION} and {user_label.SALT_OPTION} need limits "
-                f"(--default-user-output-tokens-per-second or --output-rate-limits-file)")
+                f"({DEFAULT_OPTION} or {LIMITS_FILE_OPTION})")
         return
     user_label.check_options(mode, salt_file)
     os.environ.update(user_label.child_settings(mode, salt_file))
@@ -509,9 +537,11 @@ def _patch_beam_search() -> None:
                     else:
                         if isinstance(xargs, dict) and TRUSTED_FIELD in xargs:
                             # only the server says a user is trusted
-                            self.vllm_xargs = {k: v for k, v in xargs.items()
-                                               if k != TRUSTED_FIELD}
-                        error = user_field_error(getattr(self, "vllm_xargs", None))
+                            xargs = {k: v for k, v in xargs.items() if k != TRUSTED_FIELD}
+                        # the body decides: the request fields of
+                        # --output-rate-user-sources, in order
+                        self.vllm_xargs, error = user_from_sources(
+                            xargs, getattr(self, "user", None), frontend.user_sources())
                         if error is not None:
                             from vllm.exceptions import VLLMValidationError
 

@@ -1,7 +1,10 @@
 """What a request says about its user and its trace, read from its extra
 arguments (``vllm_xargs`` in the OpenAI API): the one rule for the user
-field, the fields only the API server may set (a trusted identity, the
-carried trace context), and the user whose budget a request names.
+field, the request fields a server reads the user from
+(``--output-rate-user-sources``: ``vllm_xargs.output_rate_user`` and, when
+opted in, the OpenAI ``user`` field), the fields only the API server may set
+(a trusted identity, the carried trace context), and the user whose budget a
+request names.
 
 Pure logic: used where requests are served (to refuse) and in the engine
 (to resolve), by ``plugin``, ``frontend``, ``scheduler`` and ``internals``.
@@ -14,6 +17,7 @@ from typing import Any
 from vllm_output_rate.config import (
     ANONYMOUS_USER,
     MAX_USER_LEN,
+    OutputRateConfigError,
     TRACEPARENT_FIELD,
     TRACESTATE_FIELD,
     TRUSTED_FIELD,
@@ -55,6 +59,66 @@ def user_field_error(xargs: Any) -> str | None:
     except UserFieldError as exc:
         return str(exc)
     return None
+
+
+USER_SOURCES_OPTION = "--output-rate-user-sources"
+#: The request fields a user may come from: ``vllm_xargs`` is
+#: ``vllm_xargs.output_rate_user``, ``user`` the OpenAI API's own ``user``
+#: field (what the OpenAI SDK and LiteLLM send).
+XARGS_SOURCE, OPENAI_SOURCE = "vllm_xargs", "user"
+USER_SOURCES = (XARGS_SOURCE, OPENAI_SOURCE)
+#: Without the option: the extra argument only (the OpenAI field ignored).
+DEFAULT_USER_SOURCES = (XARGS_SOURCE,)
+
+
+def parse_user_sources(value: Any) -> tuple[str, ...]:
+    """``--output-rate-user-sources``: request fields, comma-separated, in
+    the order they are read (the first one a request fills decides). None:
+    the default. Unknown, repeated or no names are refused."""
+    if value is None:
+        return DEFAULT_USER_SOURCES
+    names = [n.strip() for n in value.split(",")] if isinstance(value, str) else []
+    expected = (f"expected request fields from {', '.join(USER_SOURCES)}, comma-separated "
+                f"in the order to read them (default {XARGS_SOURCE})")
+    if not names or "" in names:
+        raise OutputRateConfigError(f"{USER_SOURCES_OPTION}: {expected}, got {value!r}")
+    for name in names:
+        if name not in USER_SOURCES:
+            raise OutputRateConfigError(
+                f"{USER_SOURCES_OPTION}: unknown request field {name!r} in {value!r}; {expected}")
+    if len(set(names)) != len(names):
+        raise OutputRateConfigError(
+            f"{USER_SOURCES_OPTION}: a request field named twice in {value!r}; {expected}")
+    return tuple(names)
+
+
+def user_from_sources(xargs: Any, openai_user: Any,
+                      sources: tuple[str, ...]) -> tuple[Any, str | None]:
+    """``(the vllm_xargs the engine gets, why the request is refused or
+    None)`` for a request whose user no trusted header or key decided: the
+    user field set to the first of ``sources`` the request fills (absent
+    when none does; an empty value fills none). A malformed
+    ``vllm_xargs.output_rate_user`` is refused when that field is a source;
+    a field that is not a source is ignored."""
+    if sources == DEFAULT_USER_SOURCES:
+        return xargs, user_field_error(xargs)
+    fields = dict(xargs) if isinstance(xargs, dict) else {}
+    if XARGS_SOURCE in sources:
+        error = user_field_error(fields)
+        if error is not None:
+            return xargs, error
+    given = {XARGS_SOURCE: fields.pop(USER_FIELD, None), OPENAI_SOURCE: openai_user}
+    for source in sources:
+        value = given[source]
+        if value is not None and value != "":
+            try:
+                fields[USER_FIELD] = user_of_field(value)
+            except UserFieldError:  # (pydantic makes ``user`` a string)
+                continue
+            break
+    if not fields and not isinstance(xargs, dict):
+        return xargs, None
+    return fields, None
 
 
 def trusted_source(extra_args: Any) -> str | None:
