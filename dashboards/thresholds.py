@@ -1,6 +1,7 @@
-"""The one threshold file (``thresholds.yaml``), loaded once, and Prometheus
-durations. Read by the generator, the rule tests and the Grafana copies of
-the alerts; imports nothing else of the dashboards.
+"""The one threshold file (``thresholds.yaml``): reading it, the checks every
+setting passes, and Prometheus durations. ``config.Config`` holds what this
+reads and is what the generator passes along; the Grafana copies of the
+alerts use ``seconds``. Imports nothing else of the dashboards.
 
 The limiter's burst is not a threshold: it comes from the limiter itself
 (``burst_seconds`` here is ``vllm_output_rate.limiter.BURST_NS``).
@@ -110,13 +111,19 @@ def check_kubernetes(k8s: dict[str, Any]) -> None:
     seconds(k8s["scrape_interval"])
 
 
-def load_thresholds(path: Path = HERE / "thresholds.yaml") -> dict[str, Any]:
-    with open(path) as f:
-        data = yaml.safe_load(f)
+def check_thresholds(data: dict[str, Any]) -> None:
+    """Every checked section of a threshold dict (raises ValueError)."""
     check_fleet(data["fleet"])
     check_kubernetes(data["kubernetes"])
     check_limits_differ(data["limits_differ"], data["fleet"])
     check_affinity(data["affinity"], data["fleet"])
+
+
+def load_thresholds(path: Path = HERE / "thresholds.yaml") -> dict[str, Any]:
+    """``path`` read and checked, with the limiter's burst added."""
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    check_thresholds(data)
     data["over_limit"]["burst_seconds"] = BURST_NS / 1e9
     return data
 
@@ -129,5 +136,3 @@ def seconds(duration: str) -> float:
             return float(duration[: -len(suffix)]) * units[suffix]
     raise ValueError(f"not a duration: {duration!r}")
 
-
-T = load_thresholds()

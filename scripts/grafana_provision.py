@@ -27,7 +27,7 @@ from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError, GrafanaException
 
 from vllm_output_rate.dashboards import grafana as g
-from vllm_output_rate.dashboards.generate import FOLDER_TITLE, FOLDER_UID
+from vllm_output_rate.dashboards.provisioning import FOLDER_TITLE, FOLDER_UID
 
 #: keys Grafana sets itself on a stored dashboard
 SERVER_KEYS = {"id", "version"}
