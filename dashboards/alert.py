@@ -79,7 +79,9 @@ def quiet(alert: str, eval_time: str) -> dict[str, Any]:
 def fires(c: Config, alert: str, eval_time: str, labels: dict[str, str], summary: str,
           description: str) -> dict[str, Any]:
     """``alert`` fires once at ``eval_time`` with these labels and texts
-    (and its runbook link)."""
+    (and its runbook link). The ``severity`` label is typed as a severity
+    (critical / warning / info) and expected as the config's scheme writes it."""
+    labels = {**labels, "severity": c.label(labels["severity"])}
     return {"eval_time": eval_time, "alertname": alert, "exp_alerts": [{
         "exp_labels": labels,
         "exp_annotations": {"summary": summary, "description": description,

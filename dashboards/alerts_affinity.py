@@ -23,7 +23,7 @@ def alerts(c: Config) -> list[Alert]:
     return [Alert(
         "OutputRateUserOnSeveralReplicas",
         f"{replicas_per_user_expr(c)} > 1",
-        a["for"], a["severity"],
+        a["for"], c.severity("affinity"),
         "User {{ $labels.user }} of model {{ $labels.model_name }} is served by several replicas",
         "User {{ $labels.user }} of model {{ $labels.model_name }} was charged output tokens on "
         f"{{{{ $value }}}} replicas (distinct {c.group_noun()}) within the last {a['window']}, for at "
@@ -62,7 +62,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
             ],
             "alert_rule_test": [
                 quiet(several, "15m"),  # not yet for 20m
-                fires(c, several, "30m", {"severity": "ticket", "model_name": MODEL, "user": "user-a"},
+                fires(c, several, "30m", {"severity": "warning", "model_name": MODEL, "user": "user-a"},
                     "User user-a of model tiny is served by several replicas",
                     "User user-a of model tiny was charged output tokens on 2 replicas (distinct "
                     "instance) within the last 10m, for at least 20m: each replica has its own "

@@ -19,7 +19,7 @@ def alerts(c: Config) -> list[Alert]:
         Alert(
             "OutputRateThrottledKVCacheHigh",
             f"{throttled_kv_share_expr(c)} > {kv['share']}",
-            kv["for"], kv["severity"],
+            kv["for"], c.severity("throttled_kv"),
             "Throttled requests hold much of the KV cache on engine {{ $labels.engine }} of model "
             "{{ $labels.model_name }}" + at,
             "Throttled requests on engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at + " "
@@ -32,7 +32,7 @@ def alerts(c: Config) -> list[Alert]:
             f" > {late['seconds']} and on ({engine})"
             f" sum by ({engine}) (rate({c.raw('wake_lateness_seconds', '_count')}[{late['window']}]))"
             f" > {late['min_waits_per_second']}",
-            late["for"], late["severity"],
+            late["for"], c.severity("wake_lateness"),
             "The engine loop of engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at
             + " wakes late",
             "The engine loop of engine {{ $labels.engine }} (model {{ $labels.model_name }})" + at + " woke "
@@ -58,7 +58,7 @@ def cases(c: Config) -> list[dict[str, Any]]:
             ],
             "alert_rule_test": [
                 quiet(kv, "8m"),  # not yet for 10m
-                fires(c, kv, "20m", {"severity": "ticket", "model_name": MODEL, "engine": "0"},
+                fires(c, kv, "20m", {"severity": "warning", "model_name": MODEL, "engine": "0"},
                     "Throttled requests hold much of the KV cache on engine 0 of model tiny",
                     "Throttled requests on engine 0 of model tiny held 50% of the KV "
                     "cache on average over the last 5m (alert above 30%). New "
@@ -100,7 +100,7 @@ def cases(c: Config) -> list[dict[str, Any]]:
             "interval": "1m",
             "input_series": histogram("wake_lateness_seconds", {"0.05": 600}, 40),
             "alert_rule_test": [
-                fires(c, late, "30m", {"severity": "ticket", "model_name": MODEL, "engine": "0"},
+                fires(c, late, "30m", {"severity": "warning", "model_name": MODEL, "engine": "0"},
                     "The engine loop of engine 0 of model tiny wakes late",
                     "The engine loop of engine 0 (model tiny) woke 49.7ms after "
                     "the budget time it waited for, at the 99th percentile over "
@@ -140,7 +140,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
                 series("engine_throttled_kv_blocks", "20x40", instance=R2),
             ],
             "alert_rule_test": [
-                fires(c, kv, "20m", {"severity": "ticket", "model_name": MODEL, "engine": "0",
+                fires(c, kv, "20m", {"severity": "warning", "model_name": MODEL, "engine": "0",
                                    "instance": R1},
                     f"Throttled requests hold much of the KV cache on engine 0 of model tiny on instance {R1}",
                     f"Throttled requests on engine 0 of model tiny on instance {R1} held 50% of "
@@ -174,7 +174,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
                 *histogram("wake_lateness_seconds", {"0.0005": 600}, 40, instance=R2),
             ],
             "alert_rule_test": [
-                fires(c, late, "30m", {"severity": "ticket", "model_name": MODEL, "engine": "0",
+                fires(c, late, "30m", {"severity": "warning", "model_name": MODEL, "engine": "0",
                                      "instance": R1},
                     f"The engine loop of engine 0 of model tiny on instance {R1} wakes late",
                     f"The engine loop of engine 0 (model tiny) on instance {R1} woke 49.7ms "

@@ -39,7 +39,7 @@ def alerts(c: Config) -> list[Alert]:
             f"sum by ({c.by('model_name', 'engine', 'result')})"
             f" (increase({c.raw('limits_reloads', extra=LIMITS_FAILED_MATCHER)}[{reload['window']}]))"
             f" > {reload['max_failures']}",
-            reload["for"], reload["severity"],
+            reload["for"], c.severity("limits_reload_failed"),
             "Engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at
             + " could not load its changed limits file",
             "Engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at + " found its "
@@ -51,7 +51,7 @@ def alerts(c: Config) -> list[Alert]:
         Alert(
             "OutputRateLimitsDiffer",
             f"{limit_sets_expr(c)} > 1",
-            differ["for"], differ["severity"],
+            differ["for"], c.severity("limits_differ"),
             "Engines of model {{ $labels.model_name }}" + c.in_fleet() + " run different limits",
             "{{ $value }} different sets of limits (SHA-256 of the limits in force) are in force "
             "on the engines of model {{ $labels.model_name }}" + c.in_fleet() + " for at "
@@ -72,7 +72,7 @@ def cases(c: Config) -> list[dict[str, Any]]:
             "input_series": reloads({"loaded": "0 0 1x40", "invalid": "0x9 1x30"}),
             "alert_rule_test": [
                 quiet(failed, "9m"),  # before the bad file
-                fires(c, failed, "12m", {"severity": "ticket", "model_name": MODEL, "engine": "0",
+                fires(c, failed, "12m", {"severity": "warning", "model_name": MODEL, "engine": "0",
                                        "result": "invalid"},
                     "Engine 0 of model tiny could not load its changed limits file",
                     "Engine 0 of model tiny found its limits file changed but could not "
@@ -102,7 +102,7 @@ def cases(c: Config) -> list[dict[str, Any]]:
             ],
             "alert_rule_test": [
                 quiet(differ, "8m"),  # not yet for 10m
-                fires(c, differ, "20m", {"severity": "ticket", "model_name": MODEL},
+                fires(c, differ, "20m", {"severity": "warning", "model_name": MODEL},
                     "Engines of model tiny run different limits",
                     "2 different sets of limits (SHA-256 of the limits in force) are in "
                     "force on the engines of model tiny for at least 10m: a user gets "
@@ -138,7 +138,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
                 *reloads({"loaded": "0x9 1x30"}, instance=R2),
             ],
             "alert_rule_test": [
-                fires(c, failed, "12m", {"severity": "ticket", "model_name": MODEL, "engine": "0",
+                fires(c, failed, "12m", {"severity": "warning", "model_name": MODEL, "engine": "0",
                                        "result": "unreadable", "instance": R1},
                     f"Engine 0 of model tiny on instance {R1} could not load its changed limits file",
                     f"Engine 0 of model tiny on instance {R1} found its limits file changed "
@@ -166,7 +166,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
             ],
             "alert_rule_test": [
                 quiet(differ, "8m"),  # not yet for 10m
-                fires(c, differ, "20m", {"severity": "ticket", "model_name": MODEL},
+                fires(c, differ, "20m", {"severity": "warning", "model_name": MODEL},
                     "Engines of model tiny run different limits",
                     "2 different sets of limits (SHA-256 of the limits in force) are in "
                     "force on the engines of model tiny for at least 10m: a user gets "

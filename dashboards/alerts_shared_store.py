@@ -19,7 +19,7 @@ def alerts(c: Config) -> list[Alert]:
             f"sum by ({engine}) (increase({c.raw('shared_store_calls', extra=STORE_FAILED)}"
             f"[{c['shared_store']['window']}]))"
             f" and on ({engine}) max by ({engine}) ({c.raw('shared_store_fallback')}) > 0",
-            c["shared_store"]["for"], c["shared_store"]["severity"],
+            c["shared_store"]["for"], c.severity("shared_store"),
             "Engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at
             + " cannot reach its shared budget store",
             "Engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at + " has been in "
@@ -50,7 +50,7 @@ def cases(c: Config) -> list[dict[str, Any]]:
             "alert_rule_test": [
                 quiet(store, "5m"),
                 quiet(store, "7m"),  # in fallback, not yet for 2m
-                fires(c, store, "9m", {"severity": "ticket", "model_name": MODEL, "engine": "0"},
+                fires(c, store, "9m", {"severity": "warning", "model_name": MODEL, "engine": "0"},
                     "Engine 0 of model tiny cannot reach its shared budget store",
                     "Engine 0 of model tiny has been in fallback for at least 2m (1.2k failed "
                     "calls to the store in the last 2m): its calls to the shared budget store "
@@ -78,7 +78,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
                 series("shared_store_calls", "0x20", result="failed", instance=R2),
             ],
             "alert_rule_test": [
-                fires(c, store, "10m", {"severity": "ticket", "model_name": MODEL, "engine": "0",
+                fires(c, store, "10m", {"severity": "warning", "model_name": MODEL, "engine": "0",
                                       "instance": R1},
                     f"Engine 0 of model tiny on instance {R1} cannot reach its shared budget store",
                     f"Engine 0 of model tiny on instance {R1} has been in fallback for at least "

@@ -18,7 +18,7 @@ def alerts(c: Config) -> list[Alert]:
             "OutputRateTelemetryStale",
             f"time() - max by ({engine}) ({c.raw('telemetry_snapshot_timestamp_seconds')})"
             f" > {stale['seconds']}",
-            stale["for"], stale["severity"],
+            stale["for"], c.severity("telemetry_stale"),
             "Output-rate telemetry of engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at
             + " is stale",
             "The newest output-rate snapshot of engine {{ $labels.engine }} (model "
@@ -29,7 +29,7 @@ def alerts(c: Config) -> list[Alert]:
             "OutputRateTelemetryDropping",
             f"sum by ({c.by('model_name', 'engine', 'reason')}) (increase({c.raw('telemetry_dropped')}[{drop['window']}]))"
             f" > {drop['max_drops']}",
-            drop["for"], drop["severity"],
+            drop["for"], c.severity("telemetry_dropped"),
             "Output-rate telemetry of engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at
             + " is dropping data",
             "Engine {{ $labels.engine }} of model {{ $labels.model_name }}" + at + " dropped "
@@ -49,7 +49,7 @@ def cases(c: Config) -> list[dict[str, Any]]:
             "interval": "1m",
             "input_series": [series("telemetry_dropped", "0+1x30", reason="export_failed")],
             "alert_rule_test": [
-                fires(c, drop, "20m", {"severity": "ticket", "model_name": MODEL, "engine": "0",
+                fires(c, drop, "20m", {"severity": "warning", "model_name": MODEL, "engine": "0",
                                      "reason": "export_failed"},
                     "Output-rate telemetry of engine 0 of model tiny is dropping data",
                     "Engine 0 of model tiny dropped 10 telemetry snapshot(s) "
@@ -74,7 +74,7 @@ def cases(c: Config) -> list[dict[str, Any]]:
             "input_series": [series("telemetry_snapshot_timestamp_seconds", "0+60x5 300x30")],
             "alert_rule_test": [
                 quiet(stale, "8m"),  # stale, but not yet for 5m
-                fires(c, stale, "20m", {"severity": "ticket", "model_name": MODEL, "engine": "0"},
+                fires(c, stale, "20m", {"severity": "warning", "model_name": MODEL, "engine": "0"},
                     "Output-rate telemetry of engine 0 of model tiny is stale",
                     "The newest output-rate snapshot of engine 0 (model tiny) "
                     "is 15m 0s old (alert above 60s; it is written every "
@@ -105,7 +105,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
                 series("telemetry_dropped", "0x30", reason="export_failed", instance=R2),
             ],
             "alert_rule_test": [
-                fires(c, drop, "20m", {"severity": "ticket", "model_name": MODEL, "engine": "0",
+                fires(c, drop, "20m", {"severity": "warning", "model_name": MODEL, "engine": "0",
                                      "reason": "export_failed", "instance": R1},
                     f"Output-rate telemetry of engine 0 of model tiny on instance {R1} is dropping data",
                     f"Engine 0 of model tiny on instance {R1} dropped 10 telemetry snapshot(s) "
@@ -130,7 +130,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
                 series("telemetry_snapshot_timestamp_seconds", "0+60x40", instance=R2),
             ],
             "alert_rule_test": [
-                fires(c, stale, "20m", {"severity": "ticket", "model_name": MODEL, "engine": "0",
+                fires(c, stale, "20m", {"severity": "warning", "model_name": MODEL, "engine": "0",
                                       "instance": R1},
                     f"Output-rate telemetry of engine 0 of model tiny on instance {R1} is stale",
                     f"The newest output-rate snapshot of engine 0 (model tiny) on instance {R1} "

@@ -22,7 +22,7 @@ def alerts(c: Config) -> list[Alert]:
         Alert(
             "OutputRateUserOverLimit",
             over_limit_expr(c),
-            c.over["for"], c.over["severity"],
+            c.over["for"], c.severity("over_limit"),
             "User {{ $labels.user }} gets more output tokens than its limit on model "
             "{{ $labels.model_name }}" + at,
             "User {{ $labels.user }} on model {{ $labels.model_name }}" + at + " was charged "
@@ -35,7 +35,7 @@ def alerts(c: Config) -> list[Alert]:
         Alert(
             "OutputRateUserThrottledContinuously",
             f"{throttled_share_expr(c)} > {c.long['share']}",
-            c.long["for"], c.long["severity"],
+            c.long["for"], c.severity("throttled_long"),
             "User {{ $labels.user }} is throttled almost all the time on model "
             "{{ $labels.model_name }}" + at,
             "User {{ $labels.user }} on model {{ $labels.model_name }}" + at + " had throttled requests "
@@ -63,7 +63,7 @@ def cases(c: Config) -> list[dict[str, Any]]:
             ],
             "alert_rule_test": [
                 quiet(over, "4m"),  # not yet for 5m
-                fires(c, over, "15m", {"severity": "page", "model_name": MODEL, "user": "user-a"},
+                fires(c, over, "15m", {"severity": "critical", "model_name": MODEL, "user": "user-a"},
                     "User user-a gets more output tokens than its limit on model tiny",
                     "User user-a on model tiny was charged 200% of its configured "
                     "output-token limit over the last 5m, summed over the engines of one instance; "
@@ -89,9 +89,9 @@ def cases(c: Config) -> list[dict[str, Any]]:
             ],
             "alert_rule_test": [quiet(over, "20m")],
             "promql_expr_test": [{
-                "expr": 'model_user:output_rate_limit_ratio:rate5m{user="user-a"}',
+                "expr": 'model_user:vllm_output_rate_tokens_charged_per_limit:ratio_rate5m{user="user-a"}',
                 "eval_time": "20m",
-                "exp_samples": [{"labels": f'model_user:output_rate_limit_ratio:rate5m{{model_name="{MODEL}",user="user-a"}}',
+                "exp_samples": [{"labels": f'model_user:vllm_output_rate_tokens_charged_per_limit:ratio_rate5m{{model_name="{MODEL}",user="user-a"}}',
                                  "value": 1}],
             }],
         },
@@ -103,7 +103,7 @@ def cases(c: Config) -> list[dict[str, Any]]:
                 series("throttled_requests", "0x60", user="user-b"),
             ],
             "alert_rule_test": [
-                fires(c, cont, "50m", {"severity": "ticket", "model_name": MODEL, "user": "user-a"},
+                fires(c, cont, "50m", {"severity": "info", "model_name": MODEL, "user": "user-a"},
                     "User user-a is throttled almost all the time on model tiny",
                     "User user-a on model tiny had throttled requests 100% of the "
                     "last 30m (alert above 90%): its demand stays above its limit. "
@@ -129,7 +129,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
     user_limit = "user_limit_tokens_per_second"
     over = "OutputRateUserOverLimit"
     cont = "OutputRateUserThrottledContinuously"
-    ratio = "model_user:output_rate_limit_ratio:rate5m"
+    ratio = "model_user:vllm_output_rate_tokens_charged_per_limit:ratio_rate5m"
     at_limit_share = [  # user-a at 0.9 of its 20 tok/s (1080 tokens a minute) on both replicas
         s for r in (R1, R2)
         for s in (series("tokens_charged", "0+1080x30", user="user-a", instance=r),
@@ -161,7 +161,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
             ],
             "alert_rule_test": [
                 quiet(over, "4m"),  # not yet for 5m
-                fires(c, over, "15m", {"severity": "page", "model_name": MODEL, "user": "user-b",
+                fires(c, over, "15m", {"severity": "critical", "model_name": MODEL, "user": "user-b",
                                      "instance": R1},
                     f"User user-b gets more output tokens than its limit on model tiny on instance {R1}",
                     f"User user-b on model tiny on instance {R1} was charged 150% of its "
@@ -182,7 +182,7 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
                 series("throttled_requests", "0x60", user="user-a", instance=R2),
             ],
             "alert_rule_test": [
-                fires(c, cont, "50m", {"severity": "ticket", "model_name": MODEL, "user": "user-a",
+                fires(c, cont, "50m", {"severity": "info", "model_name": MODEL, "user": "user-a",
                                      "instance": R1},
                     f"User user-a is throttled almost all the time on model tiny on instance {R1}",
                     f"User user-a on model tiny on instance {R1} had throttled requests 100% "

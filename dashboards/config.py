@@ -20,7 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_output_rate.dashboards.thresholds import HERE, check_thresholds, load_thresholds
+from vllm_output_rate.dashboards.thresholds import (
+    HERE,
+    SEVERITY_SCHEMES,
+    check_thresholds,
+    load_thresholds,
+)
 from vllm_output_rate.telemetry.metrics import BY_NAME, Metric
 
 #: vLLM's own metrics the dashboards show for context: base name -> kind.
@@ -83,6 +88,15 @@ class Config:
     def interval(self) -> str:
         """Evaluation interval of both rule groups."""
         return self.thresholds["evaluation_interval"]
+
+    def severity(self, section: str) -> str:
+        """The severity label of the alert of ``section`` (its ``severity``,
+        critical / warning / info, written in ``severity_scheme``)."""
+        return self.label(self.thresholds[section]["severity"])
+
+    def label(self, severity: str) -> str:
+        """``severity`` (critical / warning / info) as ``severity_scheme`` writes it."""
+        return SEVERITY_SCHEMES[self.thresholds["severity_scheme"]][severity]
 
     def runbook_url(self, alert: str) -> str:
         return f"{self.thresholds['runbook_base_url']}#{alert.lower()}"

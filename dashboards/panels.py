@@ -16,8 +16,12 @@ from typing import Any
 from vllm_output_rate.dashboards.config import Config, m
 
 DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
-#: Grafana 10.4 / 11.x dashboard schema
-SCHEMA_VERSION = 39
+#: the dashboard schema Grafana 12 writes (its migrations to 40 and 41 make
+#: ``refresh`` a string and drop ``timepicker.time_options``: these
+#: dashboards are written that way; older Grafana 11 loads them as they are)
+SCHEMA_VERSION = 41
+#: the tag every dashboard of the project carries: each links to the others by it
+LINK_TAG = "output-rate"
 #: the unit of a rate in tokens
 TOKS = "suffix: tok/s"
 
@@ -187,6 +191,16 @@ def _panel_json(p: Panel, pid: int, x: int, y: int) -> dict[str, Any]:
     return panel
 
 
+def links(d: Dashboard) -> list[dict[str, Any]]:
+    """A dropdown of the project's other dashboards (by their common tag, as
+    the monitoring mixins link theirs), keeping the time range and the
+    variables (model, replica, engine, user) they share."""
+    assert LINK_TAG in d.tags, d.tags
+    return [{"title": "Output rate dashboards", "type": "dashboards", "tags": [LINK_TAG],
+             "asDropdown": True, "includeVars": True, "keepTime": True,
+             "icon": "external link", "targetBlank": False, "tooltip": "", "url": ""}]
+
+
 def dashboard_json(c: Config, d: Dashboard) -> dict[str, Any]:
     panels: list[dict[str, Any]] = []
     x = y = row_h = 0
@@ -211,7 +225,7 @@ def dashboard_json(c: Config, d: Dashboard) -> dict[str, Any]:
         "editable": True, "graphTooltip": 1, "schemaVersion": SCHEMA_VERSION, "version": 1,
         "time": {"from": "now-1h", "to": "now"}, "refresh": "30s", "timezone": "",
         "fiscalYearStartMonth": 0, "liveNow": False, "weekStart": "",
-        "timepicker": {}, "links": [],
+        "timepicker": {}, "links": links(d),
         "annotations": {"list": [{
             "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"},
             "enable": True, "hide": True, "iconColor": "rgba(0, 211, 255, 1)",

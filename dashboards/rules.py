@@ -1,7 +1,9 @@
 """The Prometheus rule files and their promtool cases, from the alert group
 modules and the recording rules:
 
-- ``prometheus/recording.rules.yaml`` (``recording.py``);
+- ``prometheus/recording.rules.yaml`` (``recording.py``): the recording
+  rules, and in a group of its own the names of the release before
+  recorded from the new ones (removed in the next release);
 - ``prometheus/alerts.rules.yaml``: the alerts of every group, one rule
   group (``output-rate.alerts``); every alert keeps the group labels (fires
   once per replica by default) but the fleet-wide ones;
@@ -26,8 +28,11 @@ from vllm_output_rate.dashboards import (
 )
 from vllm_output_rate.dashboards.alert import Alert
 from vllm_output_rate.dashboards.config import Config
-from vllm_output_rate.dashboards.recording import recording_rules
+from vllm_output_rate.dashboards import recording
+from vllm_output_rate.dashboards.recording import recording_rules, renamed_rules
 
+#: the rule group of the recorded names of the release before (removed in the next)
+RENAMED_GROUP = "output-rate.recording.deprecated-names"
 #: the alert groups, in the order of the rule file
 ALERT_GROUPS = (alerts_users, alerts_engine, alerts_telemetry, alerts_limits,
                 alerts_shared_store, alerts_affinity)
@@ -52,8 +57,10 @@ def rule_files(c: Config, made: list[Alert] | None = None) -> dict[str, dict[str
     when not ``alerts(c)``)."""
     made = alerts(c) if made is None else made
     return {
-        "prometheus/recording.rules.yaml": {"groups": [{
-            "name": "output-rate.recording", "interval": c.interval, "rules": recording_rules(c)}]},
+        "prometheus/recording.rules.yaml": {"groups": [
+            {"name": "output-rate.recording", "interval": c.interval, "rules": recording_rules(c)},
+            # the names of the release before: removed in the next release
+            {"name": RENAMED_GROUP, "interval": c.interval, "rules": renamed_rules(c)}]},
         "prometheus/alerts.rules.yaml": {"groups": [{
             "name": "output-rate.alerts", "interval": c.interval,
             "rules": [alert_rule(c, a) for a in made]}]},
@@ -61,11 +68,12 @@ def rule_files(c: Config, made: list[Alert] | None = None) -> dict[str, dict[str
 
 
 def test_file(c: Config) -> dict[str, Any]:
-    """The promtool file: every group's cases with one engine, then with
-    two replicas."""
+    """The promtool file: the recorded names' cases, then every alert
+    group's cases with one engine, then with two replicas."""
     return {
         "rule_files": ["recording.rules.yaml", "alerts.rules.yaml"],
         "evaluation_interval": c.interval,
-        "tests": [*(case for group in CASE_GROUPS for case in group.cases(c)),
+        "tests": [*recording.cases(c),
+                  *(case for group in CASE_GROUPS for case in group.cases(c)),
                   *(case for group in CASE_GROUPS for case in group.fleet_cases(c))],
     }

@@ -145,7 +145,8 @@ def rule_file_groups() -> list[dict]:
 def test_the_prometheus_rule_holds_the_generated_rule_groups():
     rule = one("PrometheusRule")
     assert rule["spec"] == {"groups": rule_file_groups()}
-    assert [g["name"] for g in rule["spec"]["groups"]] == ["output-rate.recording", "output-rate.alerts"]
+    assert [g["name"] for g in rule["spec"]["groups"]] == ["output-rate.recording", rules.RENAMED_GROUP,
+                                                           "output-rate.alerts"]
     # the Prometheus Operator's ruleSelector picks it
     assert CONFIG["kubernetes"]["prometheus_labels"].items() <= rule["metadata"]["labels"].items()
 
