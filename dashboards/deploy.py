@@ -45,8 +45,8 @@ FOLDER_ANNOTATION = "grafana_folder"
 #: the limit flags the example starts with (README "Serving with limits")
 LIMIT_ARGS = [
     "--max-num-seqs", "64", "--max-num-active-seqs", "16",
-    "--default-user-output-tokens-per-second", "100",
-    "--user-output-tokens-per-second", json.dumps({"user-a": 100, "user-b": 500}),
+    "--output-rate-default-tokens-per-second", "100",
+    "--output-rate-user-tokens-per-second", json.dumps({"user-a": 100, "user-b": 500}),
 ]
 #: who may reach the engines (``NetworkPolicy``; edit to your cluster): the
 #: namespace of the Prometheus that scrapes ``/metrics`` and of the

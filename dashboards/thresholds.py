@@ -1,6 +1,7 @@
-"""The one threshold file (``thresholds.yaml``), loaded once, and Prometheus
-durations. Read by the generator, the rule tests and the Grafana copies of
-the alerts; imports nothing else of the dashboards.
+"""The one threshold file (``thresholds.yaml``): reading it, the checks every
+setting passes, and Prometheus durations. ``config.Config`` holds what this
+reads and is what the generator passes along; the Grafana copies of the
+alerts use ``seconds``. Imports nothing else of the dashboards.
 
 The limiter's burst is not a threshold: it comes from the limiter itself
 (``burst_seconds`` here is ``vllm_output_rate.limiter.BURST_NS``).
@@ -63,7 +64,41 @@ def check_limits_differ(settings: dict[str, Any], fleet: dict[str, Any]) -> None
 #: users every replica legitimately charges: the label-cap overflow, requests
 #: without a user, and the shared budget of unlisted users
 SHARED_USERS = (OTHER, ANONYMOUS_USER, UNLISTED_USER)
-_SEVERITIES = frozenset({"ticket", "page"})
+
+#: an alert's severity, as kube-prometheus-stack and the monitoring mixins spell it
+SEVERITIES = ("critical", "warning", "info")
+#: ``severity_scheme`` -> the label each severity is written as
+SEVERITY_SCHEMES: dict[str, dict[str, str]] = {
+    "standard": {s: s for s in SEVERITIES},
+    "page_ticket": {"critical": "page", "warning": "ticket", "info": "ticket"},
+}
+_OLD_SEVERITIES = {"page": "critical", "ticket": "warning"}
+
+
+def check_severities(data: dict[str, Any]) -> None:
+    """``severity_scheme`` is a scheme and every section's ``severity`` one
+    of ``SEVERITIES`` (raises ValueError naming the setting and the value)."""
+    scheme = data.get("severity_scheme")
+    if scheme not in SEVERITY_SCHEMES:
+        raise ValueError(f"severity_scheme: one of {sorted(SEVERITY_SCHEMES)}, not {scheme!r}")
+    for section, settings in data.items():
+        if not isinstance(settings, dict) or "severity" not in settings:
+            continue
+        value = settings["severity"]
+        if value in _OLD_SEVERITIES:
+            raise ValueError(
+                f"{section}.severity: {value!r} is a label of the page_ticket scheme, not a "
+                f"severity: write {_OLD_SEVERITIES[value]!r} (severity_scheme: page_ticket still "
+                f"writes it as {value!r})")
+        if value not in SEVERITIES:
+            raise ValueError(f"{section}.severity: one of {list(SEVERITIES)}, not {value!r}")
+
+
+def check_runbook(base: Any) -> None:
+    """``runbook_base_url``: where the shipped runbook is read (raises ValueError)."""
+    if not isinstance(base, str) or not base.strip() or "#" in base or any(c.isspace() for c in base):
+        raise ValueError("runbook_base_url: the address (or path) of dashboards/runbook.md, "
+                         f"without spaces or '#' (each alert appends #<its anchor>), not {base!r}")
 
 
 def check_affinity(settings: dict[str, Any], fleet: dict[str, Any]) -> None:
@@ -77,8 +112,6 @@ def check_affinity(settings: dict[str, Any], fleet: dict[str, Any]) -> None:
         raise ValueError(f"affinity.for ({settings['for']}) must be longer than affinity.window "
                          f"({settings['window']}): a user moved once to another replica (a replica "
                          "restarted, added or removed) is on both for about one window")
-    if settings["severity"] not in _SEVERITIES:
-        raise ValueError(f"affinity.severity: one of {sorted(_SEVERITIES)}, not {settings['severity']!r}")
     exclude = settings["exclude_users"]
     try:
         pattern = re.compile(exclude) if isinstance(exclude, str) else None
@@ -110,13 +143,27 @@ def check_kubernetes(k8s: dict[str, Any]) -> None:
     seconds(k8s["scrape_interval"])
 
 
-def load_thresholds(path: Path = HERE / "thresholds.yaml") -> dict[str, Any]:
-    with open(path) as f:
-        data = yaml.safe_load(f)
+def check_thresholds(data: dict[str, Any]) -> None:
+    """Every checked section of a threshold dict (raises ValueError)."""
+    for key in ("runbook_base_url", "severity_scheme"):
+        if key not in data:
+            raise ValueError(f"{key}: a required setting of the thresholds, missing")
+    check_runbook(data["runbook_base_url"])
+    check_severities(data)
     check_fleet(data["fleet"])
     check_kubernetes(data["kubernetes"])
     check_limits_differ(data["limits_differ"], data["fleet"])
     check_affinity(data["affinity"], data["fleet"])
+
+
+def load_thresholds(path: Path = HERE / "thresholds.yaml") -> dict[str, Any]:
+    """``path`` read and checked, with the limiter's burst added."""
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    try:
+        check_thresholds(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     data["over_limit"]["burst_seconds"] = BURST_NS / 1e9
     return data
 
@@ -129,5 +176,3 @@ def seconds(duration: str) -> float:
             return float(duration[: -len(suffix)]) * units[suffix]
     raise ValueError(f"not a duration: {duration!r}")
 
-
-T = load_thresholds()

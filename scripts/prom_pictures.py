@@ -34,6 +34,9 @@ from typing import Any
 import httpx
 
 from vllm_output_rate.dashboards import generate
+from vllm_output_rate.dashboards.config import Config
+from vllm_output_rate.dashboards.expressions import over_limit_factor
+from vllm_output_rate.dashboards.thresholds import seconds
 from vllm_output_rate.dashboards.promql import render
 from vllm_output_rate.tools.client import wait_ready
 
@@ -93,13 +96,13 @@ def _xs(points: list[tuple[float, float]], t0: float) -> tuple[list[float], list
     return [t - t0 for t, _ in points], [v for _, v in points]
 
 
-def draw(prom: Prom, start: float, end: float, step: str, out: Path) -> dict[str, Any]:
+def draw(prom: Prom, start: float, end: float, step: str, out: Path, config: Config) -> dict[str, Any]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = generate.key_panels()
+    panels = generate.key_panels(config)
     data: dict[str, Any] = {}
     when = datetime.fromtimestamp(start, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
     xlabel = f"seconds since {when}"
@@ -193,17 +196,17 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return f"{value:.{digits}g}"
 
 
-def summary(prom: Prom, start: float, end: float, data: dict[str, Any]) -> str:
+def summary(prom: Prom, start: float, end: float, data: dict[str, Any], config: Config) -> str:
     """Per user over the whole range: limit, rate, spacing quantiles, throttling."""
     span = end - start
-    spacing = generate.sel("inter_token_seconds", "_bucket")
+    spacing = config.sel("inter_token_seconds", "_bucket")
     exact_q = {q: prom.instant(f"histogram_quantile({q}, sum by (user, le) (increase({spacing}[$__range])))",
                                end, range_s=span) for q in (0.5, 0.99)}
-    tokens = prom.instant(f"sum by (user) (increase({generate.sel('tokens_charged')}[$__range]))",
+    tokens = prom.instant(f"sum by (user) (increase({config.sel('tokens_charged')}[$__range]))",
                           end, range_s=span)
     rate, limit = data["rate"], data["limit"]
     users = sorted(set(rate) | set(limit) | set(tokens))
-    factor = generate.over_limit_factor()
+    factor = over_limit_factor(config)
     lines = [
         "# Output-rate pictures",
         "",
@@ -244,7 +247,7 @@ def summary(prom: Prom, start: float, end: float, data: dict[str, Any]) -> str:
         f"(vLLM's own KV usage peaked at {_fmt(usage)}).",
         f"- Users whose {prom.rate_interval} rate exceeded {100 * factor:.1f}% of their limit: "
         + (", ".join(over) if over else "none") + " (the over-limit alert judges over "
-        f"{generate.OVER['window']} and allows one token more).",
+        f"{config.over['window']} and allows one token more).",
         "- Tokens are Prometheus' increase() over the range (extrapolated to its edges, so "
         "approximate); rates are over the rate window, limits the highest configured.",
         "- Spacing quantiles are exact over the whole range (from the engine-side histogram); "
@@ -308,7 +311,8 @@ def pictures(prometheus: str, start: float, end: float, out: Path, rate_interval
     out.mkdir(parents=True, exist_ok=True)
     step = f"{max((end - start) / 300, 1):.0f}s"
     prom = Prom(prometheus, {"model_name": ".*", "engine": ".*", "user": user}, rate_interval)
-    text = summary(prom, start, end, draw(prom, start, end, step, out))
+    config = Config.load()
+    text = summary(prom, start, end, draw(prom, start, end, step, out, config), config)
     (out / "summary.md").write_text(text)
     return text
 
@@ -340,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
 
     end = parse_time(args.end) if args.end else time.time()
     if args.last:
-        start = end - generate.seconds(args.last)
+        start = end - seconds(args.last)
     elif args.start:
         start = parse_time(args.start)
     else:
@@ -352,8 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     prom = Prom(args.prometheus, {"model_name": args.model_name, "engine": args.engine, "user": args.user},
                 args.rate_interval)
-    data = draw(prom, start, end, step, out)
-    text = summary(prom, start, end, data)
+    config = Config.load()
+    data = draw(prom, start, end, step, out, config)
+    text = summary(prom, start, end, data, config)
     (out / "summary.md").write_text(text)
     print(text)
     print(f"wrote {', '.join(sorted(p.name for p in out.iterdir()))} in {out}{os.sep}")

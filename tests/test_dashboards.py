@@ -20,7 +20,14 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 from vllm_output_rate.dashboards import generate
+from vllm_output_rate.dashboards import rules as rule_gen
+from vllm_output_rate.dashboards.alert import Alert
+from vllm_output_rate.dashboards.config import VLLM_METRICS, Config
+from vllm_output_rate.dashboards.expressions import over_limit_expr, replicas_per_user_expr
 from vllm_output_rate.dashboards.promql import metric_names, render
+from vllm_output_rate.dashboards.recording import recording_rules
+from vllm_output_rate.dashboards.thresholds import seconds
+from vllm_output_rate.dashboards.users_dashboard import replicas_per_user_panels, users_dashboard
 from vllm_output_rate.telemetry.metrics import METRICS
 
 DASH = REPO / "dashboards"
@@ -30,6 +37,9 @@ DASHBOARD_FILES = sorted(DASH.glob("*.json"))
 #: the uids Grafana links and bookmarks point at: changing one breaks them
 STABLE_UIDS = {"output-rate-users", "output-rate-engine"}
 REQUIRED_VARIABLES = {"datasource", "model_name", "instance", "engine", "user"}
+
+#: thresholds.yaml, as the generator reads it
+CONFIG = Config.load()
 
 promtool = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(promtool is None, reason="promtool not installed (make tools)")
@@ -62,7 +72,7 @@ def alert_rules() -> list[dict]:
 # -- generated files -------------------------------------------------------------
 
 def test_committed_files_equal_generator_output():
-    stale = [rel for rel, content in generate.outputs().items()
+    stale = [rel for rel, content in generate.outputs(CONFIG).items()
              if not (DASH / rel).exists() or (DASH / rel).read_text() != content]
     assert stale == [], f"run `python dashboards/generate.py` and commit: {stale}"
 
@@ -70,14 +80,14 @@ def test_committed_files_equal_generator_output():
 def test_one_generator_run_makes_consistent_files(monkeypatch):
     """A new alert reaches the Grafana provisioning in the same run that
     writes it to the rule file (not only in the next one)."""
-    made = generate.alerts
+    made = rule_gen.alerts
 
-    def with_new_alert():
-        return [*made(), generate.Alert("OutputRateBrandNew", "vector(1)", "1m", "warning",
-                                        "summary", "description")]
+    def with_new_alert(c):
+        return [*made(c), Alert("OutputRateBrandNew", "vector(1)", "1m", "warning",
+                                "summary", "description")]
 
-    monkeypatch.setattr(generate, "alerts", with_new_alert)
-    out = generate.outputs()
+    monkeypatch.setattr(rule_gen, "alerts", with_new_alert)
+    out = generate.outputs(CONFIG)
     assert "OutputRateBrandNew" in out["prometheus/alerts.rules.yaml"]
     assert "OutputRateBrandNew" in out["provisioning/alerting.yaml"]
 
@@ -137,9 +147,9 @@ def _check_firing_and_quiet_cases(tests: list[dict], rules: list[dict]) -> None:
         name = rule["alert"]
         assert name in fires, f"{name}: no case where it fires"
         assert name in quiet, f"{name}: no case where it must not fire"
-        wait = generate.seconds(rule["for"])
+        wait = seconds(rule["for"])
         # a quiet case only counts when evaluated after the for: duration
-        assert any(generate.seconds(a["eval_time"]) > wait + 300 for a in quiet[name]), name
+        assert any(seconds(a["eval_time"]) > wait + 300 for a in quiet[name]), name
         for art in fires[name]:
             for alert in art["exp_alerts"]:
                 assert set(alert["exp_annotations"]) == {"summary", "description", "runbook_url"}
@@ -186,7 +196,7 @@ def _check_annotations_and_runbook(rules: list[dict]) -> None:
         section = runbook.split(f"## {rule['alert']}\n", 1)[1].split("\n## ", 1)[0]
         for part in ("**What it means.**", "**How to confirm.**", "**What to do.**"):
             assert part in section, (rule["alert"], part)
-        assert rule["labels"]["severity"] in {"page", "ticket"}
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}
         assert re.fullmatch(r"\d+[smh]", rule["for"])
 
 
@@ -202,7 +212,7 @@ def test_thresholds_are_commented_in_one_file():
     on_disk = yaml.safe_load(text)
     assert "burst_seconds" not in on_disk["over_limit"]
     on_disk["over_limit"]["burst_seconds"] = BURST_NS / 1e9
-    assert generate.T == on_disk
+    assert CONFIG.thresholds == on_disk
 
 
 # -- dashboards -----------------------------------------------------------------------
@@ -259,7 +269,7 @@ def _known_series() -> dict[str, str]:
                 out[metric.full_name + suffix] = metric.name
         else:
             out[metric.full_name] = metric.name
-    for name, kind in generate.VLLM_METRICS.items():
+    for name, kind in VLLM_METRICS.items():
         for suffix in KNOWN_SUFFIXES[kind]:
             out[name + suffix] = name
     for name in recorded_names():
@@ -305,13 +315,13 @@ def test_vllm_metrics_exist_in_this_vllm():
     import vllm.v1.metrics.loggers as loggers
 
     source = Path(loggers.__file__).read_text()
-    for name in generate.VLLM_METRICS:
+    for name in VLLM_METRICS:
         assert f'name="{name}"' in source, name
 
 
 def test_recording_rules_cover_rate_spacing_and_throttled_kv():
     names = recorded_names()
-    assert any(":vllm_output_rate_tokens_charged_total:rate" in n for n in names)
+    assert any(":vllm_output_rate_tokens_charged:rate" in n for n in names)
     assert any(":vllm_output_rate_inter_token_seconds:p99" in n for n in names)
     assert any(":vllm_output_rate_throttled_kv_cache_ratio:" in n for n in names)
 
@@ -340,6 +350,8 @@ def _generated_expressions(outputs: dict[str, str]) -> tuple[list[tuple[str, str
     rules = []
     for rel in ("prometheus/recording.rules.yaml", "prometheus/alerts.rules.yaml"):
         for group in yaml.safe_load(outputs[rel])["groups"]:
+            if group["name"] == rule_gen.RENAMED_GROUP:
+                continue  # the earlier names, each a recorded name of the group above
             rules += [(r.get("record") or r["alert"], r["expr"]) for r in group["rules"]]
     panels = []
     for name in generate.DASHBOARDS:
@@ -373,7 +385,7 @@ FLEET_SELECTOR = 'job="vllm-fleet", namespace=~"llm-.*"'
 def _custom_thresholds(affinity: bool = True) -> dict:
     """Another selector and group labels, and (unless ``affinity`` is False)
     the affinity alert on: every rule there is."""
-    custom = copy.deepcopy(generate.T)
+    custom = copy.deepcopy(CONFIG.thresholds)
     custom["fleet"] = {"selector": FLEET_SELECTOR, "group_labels": ["cluster", "pod"]}
     custom["affinity"] = {**custom["affinity"], "enabled": affinity}
     return custom
@@ -381,15 +393,15 @@ def _custom_thresholds(affinity: bool = True) -> dict:
 
 def _with_affinity() -> dict:
     """thresholds.yaml with the affinity alert on (shipped off)."""
-    custom = copy.deepcopy(generate.T)
+    custom = copy.deepcopy(CONFIG.thresholds)
     custom["affinity"] = {**custom["affinity"], "enabled": True}
     return custom
 
 
-def _fleet_wide_alerts() -> set[str]:
+def _fleet_wide_alerts(c: Config) -> set[str]:
     """Alerts that compare the replicas of a model (aggregate over the group
     labels) instead of judging each replica alone."""
-    return {a.name for a in generate.alerts() if a.fleet_wide}
+    return {a.name for a in rule_gen.alerts(c) if a.fleet_wide}
 
 
 def _check_fleet_wide_groupings(expr: str, group: set[str]) -> None:
@@ -405,10 +417,10 @@ def _check_fleet_wide_groupings(expr: str, group: set[str]) -> None:
 
 
 def test_fleet_selector_and_group_labels_reach_every_rule_and_query():
-    with generate.using(_custom_thresholds()):
-        outputs = generate.outputs()
-        n_rules = len(generate.recording_rules()) + len(generate.alerts())
-        fleet_wide = _fleet_wide_alerts()
+    c = Config(_custom_thresholds())
+    outputs = generate.outputs(c)
+    n_rules = len(recording_rules(c)) + len(rule_gen.alerts(c))
+    fleet_wide = _fleet_wide_alerts(c)
     rules, panels = _generated_expressions(outputs)
     assert len(rules) == n_rules
     assert fleet_wide == {"OutputRateLimitsDiffer", "OutputRateUserOnSeveralReplicas"}
@@ -449,15 +461,15 @@ def test_fleet_selector_and_group_labels_reach_every_rule_and_query():
     grafana_exprs = [d["model"]["expr"] for g in yaml.safe_load(outputs["provisioning/alerting.yaml"])["groups"]
                      for r in g["rules"] for d in r["data"] if "expr" in d["model"]]
     assert grafana_exprs == [r["expr"] for r in alert_group["rules"]]
-    # and the generator is back on thresholds.yaml afterwards
-    assert generate.selector() == "" and generate.group_labels() == ["instance"]
+    # the shipped config is another object, untouched
+    assert CONFIG.selector() == "" and CONFIG.group_labels() == ["instance"]
     test_committed_files_equal_generator_output()
 
 
 @needs_promtool
 def test_fleet_rules_with_custom_selector_and_group_labels_are_valid(tmp_path):
-    with generate.using(_custom_thresholds()):
-        outputs = generate.outputs()
+    c = Config(_custom_thresholds())
+    outputs = generate.outputs(c)
     for rel in ("prometheus/recording.rules.yaml", "prometheus/alerts.rules.yaml"):
         path = tmp_path / Path(rel).name
         path.write_text(outputs[rel])
@@ -469,13 +481,13 @@ def test_default_fleet_settings_keep_todays_expressions():
     """No selector and per-instance groups: the expressions only gain the
     instance label (and stay valid: no empty matchers); without group labels
     the over-limit alert is the single-engine expression of before."""
-    assert generate.selector() == "" and generate.group_labels() == ["instance"]
-    rules, panels = _generated_expressions(generate.outputs())
+    assert CONFIG.selector() == "" and CONFIG.group_labels() == ["instance"]
+    rules, panels = _generated_expressions(generate.outputs(CONFIG))
     for where, expr in rules + panels:
         assert not re.search(r"\{\s*,|,\s*\}|\{\}", expr), (where, expr)
     known = _known_series()
     own_labels = {m.name: set(m.labels) for m in METRICS}
-    fleet_wide = _fleet_wide_alerts()
+    fleet_wide = _fleet_wide_alerts(CONFIG)
     for where, expr in rules:
         for name, matchers in _selections(expr):
             # bare metric names, as before, but for a rule's matchers on the
@@ -488,11 +500,11 @@ def test_default_fleet_settings_keep_todays_expressions():
               "max by (model_name, user) (vllm_output_rate_user_limit_tokens_per_second) > on (model_name, user) "
               "((1 + 0.05 + (0.1 + 2) / 300) + 1 / (300 * max by (model_name, user) "
               "(vllm_output_rate_user_limit_tokens_per_second)))")
-    summed = copy.deepcopy(generate.T)
+    summed = copy.deepcopy(CONFIG.thresholds)
     summed["fleet"]["group_labels"] = []
-    with generate.using(summed):
-        assert generate.over_limit_expr() == before
-    assert generate.over_limit_expr() == before.replace("(model_name, user)", "(model_name, user, instance)")
+    c = Config(summed)
+    assert over_limit_expr(c) == before
+    assert over_limit_expr(CONFIG) == before.replace("(model_name, user)", "(model_name, user, instance)")
 
 
 def test_limits_differ_alert_compares_the_replicas_of_each_fleet():
@@ -500,8 +512,8 @@ def test_limits_differ_alert_compares_the_replicas_of_each_fleet():
     group labels (pod) are what it compares, never a grouping of it."""
     custom = _custom_thresholds()
     custom["limits_differ"] = {**custom["limits_differ"], "same_by": ["cluster"]}
-    with generate.using(custom):
-        alert = {a.name: a for a in generate.alerts()}["OutputRateLimitsDiffer"]
+    c = Config(custom)
+    alert = {a.name: a for a in rule_gen.alerts(c)}["OutputRateLimitsDiffer"]
     assert alert.expr == ("count by (model_name, cluster) (count by (model_name, cluster, sha256) "
                           f"(vllm_output_rate_limits_info{{{FLEET_SELECTOR}}})) > 1")
     assert "{{ with $labels.cluster }} in cluster {{ . }}{{ end }}" in alert.summary
@@ -512,8 +524,8 @@ def test_limits_differ_alert_compares_the_replicas_of_each_fleet():
 def test_bad_limits_differ_settings_are_refused(same_by):
     bad = _custom_thresholds()  # group labels [cluster, pod]
     bad["limits_differ"] = {**bad["limits_differ"], "same_by": same_by}
-    with pytest.raises(ValueError), generate.using(bad):
-        pass
+    with pytest.raises(ValueError):
+        Config(bad)
 
 
 def test_engine_dashboard_has_the_limits_row():
@@ -555,11 +567,10 @@ def test_engine_dashboard_has_the_limits_row():
     {"selector": "", "group_labels": ["not a label"]},
 ])
 def test_bad_fleet_settings_are_refused(fleet):
-    bad = copy.deepcopy(generate.T)
+    bad = copy.deepcopy(CONFIG.thresholds)
     bad["fleet"] = fleet
     with pytest.raises(ValueError):
-        with generate.using(bad):
-            pass
+        Config(bad)
 
 
 def test_every_dashboard_variable_a_query_uses_exists():
@@ -583,8 +594,8 @@ def test_affinity_alert_is_off_by_default_and_absent_from_every_rule_artefact():
     """Shipped off (a fleet that does not route by user would fire for every
     busy user): no rule, no promtool case, no Grafana copy, nothing in the
     PrometheusRule."""
-    assert generate.T["affinity"]["enabled"] is False
-    assert AFFINITY not in {a.name for a in generate.alerts()}
+    assert CONFIG["affinity"]["enabled"] is False
+    assert AFFINITY not in {a.name for a in rule_gen.alerts(CONFIG)}
     assert AFFINITY not in {r["alert"] for r in alert_rules()}
     tests = yaml.safe_load(TEST_FILES[0].read_text())["tests"]
     assert all(art["alertname"] != AFFINITY for case in tests for art in case.get("alert_rule_test", ()))
@@ -592,8 +603,8 @@ def test_affinity_alert_is_off_by_default_and_absent_from_every_rule_artefact():
                 "provisioning/alerting.yaml", "kubernetes/prometheusrule.yaml"):
         assert AFFINITY not in (DASH / rel).read_text(), rel
     # turned on, it reaches them all
-    with generate.using(_with_affinity()):
-        out = generate.outputs()
+    c = Config(_with_affinity())
+    out = generate.outputs(c)
     for rel in ("prometheus/alerts.rules.yaml", "prometheus/alerts.test.yaml",
                 "provisioning/alerting.yaml", "kubernetes/prometheusrule.yaml"):
         assert AFFINITY in out[rel], rel
@@ -602,14 +613,14 @@ def test_affinity_alert_is_off_by_default_and_absent_from_every_rule_artefact():
 def test_affinity_alert_counts_the_replicas_that_charged_a_user():
     """The group labels are what it counts (not a grouping of the alert),
     through the fleet selector, without the shared users."""
-    with generate.using(_with_affinity()):
-        alert = {a.name: a for a in generate.alerts()}[AFFINITY]
-        panel = {p.title: p for p in generate.users_dashboard().panels}["Replicas serving each user (last 10m)"]
+    c = Config(_with_affinity())
+    alert = {a.name: a for a in rule_gen.alerts(c)}[AFFINITY]
+    panel = {p.title: p for p in users_dashboard(c).panels}["Replicas serving each user (last 10m)"]
     assert alert.fleet_wide
     assert alert.expr == (
         "count by (model_name, user) (count by (model_name, user, instance) (increase("
         f'vllm_output_rate_tokens_charged_total{{user!~"{SHARED}"}}[10m]) > 0)) > 1')
-    assert (alert.for_, alert.severity) == ("20m", "ticket")
+    assert (alert.for_, alert.severity) == ("20m", "warning")
     assert "$labels.user" in alert.description and "$labels.model_name" in alert.summary
     assert "$labels.instance" not in alert.summary + alert.description
     (target,) = panel.targets
@@ -617,8 +628,8 @@ def test_affinity_alert_counts_the_replicas_that_charged_a_user():
         "sort_desc(count by (model_name, user) (count by (model_name, user, instance) (increase("
         'vllm_output_rate_tokens_charged_total{model_name=~"$model_name", instance=~"$instance", '
         f'user=~"$user", user!~"{SHARED}"}}[10m]) > 0)))')
-    with generate.using(_custom_thresholds()):
-        alert = {a.name: a for a in generate.alerts()}[AFFINITY]
+    c = Config(_custom_thresholds())
+    alert = {a.name: a for a in rule_gen.alerts(c)}[AFFINITY]
     assert alert.expr == (
         "count by (model_name, user) (count by (model_name, user, cluster, pod) (increase("
         f'vllm_output_rate_tokens_charged_total{{{FLEET_SELECTOR}, user!~"{SHARED}"}}[10m]) > 0)) > 1')
@@ -627,24 +638,24 @@ def test_affinity_alert_counts_the_replicas_that_charged_a_user():
 
 def test_affinity_settings_reach_the_alert_and_the_panel():
     custom = _with_affinity()
-    custom["affinity"].update({"window": "5m", "for": "15m", "severity": "page",
+    custom["affinity"].update({"window": "5m", "for": "15m", "severity": "critical",
                                "exclude_users": SHARED + r'|batch\..*|say "hi"'})
-    with generate.using(custom):
-        alert = {a.name: a for a in generate.alerts()}[AFFINITY]
-        (panel,) = generate.replicas_per_user_panels()
+    c = Config(custom)
+    alert = {a.name: a for a in rule_gen.alerts(c)}[AFFINITY]
+    (panel,) = replicas_per_user_panels(c)
     matcher = r'user!~"__other__|__anonymous__|__unlisted__|batch\\..*|say \"hi\""'
     assert f"{matcher}}}[5m]" in alert.expr
-    assert (alert.for_, alert.severity) == ("15m", "page")
+    assert (alert.for_, alert.severity) == ("15m", "critical")
     assert f"{matcher}}}[5m]" in panel.targets[0].expr and panel.title.endswith("(last 5m)")
     # red from 2 replicas when the fleet routes by user; a plain count otherwise
     assert panel.thresholds == [("green", None), ("red", 2)]
-    (shipped,) = generate.replicas_per_user_panels()
+    (shipped,) = replicas_per_user_panels(CONFIG)
     assert shipped.thresholds == []
     # replicas not told apart (no group labels): nothing to count, no panel
-    flat = copy.deepcopy(generate.T)
+    flat = copy.deepcopy(CONFIG.thresholds)
     flat["fleet"]["group_labels"] = []
-    with generate.using(flat):
-        assert generate.replicas_per_user_panels() == []
+    c = Config(flat)
+    assert replicas_per_user_panels(c) == []
 
 
 def test_the_users_dashboard_shows_the_replicas_serving_each_user():
@@ -653,7 +664,7 @@ def test_the_users_dashboard_shows_the_replicas_serving_each_user():
     assert panel["type"] == "table" and panel["options"]["sortBy"] == [{"displayName": "replicas", "desc": True}]
     (target,) = panel["targets"]
     assert target["instant"] and target["format"] == "table" and target["expr"].startswith("sort_desc(")
-    assert generate.replicas_per_user_expr(dashboard=True) in target["expr"]
+    assert replicas_per_user_expr(CONFIG, dashboard=True) in target["expr"]
 
 
 @pytest.mark.parametrize("change", [
@@ -664,29 +675,30 @@ def test_the_users_dashboard_shows_the_replicas_serving_each_user():
     {"exclude_users": "__other__|__anonymous__"},
     {"exclude_users": "("},
     {"exclude_users": None},
-    {"severity": "warning"},
+    {"severity": "ticket"},                              # a label of the page_ticket scheme
+    {"severity": "urgent"},
     {"window": "ten minutes"},
 ])
 def test_bad_affinity_settings_are_refused(change):
     bad = _with_affinity()
     bad["affinity"].update(change)
-    with pytest.raises(ValueError), generate.using(bad):
-        pass
+    with pytest.raises(ValueError):
+        Config(bad)
 
 
 def test_affinity_needs_group_labels_to_count_replicas():
     bad = _with_affinity()
     bad["fleet"]["group_labels"] = []
-    with pytest.raises(ValueError, match="group_labels"), generate.using(bad):
-        pass
+    with pytest.raises(ValueError, match="group_labels"):
+        Config(bad)
     bad["affinity"]["enabled"] = False  # off: no alert, nothing to count
-    with generate.using(bad):
-        assert AFFINITY not in {a.name for a in generate.alerts()}
+    c = Config(bad)
+    assert AFFINITY not in {a.name for a in rule_gen.alerts(c)}
 
 
 def test_affinity_alert_has_cases_annotations_and_runbook():
-    with generate.using(_with_affinity()):
-        out = generate.outputs()
+    c = Config(_with_affinity())
+    out = generate.outputs(c)
     rules = [r for g in yaml.safe_load(out["prometheus/alerts.rules.yaml"])["groups"] for r in g["rules"]]
     assert AFFINITY in {r["alert"] for r in rules}
     _check_annotations_and_runbook(rules)
@@ -698,8 +710,8 @@ def test_affinity_alert_has_cases_annotations_and_runbook():
 
 
 def _affinity_promtool_run(tmp_path: Path, mutate=None) -> subprocess.CompletedProcess:
-    with generate.using(_with_affinity()):
-        out = generate.outputs()
+    c = Config(_with_affinity())
+    out = generate.outputs(c)
     for rel in ("prometheus/recording.rules.yaml", "prometheus/alerts.rules.yaml"):
         (tmp_path / Path(rel).name).write_text(out[rel])
     test = yaml.safe_load(out["prometheus/alerts.test.yaml"])
@@ -734,7 +746,7 @@ def test_affinity_alert_promtool_cases_can_fail(tmp_path):
             if case["name"].startswith("affinity:"):
                 for art in case["alert_rule_test"]:
                     if not art["exp_alerts"]:
-                        art["exp_alerts"] = [{"exp_labels": {"severity": "ticket", "model_name": "tiny",
+                        art["exp_alerts"] = [{"exp_labels": {"severity": "warning", "model_name": "tiny",
                                                              "user": "user-a"}}]
                     else:
                         art["exp_alerts"][0]["exp_labels"]["user"] = "user-b"

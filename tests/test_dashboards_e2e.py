@@ -35,6 +35,15 @@ from vllm_output_rate.telemetry.metrics import METRICS
 from vllm_output_rate.tools.client import Server, free_port, run_load
 
 from vllm_output_rate.dashboards import generate
+from vllm_output_rate.dashboards import rules as rule_gen
+from vllm_output_rate.dashboards.config import VLLM_METRICS, Config, m
+from vllm_output_rate.dashboards.expressions import (
+    limit_sets_expr,
+    over_limit_expr,
+    throttled_kv_share_expr,
+)
+from vllm_output_rate.dashboards.recording import recording_rules
+from vllm_output_rate.limits_watch import RESULTS as LIMITS_RESULTS
 from vllm_output_rate.dashboards.promql import render
 
 pytestmark = [
@@ -59,6 +68,8 @@ PLAN_LIMITED = [(LIMITED, 4, 100)]
 PLAN_FREE = [(FREE, 2, 900)]
 #: what Grafana substitutes for $__rate_interval with a 1 s scrape interval
 RATE_INTERVAL = "15s"
+#: thresholds.yaml, as the generator reads it
+CONFIG = Config.load()
 
 
 class Prometheus:
@@ -138,7 +149,7 @@ def stack(tmp_path_factory):
         # user-b's series first (its load can finish within one export: a
         # series that appears with its final count shows no increase to a
         # rate() over the window), then the load
-        spacing = f'{generate.m("inter_token_seconds").full_name}_count{{user="{FREE}"}}'
+        spacing = f'{m("inter_token_seconds").full_name}_count{{user="{FREE}"}}'
         asyncio.run(run_load(server.base_url, [(FREE, 1, 3)]))
         _wait(lambda: prom.instant(spacing, time.time()), "user-b's first series scraped")
 
@@ -154,7 +165,7 @@ def stack(tmp_path_factory):
         assert [r.error for r in results if r.error] == []
         assert all(r.completion_tokens == r.max_tokens for r in results)
         # the engine exports every second, Prometheus scrapes and evaluates every second
-        charged = generate.m("tokens_charged").full_name
+        charged = m("tokens_charged").full_name
         want = sum(r.completion_tokens for r in results if r.user == LIMITED)
         _wait(lambda: [s for s in prom.instant(f'{charged}{{user="{LIMITED}"}}', time.time())
                        if float(s["value"][1]) >= want], "the load's last tokens scraped")
@@ -212,7 +223,7 @@ def check(result: list[dict], expect: str, users: tuple[str, ...] = USERS) -> No
 
 def _panel_queries():
     for build in generate.DASHBOARDS.values():
-        board = build()
+        board = build(CONFIG)
         for panel in board.panels:
             for i, target in enumerate(panel.targets):
                 marks = ()
@@ -249,7 +260,7 @@ def _recording_expectation(name: str) -> str:
     return "users"
 
 
-@pytest.mark.parametrize("rule", generate.recording_rules(), ids=lambda r: r["record"])
+@pytest.mark.parametrize("rule", recording_rules(CONFIG), ids=lambda r: r["record"])
 def test_recording_rule_has_data_for_the_right_users(stack, rule):
     prom = stack["prom"]
     result = prom.range(rule["record"], stack["start"], stack["end"])
@@ -258,13 +269,13 @@ def test_recording_rule_has_data_for_the_right_users(stack, rule):
 
 def test_over_limit_alert_is_quiet_and_throttled_kv_expressions_have_data(stack):
     prom, start, end = stack["prom"], stack["start"], stack["end"]
-    alerts = {a.name: a for a in generate.alerts()}
+    alerts = {a.name: a for a in rule_gen.alerts(CONFIG)}
     # the rule as deployed (5m window) and the same bound over a window as long as the load
     assert prom.range(alerts["OutputRateUserOverLimit"].expr, start, end) == []
-    assert prom.range(generate.over_limit_expr("15s"), start, end) == []
+    assert prom.range(over_limit_expr(CONFIG, "15s"), start, end) == []
     # positive control: were user-a's limit half of what the engine enforces, the
     # same expression would catch it (and only it)
-    caught = prom.range(generate.over_limit_expr("15s", limit_scale=0.5), start, end)
+    caught = prom.range(over_limit_expr(CONFIG, "15s", limit_scale=0.5), start, end)
     assert {s["metric"]["user"] for s in caught} == {LIMITED}
     # Prometheus itself evaluated the alert rules: the over-limit alert is not even pending
     active = httpx.get(f"{prom.url}/api/v1/alerts", timeout=10).json()["data"]["alerts"]
@@ -273,11 +284,11 @@ def test_over_limit_alert_is_quiet_and_throttled_kv_expressions_have_data(stack)
     rules = httpx.get(f"{prom.url}/api/v1/rules", timeout=10).json()["data"]["groups"]
     assert all(r["health"] == "ok" for g in rules for r in g["rules"]), rules
     # throttled KV: the alert's expression without its threshold, and per user
-    share = prom.range(generate.throttled_kv_share_expr(), start, end)
+    share = prom.range(throttled_kv_share_expr(CONFIG), start, end)
     assert share and max(v for s in share for v in _values(s)) > 0
     per_user = prom.range("engine_user:vllm_output_rate_throttled_kv_cache_ratio:ratio", start, end)
     check(per_user, "throttled")
-    blocks = prom.range(generate.m("throttled_kv_blocks").full_name, start, end)
+    blocks = prom.range(m("throttled_kv_blocks").full_name, start, end)
     check(blocks, "throttled")
 
 
@@ -285,22 +296,22 @@ def test_limits_alerts_are_quiet_and_the_limits_in_force_are_scraped(stack):
     """One engine with limits from the command line: no failed reload, one
     set of limits; the digest and every reload result are on /metrics."""
     prom, start, end = stack["prom"], stack["start"], stack["end"]
-    alerts = {a.name: a for a in generate.alerts()}
+    alerts = {a.name: a for a in rule_gen.alerts(CONFIG)}
     for name in ("OutputRateLimitsReloadFailed", "OutputRateLimitsDiffer"):
         assert prom.range(alerts[name].expr, start, end) == [], name
-    info = prom.instant(generate.m("limits_info").full_name, end)
+    info = prom.instant(m("limits_info").full_name, end)
     assert [s["metric"]["source"] for s in info] == ["command line"], info
     assert len(info[0]["metric"]["sha256"]) == 64, info
-    assert prom.instant(generate.limit_sets_expr(), end)[0]["value"][1] == "1"
-    reloads = prom.instant(generate.m("limits_reloads").full_name, end)
-    assert {s["metric"]["result"] for s in reloads} == set(generate.LIMITS_RESULTS), reloads
+    assert prom.instant(limit_sets_expr(CONFIG), end)[0]["value"][1] == "1"
+    reloads = prom.instant(m("limits_reloads").full_name, end)
+    assert {s["metric"]["result"] for s in reloads} == set(LIMITS_RESULTS), reloads
     assert all(float(s["value"][1]) == 0 for s in reloads), reloads
 
 
 def test_vllm_metrics_used_by_panels_are_scraped(stack):
     prom = stack["prom"]
     suffix = {"counter": "_total", "gauge": "", "histogram": "_count"}
-    missing = [name for name, kind in generate.VLLM_METRICS.items()
+    missing = [name for name, kind in VLLM_METRICS.items()
                if not prom.instant(f'{{__name__="{name}{suffix[kind]}", model_name="tiny"}}', stack["end"])]
     assert missing == []
 

@@ -21,11 +21,16 @@ from typing import Any
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-from vllm_output_rate.dashboards import generate
 from vllm_output_rate.dashboards import grafana as g
+from vllm_output_rate.dashboards import rules as rule_gen
+from vllm_output_rate.dashboards.config import Config
+from vllm_output_rate.dashboards.provisioning import DATASOURCE_ENV, FOLDER_TITLE, FOLDER_UID
+from vllm_output_rate.dashboards.thresholds import seconds
 
 TOKEN = "test-token"
 SCRIPT = ["-m", "vllm_output_rate.tools.grafana_provision"]
+#: thresholds.yaml, as the generator reads it
+CONFIG = Config.load()
 
 
 class FakeGrafana:
@@ -188,19 +193,19 @@ def provision(fake: FakeGrafana, *extra: str, token: str = TOKEN) -> subprocess.
 def test_first_run_creates_folder_dashboards_and_rules(grafana):
     proc = provision(grafana)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert grafana.folders[generate.FOLDER_UID]["title"] == generate.FOLDER_TITLE
+    assert grafana.folders[FOLDER_UID]["title"] == FOLDER_TITLE
     boards = g.dashboards()
     assert set(grafana.dashboards) == set(boards) == {"output-rate-users", "output-rate-engine"}
     for uid, stored in grafana.dashboards.items():
-        assert stored["meta"]["folderUid"] == generate.FOLDER_UID
+        assert stored["meta"]["folderUid"] == FOLDER_UID
         assert stored["dashboard"]["panels"] == boards[uid]["panels"]
-    alert_names = {a.name for a in generate.alerts()}
+    alert_names = {a.name for a in rule_gen.alerts(CONFIG)}
     assert {r["title"] for r in grafana.rules.values()} == alert_names
     for rule in grafana.rules.values():
-        assert rule["folderUID"] == generate.FOLDER_UID and rule["ruleGroup"] == g.RULE_GROUP
+        assert rule["folderUID"] == FOLDER_UID and rule["ruleGroup"] == g.RULE_GROUP
         # the default Prometheus datasource (none is default: the first Prometheus one)
         assert rule["data"][0]["datasourceUid"] in {"prom-secondary", "prom-main"}
-    assert grafana.groups[(generate.FOLDER_UID, g.RULE_GROUP)] == generate.seconds(generate.T["evaluation_interval"])
+    assert grafana.groups[(FOLDER_UID, g.RULE_GROUP)] == seconds(CONFIG["evaluation_interval"])
 
 
 def test_second_run_changes_nothing(grafana):
@@ -223,7 +228,7 @@ def test_drift_is_repaired_and_only_drift_is_written(grafana):
     grafana.dashboards["output-rate-engine"]["meta"]["folderUid"] = "general-ish"
     over = g.rule_uid("OutputRateUserOverLimit")
     grafana.rules[over]["for"] = "1h"
-    grafana.folders[generate.FOLDER_UID]["title"] = "renamed"
+    grafana.folders[FOLDER_UID]["title"] = "renamed"
     stale = copy.deepcopy(grafana.rules[over])
     stale.update(uid=g.UID_PREFIX + "retired", title="OutputRateRetired")
     grafana.rules[stale["uid"]] = stale
@@ -234,15 +239,15 @@ def test_drift_is_repaired_and_only_drift_is_written(grafana):
     proc = provision(grafana, "--datasource-uid", "prom-main")
     assert proc.returncode == 0, proc.stderr
     assert sorted(grafana.writes) == sorted([
-        ("PUT", f"/api/folders/{generate.FOLDER_UID}"),
+        ("PUT", f"/api/folders/{FOLDER_UID}"),
         ("POST", "/api/dashboards/db"),
         ("PUT", f"/api/v1/provisioning/alert-rules/{over}"),
         ("DELETE", f"/api/v1/provisioning/alert-rules/{g.UID_PREFIX}retired"),
     ])
-    assert grafana.dashboards["output-rate-engine"]["meta"]["folderUid"] == generate.FOLDER_UID
-    assert grafana.rules[over]["for"] == generate.OVER["for"]
+    assert grafana.dashboards["output-rate-engine"]["meta"]["folderUid"] == FOLDER_UID
+    assert grafana.rules[over]["for"] == CONFIG.over["for"]
     assert "someone-elses-rule" in grafana.rules
-    assert grafana.folders[generate.FOLDER_UID]["title"] == generate.FOLDER_TITLE
+    assert grafana.folders[FOLDER_UID]["title"] == FOLDER_TITLE
 
 
 def test_custom_folder_and_bad_token(grafana):
@@ -257,7 +262,7 @@ def test_custom_folder_and_bad_token(grafana):
 
 def test_grafana_rules_mirror_the_prometheus_alerts():
     rules = g.alert_rules("folder", "ds")
-    alerts = {a.name: a for a in generate.alerts()}
+    alerts = {a.name: a for a in rule_gen.alerts(CONFIG)}
     assert [r["title"] for r in rules] == list(alerts)
     uids = [r["uid"] for r in rules]
     assert len(set(uids)) == len(uids) and all(len(u) <= 40 for u in uids)
@@ -267,12 +272,12 @@ def test_grafana_rules_mirror_the_prometheus_alerts():
         assert query["model"]["expr"] == alert.expr and query["datasourceUid"] == "ds"
         assert rule["condition"] == "B" and rule["data"][1]["model"]["expression"] == "A"
         assert rule["for"] == alert.for_ and rule["labels"] == {"severity": alert.severity}
-        assert rule["annotations"]["runbook_url"] == alert.runbook_url
+        assert rule["annotations"]["runbook_url"] == CONFIG.runbook_url(alert.name)
         description = rule["annotations"]["description"]
         assert "$values.A.Value" in description and not re.search(r"\$value\b", description)
     # Grafana's condition is A > 0: every alert's value is positive when it fires
     for section in ("throttled_long", "throttled_kv", "wake_lateness", "telemetry_dropped"):
-        values = [v for k, v in generate.T[section].items() if k in {"share", "seconds", "max_drops"}]
+        values = [v for k, v in CONFIG[section].items() if k in {"share", "seconds", "max_drops"}]
         assert values and all(v >= 0 for v in values)
 
 
@@ -281,13 +286,13 @@ def test_alerting_file_provisioning_matches_the_api_rules():
 
     data = yaml.safe_load((REPO / "dashboards" / "provisioning" / "alerting.yaml").read_text())
     (group,) = data["groups"]
-    assert group["folder"] == generate.FOLDER_TITLE and group["name"] == g.RULE_GROUP
-    api_rules = {r["uid"]: r for r in g.alert_rules(generate.FOLDER_UID, "ds")}
+    assert group["folder"] == FOLDER_TITLE and group["name"] == g.RULE_GROUP
+    api_rules = {r["uid"]: r for r in g.alert_rules(FOLDER_UID, "ds")}
     assert [r["uid"] for r in group["rules"]] == list(api_rules)
     for rule in group["rules"]:
         # Grafana expands $VARS in provisioned labels and queries (not annotations):
         # the only $ outside the annotations is the datasource variable
         outside = json.dumps({k: v for k, v in rule.items() if k != "annotations"})
-        assert re.findall(r"\$\{?\w+", outside) == ["${" + generate.DATASOURCE_ENV]
+        assert re.findall(r"\$\{?\w+", outside) == ["${" + DATASOURCE_ENV]
         assert rule["annotations"] == api_rules[rule["uid"]]["annotations"]
         assert rule["data"][0]["model"]["expr"] == api_rules[rule["uid"]]["data"][0]["model"]["expr"]

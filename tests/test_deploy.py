@@ -25,12 +25,17 @@ import pytest
 import yaml
 
 from harness import REPO, tiny_model
-from vllm_output_rate.dashboards import deploy, generate
+from vllm_output_rate.dashboards import deploy, generate, rules
+from vllm_output_rate.dashboards.config import Config
+from vllm_output_rate.dashboards.provisioning import FOLDER_TITLE
+from vllm_output_rate.dashboards.thresholds import seconds
 
 DASH = REPO / "dashboards"
 K8S = DASH / "kubernetes"
 DOCKERFILE = K8S / "Dockerfile"
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
+#: thresholds.yaml, as the generator reads it
+CONFIG = Config.load()
 
 #: file -> the kinds it holds, in order
 KINDS = {
@@ -66,13 +71,13 @@ def outputs_docs(outputs: dict[str, str], name: str) -> list[dict]:
 # -- files and structure --------------------------------------------------------------
 
 def test_the_folder_holds_the_generated_manifests_and_the_dockerfile():
-    generated = {rel for rel in generate.outputs() if rel.startswith("kubernetes/")}
+    generated = {rel for rel in generate.outputs(CONFIG) if rel.startswith("kubernetes/")}
     assert generated == {f"kubernetes/{name}" for name in KINDS}
     on_disk = {f"kubernetes/{p.name}" for p in K8S.iterdir()}
     assert on_disk == generated | {"kubernetes/Dockerfile"}
     # up to date (what `generate.py --check` also checks)
     for rel in generated:
-        assert (DASH / rel).read_text() == generate.outputs()[rel], rel
+        assert (DASH / rel).read_text() == generate.outputs(CONFIG)[rel], rel
 
 
 def test_generate_check_covers_the_manifests(tmp_path, monkeypatch):
@@ -100,7 +105,7 @@ def test_every_manifest_parses_with_api_version_kind_and_metadata(name):
         assert NAME.fullmatch(meta["name"]) and len(meta["name"]) <= 63, meta["name"]
         assert "namespace" not in meta  # applied to the namespace of one's choice
         # every object carries the selector labels (kubectl get -l ... finds them all)
-        assert generate.T["kubernetes"]["selector_labels"].items() <= meta["labels"].items(), name
+        assert CONFIG["kubernetes"]["selector_labels"].items() <= meta["labels"].items(), name
         for key, value in meta["labels"].items():
             assert isinstance(value, str), (name, key)  # "1", not 1
     assert (K8S / name).read_text().startswith(generate.HEADER)
@@ -140,9 +145,10 @@ def rule_file_groups() -> list[dict]:
 def test_the_prometheus_rule_holds_the_generated_rule_groups():
     rule = one("PrometheusRule")
     assert rule["spec"] == {"groups": rule_file_groups()}
-    assert [g["name"] for g in rule["spec"]["groups"]] == ["output-rate.recording", "output-rate.alerts"]
+    assert [g["name"] for g in rule["spec"]["groups"]] == ["output-rate.recording", rules.RENAMED_GROUP,
+                                                           "output-rate.alerts"]
     # the Prometheus Operator's ruleSelector picks it
-    assert generate.T["kubernetes"]["prometheus_labels"].items() <= rule["metadata"]["labels"].items()
+    assert CONFIG["kubernetes"]["prometheus_labels"].items() <= rule["metadata"]["labels"].items()
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed (make tools)")
@@ -161,13 +167,13 @@ def test_the_prometheus_rule_holds_the_affinity_alert_only_when_enabled():
     """Shipped off: not in the PrometheusRule; on (affinity.enabled: true),
     there with the other alerts, equal to the rule file of the same run."""
     affinity = "OutputRateUserOnSeveralReplicas"
-    assert generate.T["affinity"]["enabled"] is False
+    assert CONFIG["affinity"]["enabled"] is False
     alerts = [r["alert"] for g in one("PrometheusRule")["spec"]["groups"] for r in g["rules"] if "alert" in r]
     assert affinity not in alerts and "OutputRateLimitsDiffer" in alerts
-    custom = copy.deepcopy(generate.T)
+    custom = copy.deepcopy(CONFIG.thresholds)
     custom["affinity"] = {**custom["affinity"], "enabled": True}
-    with generate.using(custom):
-        out = generate.outputs()
+    c = Config(custom)
+    out = generate.outputs(c)
     (rule,) = outputs_docs(out, "prometheusrule.yaml")
     groups = [g for rel in ("prometheus/recording.rules.yaml", "prometheus/alerts.rules.yaml")
               for g in yaml.safe_load(out[rel])["groups"]]
@@ -187,7 +193,7 @@ def _container(deployment: dict) -> dict:
 
 def test_the_service_monitor_scrapes_the_example_service():
     monitor, service, deployment = one("ServiceMonitor"), one("Service"), one("Deployment")
-    k8s = generate.T["kubernetes"]
+    k8s = CONFIG["kubernetes"]
     match = monitor["spec"]["selector"]["matchLabels"]
     assert match == k8s["selector_labels"]
     assert match.items() <= service["metadata"]["labels"].items()
@@ -202,26 +208,26 @@ def test_the_service_monitor_scrapes_the_example_service():
     assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
     (container_port,) = _container(deployment)["ports"]
     assert port["targetPort"] == container_port["name"] == endpoint["port"]
-    assert generate.T["kubernetes"]["prometheus_labels"].items() <= monitor["metadata"]["labels"].items()
+    assert CONFIG["kubernetes"]["prometheus_labels"].items() <= monitor["metadata"]["labels"].items()
 
 
 def test_the_scrape_interval_suits_the_rule_windows():
     """Two scrapes in the short window (its rate() needs two samples) and at
     most 30 s (the over-limit slack assumes it)."""
-    interval = generate.seconds(one("ServiceMonitor")["spec"]["endpoints"][0]["interval"])
-    assert interval == generate.seconds(generate.T["kubernetes"]["scrape_interval"])
-    assert 2 * interval <= generate.seconds(generate.T["short_window"])
+    interval = seconds(one("ServiceMonitor")["spec"]["endpoints"][0]["interval"])
+    assert interval == seconds(CONFIG["kubernetes"]["scrape_interval"])
+    assert 2 * interval <= seconds(CONFIG["short_window"])
     assert interval <= 30
 
 
 def test_the_kubernetes_knobs_reach_every_manifest():
-    custom = copy.deepcopy(generate.T)
+    custom = copy.deepcopy(CONFIG.thresholds)
     custom["kubernetes"].update({"name": "llm-a", "port_name": "openai",
                                  "selector_labels": {"app": "llm-a", "tier": "gpu"},
                                  "prometheus_labels": {"release": "monitoring"},
                                  "scrape_interval": "10s"})
-    with generate.using(custom):
-        out = generate.outputs()
+    c = Config(custom)
+    out = generate.outputs(c)
     deployment, service, policy = outputs_docs(out, "vllm.yaml")
     (monitor,) = outputs_docs(out, "servicemonitor.yaml")
     (rule,) = outputs_docs(out, "prometheusrule.yaml")
@@ -239,8 +245,8 @@ def test_the_kubernetes_knobs_reach_every_manifest():
         assert doc["metadata"]["labels"]["release"] == "monitoring"
     assert {d["metadata"]["name"] for d in (deployment, service, monitor)} == {"llm-a"}
     assert rule["metadata"]["name"].startswith("llm-a") and configmap["metadata"]["name"].startswith("llm-a")
-    # and back on thresholds.yaml afterwards
-    assert generate.T["kubernetes"]["port_name"] == "http"
+    # the shipped config is another object, untouched
+    assert CONFIG["kubernetes"]["port_name"] == "http"
 
 
 @pytest.mark.parametrize("bad", [
@@ -249,10 +255,10 @@ def test_the_kubernetes_knobs_reach_every_manifest():
     {"prometheus_labels": ["release"]}, {"scrape_interval": "often"},
 ])
 def test_bad_kubernetes_settings_are_refused(bad):
-    custom = copy.deepcopy(generate.T)
+    custom = copy.deepcopy(CONFIG.thresholds)
     custom["kubernetes"].update(bad)
-    with pytest.raises(ValueError), generate.using(custom):
-        pass
+    with pytest.raises(ValueError):
+        Config(custom)
 
 
 # -- the dashboard ConfigMap ----------------------------------------------------------
@@ -260,7 +266,7 @@ def test_bad_kubernetes_settings_are_refused(bad):
 def test_the_configmap_holds_the_dashboards_for_the_grafana_sidecar():
     configmap = one("ConfigMap")
     assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
-    assert configmap["metadata"]["annotations"] == {"grafana_folder": generate.FOLDER_TITLE}
+    assert configmap["metadata"]["annotations"] == {"grafana_folder": FOLDER_TITLE}
     files = {p.name: p.read_text() for p in sorted(DASH.glob("*.json"))}
     assert set(files) == set(generate.DASHBOARDS)
     assert configmap["data"] == files  # byte for byte
@@ -279,7 +285,7 @@ def _runbook_urls(text: str) -> list[str]:
 
 
 def test_every_runbook_url_takes_its_base_from_thresholds_yaml():
-    base = generate.T["runbook_base_url"]
+    base = CONFIG["runbook_base_url"]
     seen = {}
     for path in DASH.rglob("*.yaml"):
         if path.name == "thresholds.yaml":
@@ -287,16 +293,16 @@ def test_every_runbook_url_takes_its_base_from_thresholds_yaml():
         for url in _runbook_urls(path.read_text()):
             assert url.startswith(base + "#"), (path, url)
             seen.setdefault(path.relative_to(DASH).as_posix(), []).append(url)
-    n_alerts = len(generate.alerts())
+    n_alerts = len(rules.alerts(CONFIG))
     for rel in ("prometheus/alerts.rules.yaml", "provisioning/alerting.yaml",
                 "kubernetes/prometheusrule.yaml"):
         assert len(seen.get(rel, ())) == n_alerts, rel
     assert "prometheus/alerts.test.yaml" in seen
     # one place: another base reaches every generated file, the old one none
-    custom = copy.deepcopy(generate.T)
+    custom = copy.deepcopy(CONFIG.thresholds)
     custom["runbook_base_url"] = "https://runbooks.internal/output-rate/runbook.md"
-    with generate.using(custom):
-        out = generate.outputs()
+    c = Config(custom)
+    out = generate.outputs(c)
     for rel, text in out.items():
         assert base not in text, rel
         for url in _runbook_urls(text):

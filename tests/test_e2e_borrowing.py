@@ -24,6 +24,7 @@ import pytest
 
 from harness import rate_while_stepping, scrape_until, spend_rate
 from vllm_output_rate.dashboards import generate
+from vllm_output_rate.dashboards.config import Config
 from vllm_output_rate.dashboards.promql import render
 from vllm_output_rate.telemetry.events import EngineLog
 from vllm_output_rate.tools.client import metric_value, run_load, scrape_metrics, stream_chat
@@ -73,7 +74,7 @@ async def _warm_up(server, users) -> None:
 
 def panel_targets():
     by_title = {panel.title: panel for build in generate.DASHBOARDS.values()
-                for panel in build().panels}
+                for panel in build(Config.load()).panels}
     return [by_title[title].targets[0] for title in PANELS]
 
 

@@ -155,6 +155,6 @@ def test_the_checker_sees_a_violation():
     assert layer_of("vllm_output_rate.telemetry.engine") == 1
     assert layer_of("vllm_output_rate.tools.verify") == 3
     assert layer_of("os") is None
-    tree_imports = imports_of(MODULES["vllm_output_rate.dashboards.generate"],
-                              "vllm_output_rate.dashboards.generate")
+    tree_imports = imports_of(MODULES["vllm_output_rate.dashboards.config"],
+                              "vllm_output_rate.dashboards.config")
     assert any(name.startswith("vllm_output_rate.telemetry") for _, name in tree_imports)
