@@ -1,10 +1,11 @@
 """The fault and bad-input runner: named cases against a real CPU engine.
 
-``vllm-output-rate stress [--model DIR] [--profile quick|full] [--out DIR] [--groups G,...]``
+``vllm-output-rate stress [--model DIR] [--profile quick|full] [--out DIR] [--groups G,...] [--no-progress]``
 starts ``vllm-output-rate serve`` on the model (default: the tiny model,
 generated locally) with per-user limits and runs named cases, each with what
 it sends, what it expects and what it measured; it writes ``report.md`` and
-``report.json`` to ``--out`` and exits non-zero when a case fails.
+``report.json`` to ``--out`` and exits non-zero when a case fails. A line on
+stderr as each group starts and each case ends (``--no-progress``: none).
 
 Groups of cases:
 
@@ -117,6 +118,13 @@ class CaseResult:
     seconds: float = 0.0
 
 
+def progress_line(enabled: bool, text: str) -> None:
+    """A line of progress on stderr, where verify draws its bar (none with
+    ``--no-progress``); the runners' long runs are not silent."""
+    if enabled:
+        print(text, file=sys.stderr, flush=True)
+
+
 @dataclass
 class Report:
     model: str
@@ -128,6 +136,14 @@ class Report:
     @property
     def failed(self) -> list[CaseResult]:
         return [c for c in self.cases if not c.ok]
+
+    def add(self, cases: list[CaseResult], progress: bool) -> None:
+        """Record ``cases``, with a progress line each."""
+        for c in cases:
+            self.cases.append(c)
+            progress_line(progress, f"stress: {time.time() - self.started_unix:5.0f} s, {len(self.cases)} "
+                                    f"cases ({len(self.failed)} failed): {'pass' if c.ok else 'FAIL'} "
+                                    f"{c.group}: {c.name} ({c.seconds:.1f} s)")
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "profile": self.profile, "server_args": self.server_args,
@@ -1383,28 +1399,40 @@ async def live_cases(base_url: str, profile: str, server_pid: int,
 
 
 def run(model: str, profile: str, out_dir: Path, log_dir: Path,
-        groups: frozenset[str] = frozenset(GROUPS)) -> Report:
-    """The cases of ``groups`` (telemetry faults: full profile only)."""
+        groups: frozenset[str] = frozenset(GROUPS), progress: bool = False) -> Report:
+    """The cases of ``groups`` (telemetry faults: full profile only), with a
+    progress line on stderr as each group starts and each case is recorded."""
     from vllm_output_rate.tools.client import Server
 
     report = Report(model, profile, server_args())
+
+    def starting(what: str) -> None:
+        progress_line(progress, f"stress: {time.time() - report.started_unix:5.0f} s, {what}")
+
     if "config" in groups:
+        starting(f"config: {len(CONFIG_CASES)} refused configurations")
         with tempfile.TemporaryDirectory(prefix="output-rate-stress-") as scratch:
             for case in CONFIG_CASES:
-                report.cases.append(check_config_case(case, model, Path(scratch)))
+                report.add([check_config_case(case, model, Path(scratch))], progress)
             if profile == "full":
+                starting(f"config: the same {len(CONFIG_CASES)} as real servers")
                 for case in CONFIG_CASES:
-                    report.cases.append(serve_refuses(case, model, Path(scratch), log_dir))
+                    report.add([serve_refuses(case, model, Path(scratch), log_dir)], progress)
     if "identity_churn" in groups:
-        report.cases.append(identity_churn(1_000_000 if profile == "full" else 20_000, model))
-    if groups & {"user_field", "requests", "client_faults", "identity_churn"}:
+        starting("identity churn in the engine core")
+        report.add([identity_churn(1_000_000 if profile == "full" else 20_000, model)], progress)
+    live = [g for g in ("user_field", "requests", "client_faults", "identity_churn") if g in groups]
+    if live:
+        starting(f"{', '.join(live)} against a live server")
         with Server(model, report.server_args, log_dir / "stress-server.log",
                     extra_env={"OUTPUT_RATE_TELEMETRY": "1"}) as server:
-            report.cases += asyncio.run(live_cases(server.base_url, profile, server.proc.pid, groups))
+            report.add(asyncio.run(live_cases(server.base_url, profile, server.proc.pid, groups)), progress)
     if profile == "full" and "tenants" in groups:
-        report.cases += run_tenant_cases(model, log_dir)
+        starting("tenants")
+        report.add(run_tenant_cases(model, log_dir), progress)
     if profile == "full" and "telemetry_faults" in groups:
-        report.cases += telemetry_fault_cases(model, log_dir)
+        starting("telemetry faults")
+        report.add(telemetry_fault_cases(model, log_dir), progress)
     write_report(out_dir, report)
     return report
 
@@ -1436,6 +1464,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="report directory (default: reports/stress)")
     parser.add_argument("--groups", default=",".join(GROUPS),
                         help=f"comma-separated groups to run (default: all; {', '.join(GROUPS)})")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress lines on stderr (a line per group and per case)")
     args = parser.parse_args(argv)
     groups = frozenset(g.strip() for g in args.groups.split(",") if g.strip())
     if not groups or groups - set(GROUPS):
@@ -1443,7 +1473,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"choose from {', '.join(GROUPS)}")
     model, log_dir = model_and_logs(args.model)
     out = Path(args.out or "reports/stress")
-    report = run(model, args.profile, out, log_dir, groups)
+    report = run(model, args.profile, out, log_dir, groups, not args.no_progress)
     for c in report.cases:
         print(f"{'pass' if c.ok else 'FAIL'}  {c.group:<14} {c.name:<50} {c.measured[:120]}")
     print(f"\n{len(report.cases) - len(report.failed)} passed, {len(report.failed)} failed; "
