@@ -1378,7 +1378,10 @@ GROUPS = ("config", "identity_churn", "user_field", "requests", "client_faults",
 
 
 async def live_cases(base_url: str, profile: str, server_pid: int,
-                     groups: frozenset[str] = frozenset(GROUPS)) -> list[CaseResult]:
+                     groups: frozenset[str] = frozenset(GROUPS),
+                     add: Callable[[list[CaseResult]], None] | None = None) -> list[CaseResult]:
+    """The groups run against the live server; ``add`` is given each group's
+    cases as the group ends."""
     # idle connections dropped after 2 s, before the server's keep-alive
     # (uvicorn's 5 s) closes them: a request sent on a connection the
     # server is closing fails with a ReadError before it reaches vLLM (seen
@@ -1387,14 +1390,20 @@ async def live_cases(base_url: str, profile: str, server_pid: int,
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
         live = Live(base_url, client)
         cases: list[CaseResult] = []
+
+        def record(group_cases: list[CaseResult]) -> None:
+            cases.extend(group_cases)
+            if add is not None:
+                add(group_cases)
+
         if "user_field" in groups:
-            cases += await user_field_cases(live, (True, False))
+            record(await user_field_cases(live, (True, False)))
         if "requests" in groups:
-            cases += await request_cases(live)
+            record(await request_cases(live))
         if "client_faults" in groups:
-            cases += await client_fault_cases(live, 100 if profile == "full" else 20)
+            record(await client_fault_cases(live, 100 if profile == "full" else 20))
         if "identity_churn" in groups:
-            cases.append(await http_churn_case(live, 2000 if profile == "full" else 300, server_pid))
+            record([await http_churn_case(live, 2000 if profile == "full" else 300, server_pid)])
     return cases
 
 
@@ -1423,10 +1432,12 @@ def run(model: str, profile: str, out_dir: Path, log_dir: Path,
         report.add([identity_churn(1_000_000 if profile == "full" else 20_000, model)], progress)
     live = [g for g in ("user_field", "requests", "client_faults", "identity_churn") if g in groups]
     if live:
-        starting(f"{', '.join(live)} against a live server")
+        starting(f"starting a server for {', '.join(live)} (log: {log_dir / 'stress-server.log'})")
         with Server(model, report.server_args, log_dir / "stress-server.log",
                     extra_env={"OUTPUT_RATE_TELEMETRY": "1"}) as server:
-            report.add(asyncio.run(live_cases(server.base_url, profile, server.proc.pid, groups)), progress)
+            starting("the server is up")
+            asyncio.run(live_cases(server.base_url, profile, server.proc.pid, groups,
+                                   lambda cases: report.add(cases, progress)))
     if profile == "full" and "tenants" in groups:
         starting("tenants")
         report.add(run_tenant_cases(model, log_dir), progress)
