@@ -42,10 +42,6 @@ from vllm_output_rate.tools.client import wait_ready
 
 Series = dict[str, list[tuple[float, float]]]
 
-#: The charts ``draw`` writes.
-PICTURES = ("spacing.png", "rate_vs_limit.png", "throttled_kv.png")
-
-
 def parse_time(text: str) -> float:
     """Unix seconds or ISO 8601 (a trailing Z means UTC)."""
     try:
@@ -96,23 +92,103 @@ def _xs(points: list[tuple[float, float]], t0: float) -> tuple[list[float], list
     return [t - t0 for t, _ in points], [v for _, v in points]
 
 
-def draw(prom: Prom, start: float, end: float, step: str, out: Path, config: Config) -> dict[str, Any]:
-    import matplotlib
+#: A limit this many times above the highest rate any user reached is read as
+#: "unlimited" (a placeholder such as the built-in scenario's 100000 tok/s):
+#: its line would stretch the log axes over decades, so it is not drawn.
+UNLIMITED_FACTOR = 100
 
-    matplotlib.use("Agg")
+
+def unlimited_users(rate: Series, limit: Series, factor: float = UNLIMITED_FACTOR) -> set[str]:
+    """The users whose limit is infinite or over ``factor`` times the highest
+    rate of any user in the range (no line of theirs on a log axis)."""
+    top = max((v for points in rate.values() for _, v in points), default=0.0)
+    out = set()
+    for user, points in limit.items():
+        low = min(v for _, v in points)
+        if not math.isfinite(low) or (top > 0 and low > factor * top):
+            out.add(user)
+    return out
+
+
+def with_traffic(rate: Series) -> list[str]:
+    """The users whose rate was above 0 at some point, sorted."""
+    return sorted(u for u, points in rate.items() if any(v > 0 for _, v in points))
+
+
+def fetch(prom: Prom, start: float, end: float, step: str, config: Config) -> dict[str, Any]:
+    """The series the pictures draw, by name (see ``draw``)."""
+    panels = generate.key_panels(config)
+    spacing = panels["spacing"]
+    # the dashboard's quantiles; its 1/limit line is replaced by streams/limit:
+    # each of a user's n streams gets limit/n tok/s, so its tokens come n/limit
+    # apart; n (the streams between two tokens, on average over the rate
+    # window) is the spacing time accumulated per second
+    quantiles = {t.legend.split()[-1]: prom.range(t.expr, start, end, step)
+                 for t in spacing.targets if not t.legend.endswith("1/limit")}
+    rate_panel = panels["rate"]
+    share_panel = panels["kv_share"]
+    return {
+        "window_s": seconds(prom.rate_interval), "end": end,
+        "spacing": quantiles,
+        "streams": prom.range(f"sum by (user) (rate({config.sel('inter_token_seconds', '_sum')}"
+                              "[$__rate_interval]))", start, end, step),
+        "rate": prom.range(rate_panel.targets[0].expr, start, end, step),
+        "limit": prom.range(rate_panel.targets[1].expr, start, end, step),
+        "throttled": prom.range(panels["throttled"].targets[0].expr, start, end, step),
+        "blocks": prom.range(panels["kv_blocks"].targets[0].expr, start, end, step),
+        "share": prom.range(share_panel.targets[0].expr, start, end, step, label="engine"),
+        "usage": prom.range(share_panel.targets[1].expr, start, end, step, label="engine"),
+    }
+
+
+def _active_spans(times: list[float], window: float, end: float) -> list[tuple[float, float]]:
+    """The spans in which a whole rate window saw a user's tokens, from the
+    times its quantiles have points: each run of points starts at most a scrape
+    after the first token and lasts a window past the last one (at the
+    range's end, the user may still be active)."""
+    times = sorted(set(times))
+    if not times:
+        return []
+    step = min((b - a for a, b in zip(times, times[1:])), default=window)
+    runs, first = [], times[0]
+    for prev, t in zip(times, [*times[1:], math.inf]):
+        if t - prev > 1.5 * step:
+            last = prev - window if prev < end - step else end
+            if first + window <= last:
+                runs.append((first + window, last))
+            first = t
+    return runs
+
+
+def spacing_line(data: dict[str, Any], user: str) -> list[tuple[float, float]]:
+    """``user``'s streams/limit where a whole rate window lies in its activity:
+    there the spacing accumulated per second (``streams``) is its count of
+    streams between two tokens, averaged over the window (at the edges the
+    window also holds idle time, which would pull the count down)."""
+    window, limit = data["window_s"], dict(data["limit"].get(user, []))
+    spans = _active_spans([t for series in data["spacing"].values() for t, _ in series.get(user, [])],
+                          window, data["end"])
+    return [(t, n / limit[t]) for t, n in data["streams"].get(user, [])
+            if limit.get(t) and any(lo <= t <= hi for lo, hi in spans)]
+
+
+def _limit_text(user: str, limit: Series, unlimited: set[str]) -> str:
+    if user in unlimited:
+        return f"unlimited: limit {max(v for _, v in limit[user]):g} tok/s not drawn"
+    if user in limit:
+        return f"limit {max(v for _, v in limit[user]):g} tok/s"
+    return "no limit scraped"
+
+
+def spacing_figure(data: dict[str, Any], start: float, xlabel: str) -> Any:
+    """One panel per user with spacing data: its quantiles and, for a limited
+    user, streams/limit (each stream's spacing when the user is throttled)."""
     import matplotlib.pyplot as plt
 
-    panels = generate.key_panels(config)
-    data: dict[str, Any] = {}
-    when = datetime.fromtimestamp(start, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-    xlabel = f"seconds since {when}"
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-
-    # per-user spacing quantiles with 1/limit
-    spacing = panels["spacing"]
-    quantiles = {t.legend.split()[-1]: prom.range(t.expr, start, end, step) for t in spacing.targets}
+    quantiles, limit = data["spacing"], data["limit"]
+    unlimited = unlimited_users(data["rate"], limit)
     users = sorted({u for series in quantiles.values() for u in series})
-    data["spacing"] = quantiles
     n = max(len(users), 1)
     cols = min(n, 2)
     rows = math.ceil(n / cols)
@@ -120,64 +196,69 @@ def draw(prom: Prom, start: float, end: float, step: str, out: Path, config: Con
     for i, user in enumerate(users):
         ax = axes[i // cols][i % cols]
         for j, (name, series) in enumerate(quantiles.items()):
-            if user not in series:
-                continue
-            xs, ys = _xs(series[user], start)
-            style = dict(linestyle="--", color="red", linewidth=2) if name == "1/limit" else dict(color=colors[j])
-            ax.plot(xs, ys, label=name, **style)
+            if user in series:
+                ax.plot(*_xs(series[user], start), label=name, color=colors[j % len(colors)])
+        line = [] if user in unlimited else spacing_line(data, user)
+        if line:
+            ax.plot(*_xs(line, start), linestyle="--", color="red", linewidth=2,
+                    label="streams/limit (throttled stream's spacing)")
         ax.set_yscale("log")
-        ax.set_title(f"engine-side inter-token spacing: {user}")
+        ax.set_title(f"engine-side inter-token spacing: {user} ({_limit_text(user, limit, unlimited)})",
+                     fontsize=10)
         ax.set_ylabel("seconds")
         ax.set_xlabel(xlabel)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="best")
     for k in range(len(users), rows * cols):
         axes[k // cols][k % cols].axis("off")
     fig.tight_layout()
-    fig.savefig(out / "spacing.png", dpi=100)
-    plt.close(fig)
+    return fig
 
-    # output rate vs limit
-    rate_panel = panels["rate"]
-    rate = prom.range(rate_panel.targets[0].expr, start, end, step)
-    limit = prom.range(rate_panel.targets[1].expr, start, end, step)
-    data["rate"], data["limit"] = rate, limit
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    for i, user in enumerate(sorted(set(rate) | set(limit))):
+
+def rate_figure(data: dict[str, Any], start: float, xlabel: str) -> Any:
+    """Each user's rate with its limit dashed; users without traffic and the
+    lines of unlimited users left out, the legend beside the axes."""
+    import matplotlib.pyplot as plt
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    rate, limit = data["rate"], data["limit"]
+    unlimited = unlimited_users(rate, limit)
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    for i, user in enumerate(with_traffic(rate)):
         color = colors[i % len(colors)]
-        if user in rate:
-            ax.plot(*_xs(rate[user], start), color=color, label=f"{user} tok/s")
-        if user in limit:
-            ax.plot(*_xs(limit[user], start), color=color, linestyle="--", linewidth=2, label=f"{user} limit")
+        ax.plot(*_xs(rate[user], start), color=color,
+                label=f"{user} tok/s" + (" (unlimited)" if user in unlimited else ""))
+        if user in limit and user not in unlimited:
+            ax.plot(*_xs(limit[user], start), color=color, linestyle="--", linewidth=2,
+                    label=f"{user} limit")
     ax.set_yscale("log")
-    ax.set_title("output tokens/s per user (charged, engine-side) vs configured limit")
+    ax.set_title("output tokens/s per user (charged, engine-side) vs configured limit (dashed)")
     ax.set_ylabel("tokens / s")
     ax.set_xlabel(xlabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
-    fig.savefig(out / "rate_vs_limit.png", dpi=100)
-    plt.close(fig)
+    return fig
 
-    # throttled requests holding KV
-    throttled = prom.range(panels["throttled"].targets[0].expr, start, end, step)
-    blocks = prom.range(panels["kv_blocks"].targets[0].expr, start, end, step)
-    share_panel = panels["kv_share"]
-    share = prom.range(share_panel.targets[0].expr, start, end, step, label="engine")
-    usage = prom.range(share_panel.targets[1].expr, start, end, step, label="engine")
-    data.update(throttled=throttled, blocks=blocks, share=share, usage=usage)
+
+def throttled_figure(data: dict[str, Any], start: float, xlabel: str) -> Any:
+    """Throttled requests and their KV blocks per user, the KV cache's share."""
+    import matplotlib.pyplot as plt
+
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
-    for ax, series, title, unit in ((axes[0], throttled, "throttled requests per user (resident, holding KV)", "requests"),
-                                    (axes[1], blocks, "KV blocks held by throttled requests, per user", "blocks")):
+    for ax, series, title, unit in (
+            (axes[0], data["throttled"], "throttled requests per user (resident, holding KV)", "requests"),
+            (axes[1], data["blocks"], "KV blocks held by throttled requests, per user", "blocks")):
         for i, user in enumerate(sorted(series)):
             ax.plot(*_xs(series[user], start), color=colors[i % len(colors)], label=user)
         ax.set_title(title)
         ax.set_ylabel(unit)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    for engine, points in sorted(share.items()):
+    for engine, points in sorted(data["share"].items()):
         axes[2].plot(*_xs(points, start), label=f"held by throttled requests, engine {engine}")
-    for engine, points in sorted(usage.items()):
+    for engine, points in sorted(data["usage"].items()):
         axes[2].plot(*_xs(points, start), linestyle="--", label=f"vLLM KV usage, engine {engine}")
     axes[2].set_title("share of the KV cache")
     axes[2].set_ylabel("share (0..1)")
@@ -185,8 +266,29 @@ def draw(prom: Prom, start: float, end: float, step: str, out: Path, config: Con
     axes[2].grid(True, alpha=0.3)
     axes[2].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "throttled_kv.png", dpi=100)
-    plt.close(fig)
+    return fig
+
+
+#: The charts and the functions that draw them from ``fetch``'s data.
+FIGURES = {"spacing.png": spacing_figure, "rate_vs_limit.png": rate_figure,
+           "throttled_kv.png": throttled_figure}
+#: The charts ``draw`` writes.
+PICTURES = tuple(FIGURES)
+
+
+def draw(prom: Prom, start: float, end: float, step: str, out: Path, config: Config) -> dict[str, Any]:
+    """Query ``prom`` and write ``PICTURES`` into ``out``; the data drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = fetch(prom, start, end, step, config)
+    when = datetime.fromtimestamp(start, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    for name, figure in FIGURES.items():
+        fig = figure(data, start, f"seconds since {when}")
+        fig.savefig(out / name, dpi=100)
+        plt.close(fig)
     return data
 
 
@@ -205,7 +307,8 @@ def summary(prom: Prom, start: float, end: float, data: dict[str, Any], config: 
     tokens = prom.instant(f"sum by (user) (increase({config.sel('tokens_charged')}[$__range]))",
                           end, range_s=span)
     rate, limit = data["rate"], data["limit"]
-    users = sorted(set(rate) | set(limit) | set(tokens))
+    unlimited = unlimited_users(rate, limit)
+    users = sorted({*with_traffic(rate), *(u for u, n in tokens.items() if n)})
     factor = over_limit_factor(config)
     lines = [
         "# Output-rate pictures",
@@ -215,7 +318,7 @@ def summary(prom: Prom, start: float, end: float, data: dict[str, Any], config: 
         + ", ".join(f"`{k}=~\"{v}\"`" for k, v in prom.variables.items())
         + f"; rates over {prom.rate_interval}.",
         "",
-        "Charts: `spacing.png` (engine-side inter-token spacing per user, dashed: 1/limit), "
+        "Charts: `spacing.png` (engine-side inter-token spacing per user, dashed: streams/limit), "
         "`rate_vs_limit.png` (output tokens/s vs limit), `throttled_kv.png` (throttled requests, "
         "their KV blocks, share of the KV cache).",
         "",
@@ -231,7 +334,7 @@ def summary(prom: Prom, start: float, end: float, data: dict[str, Any], config: 
             over.append(user)
         thr = [v for _, v in data["throttled"].get(user, [])]
         lines.append("| " + " | ".join([
-            user, _fmt(lim), f"{tokens[user]:.0f}" if user in tokens else "-", _fmt(tokens.get(user, 0) / span if span else None),
+            user, _fmt(lim) + (" (unlimited)" if user in unlimited else ""), f"{tokens[user]:.0f}" if user in tokens else "-", _fmt(tokens.get(user, 0) / span if span else None),
             _fmt(max(rates, default=None)), f"{100 * ratio:.0f}%" if ratio is not None else "-",
             _fmt(exact_q[0.5].get(user)) + " s" if user in exact_q[0.5] else "-",
             _fmt(exact_q[0.99].get(user)) + " s" if user in exact_q[0.99] else "-",

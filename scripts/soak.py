@@ -1,6 +1,6 @@
 """The soak: mixed load against a real CPU engine for a long while.
 
-``vllm-output-rate soak [--model DIR] [--minutes 30] [--sample-s 60] [--out DIR]``
+``vllm-output-rate soak [--model DIR] [--minutes 30] [--sample-s 60] [--out DIR] [--no-progress]``
 starts ``vllm-output-rate serve`` on the model (default: the tiny model,
 generated locally) with per-user limits, telemetry and the engine's event
 log, and keeps a mixed load on it until the time is up:
@@ -16,7 +16,7 @@ log, and keeps a mixed load on it until the time is up:
 
 Every ``--sample-s`` it samples the engine core's and the API server's RSS
 and the project's own state sizes (``vllm_output_rate_state_entries`` on
-``/metrics``). At the end it waits for the engine to go quiet and checks:
+``/metrics``), a progress line on stderr each (``--no-progress``: none). At the end it waits for the engine to go quiet and checks:
 
 - **conformance**: every limited user (the churn ids too) within the GCRA
   bound in every window of the whole run, engine-side from the event log
@@ -60,7 +60,7 @@ import httpx
 
 from vllm_output_rate.config import DEFAULT_OPTION, USERS_OPTION
 from vllm_output_rate.tools.stats import quantile
-from vllm_output_rate.tools.stress import model_and_logs, write_report
+from vllm_output_rate.tools.stress import model_and_logs, progress_line, write_report
 
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 1024
@@ -277,9 +277,20 @@ class Report:
         return "\n".join(lines) + "\n"
 
 
+def sample_line(s: Sample, minutes: float, requests: list[Request]) -> str:
+    """A sample as a progress line: how far the run is, RSS, the engine's
+    queues, requests sent and failed, the limiter's users."""
+    errors = sum(r.error is not None for r in requests)
+    return (f"soak: {s.t_s / 60:.1f}/{minutes:g} min, engine core RSS {s.engine_rss_mib:.0f} MiB, "
+            f"API server {s.api_rss_mib:.0f} MiB, running {s.running:.0f}, waiting {s.waiting:.0f}, "
+            f"{len(requests)} requests sent, {errors} failed, "
+            f"limiter users {s.state.get('limiter.users', 0):.0f}")
+
+
 async def drive(base_url: str, server_pid: int, minutes: float, sample_s: float, churn_s: float,
-                report: Report) -> float:
-    """The load and the samples; returns the run's start (monotonic s)."""
+                report: Report, progress: bool = False) -> float:
+    """The load and the samples (a progress line each); returns the run's
+    start (monotonic s)."""
     from vllm_output_rate.tools.loadgen import text_of_tokens
     from vllm_output_rate.tools.stress import Live, wait_quiet
 
@@ -296,6 +307,7 @@ async def drive(base_url: str, server_pid: int, minutes: float, sample_s: float,
         async def sampler() -> None:
             while time.monotonic() < load.deadline:
                 report.samples.append(await sample(client, base_url, procs, t0))
+                progress_line(progress, sample_line(report.samples[-1], minutes, load.requests))
                 await asyncio.sleep(max(0.0, min(sample_s, load.deadline - time.monotonic())))
 
         await asyncio.gather(load.run(), sampler())
@@ -426,7 +438,7 @@ def analyse_samples(report: Report, minutes: float, state: bool = True) -> None:
 
 
 def run(model: str, minutes: float, sample_s: float, churn_s: float, out_dir: Path, log_dir: Path,
-        feature_off: bool = False) -> Report:
+        feature_off: bool = False, progress: bool = False) -> Report:
     """The soak; with ``feature_off`` the same load on a server without
     limits (no limits, no event log, no state of ours: the requests, quiet
     and RSS checks only)."""
@@ -440,7 +452,8 @@ def run(model: str, minutes: float, sample_s: float, churn_s: float, out_dir: Pa
     report = Report(model, minutes, server_args(feature_off))
     env = {} if feature_off else {settings.name("TELEMETRY"): "1", settings.name("EVENTS"): str(events)}
     with Server(model, report.server_args, log_dir / "soak-server.log", extra_env=env) as server:
-        t0 = asyncio.run(drive(server.base_url, server.proc.pid, minutes, sample_s, churn_s, report))
+        t0 = asyncio.run(drive(server.base_url, server.proc.pid, minutes, sample_s, churn_s, report,
+                               progress))
         time.sleep(1.5)  # the event log's last append
     # (time.monotonic and the engine's monotonic_ns stamps are one clock)
     start_ns, end_ns = int(t0 * 1e9), int((t0 + minutes * 60.0) * 1e9)
@@ -466,12 +479,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--feature-off", action="store_true",
                         help="the same load on a server without limits (vLLM as upstream): the "
                              "control arm of a memory comparison; requests, quiet and RSS checks only")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress lines on stderr (a line per sample)")
     args = parser.parse_args(argv)
     if args.minutes <= 0 or args.sample_s <= 0 or args.churn_s <= 0:
         parser.error("--minutes, --sample-s and --churn-s must be positive")
     model, log_dir = model_and_logs(args.model)
     out = Path(args.out or "reports/soak")
-    report = run(model, args.minutes, args.sample_s, args.churn_s, out, log_dir, args.feature_off)
+    report = run(model, args.minutes, args.sample_s, args.churn_s, out, log_dir, args.feature_off,
+                 not args.no_progress)
     for c in report.checks:
         print(f"{'pass' if c.ok else 'FAIL'}  {c.name}: {c.measured[:300]}")
     print(f"\n{len(report.checks) - len(report.failed)} passed, {len(report.failed)} failed; "

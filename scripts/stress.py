@@ -1,10 +1,11 @@
 """The fault and bad-input runner: named cases against a real CPU engine.
 
-``vllm-output-rate stress [--model DIR] [--profile quick|full] [--out DIR] [--groups G,...]``
+``vllm-output-rate stress [--model DIR] [--profile quick|full] [--out DIR] [--groups G,...] [--no-progress]``
 starts ``vllm-output-rate serve`` on the model (default: the tiny model,
 generated locally) with per-user limits and runs named cases, each with what
 it sends, what it expects and what it measured; it writes ``report.md`` and
-``report.json`` to ``--out`` and exits non-zero when a case fails.
+``report.json`` to ``--out`` and exits non-zero when a case fails. A line on
+stderr as each group starts and each case ends (``--no-progress``: none).
 
 Groups of cases:
 
@@ -117,6 +118,13 @@ class CaseResult:
     seconds: float = 0.0
 
 
+def progress_line(enabled: bool, text: str) -> None:
+    """A line of progress on stderr, where verify draws its bar (none with
+    ``--no-progress``); the runners' long runs are not silent."""
+    if enabled:
+        print(text, file=sys.stderr, flush=True)
+
+
 @dataclass
 class Report:
     model: str
@@ -128,6 +136,14 @@ class Report:
     @property
     def failed(self) -> list[CaseResult]:
         return [c for c in self.cases if not c.ok]
+
+    def add(self, cases: list[CaseResult], progress: bool) -> None:
+        """Record ``cases``, with a progress line each."""
+        for c in cases:
+            self.cases.append(c)
+            progress_line(progress, f"stress: {time.time() - self.started_unix:5.0f} s, {len(self.cases)} "
+                                    f"cases ({len(self.failed)} failed): {'pass' if c.ok else 'FAIL'} "
+                                    f"{c.group}: {c.name} ({c.seconds:.1f} s)")
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "profile": self.profile, "server_args": self.server_args,
@@ -1362,7 +1378,10 @@ GROUPS = ("config", "identity_churn", "user_field", "requests", "client_faults",
 
 
 async def live_cases(base_url: str, profile: str, server_pid: int,
-                     groups: frozenset[str] = frozenset(GROUPS)) -> list[CaseResult]:
+                     groups: frozenset[str] = frozenset(GROUPS),
+                     add: Callable[[list[CaseResult]], None] | None = None) -> list[CaseResult]:
+    """The groups run against the live server; ``add`` is given each group's
+    cases as the group ends."""
     # idle connections dropped after 2 s, before the server's keep-alive
     # (uvicorn's 5 s) closes them: a request sent on a connection the
     # server is closing fails with a ReadError before it reaches vLLM (seen
@@ -1371,40 +1390,60 @@ async def live_cases(base_url: str, profile: str, server_pid: int,
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
         live = Live(base_url, client)
         cases: list[CaseResult] = []
+
+        def record(group_cases: list[CaseResult]) -> None:
+            cases.extend(group_cases)
+            if add is not None:
+                add(group_cases)
+
         if "user_field" in groups:
-            cases += await user_field_cases(live, (True, False))
+            record(await user_field_cases(live, (True, False)))
         if "requests" in groups:
-            cases += await request_cases(live)
+            record(await request_cases(live))
         if "client_faults" in groups:
-            cases += await client_fault_cases(live, 100 if profile == "full" else 20)
+            record(await client_fault_cases(live, 100 if profile == "full" else 20))
         if "identity_churn" in groups:
-            cases.append(await http_churn_case(live, 2000 if profile == "full" else 300, server_pid))
+            record([await http_churn_case(live, 2000 if profile == "full" else 300, server_pid)])
     return cases
 
 
 def run(model: str, profile: str, out_dir: Path, log_dir: Path,
-        groups: frozenset[str] = frozenset(GROUPS)) -> Report:
-    """The cases of ``groups`` (telemetry faults: full profile only)."""
+        groups: frozenset[str] = frozenset(GROUPS), progress: bool = False) -> Report:
+    """The cases of ``groups`` (telemetry faults: full profile only), with a
+    progress line on stderr as each group starts and each case is recorded."""
     from vllm_output_rate.tools.client import Server
 
     report = Report(model, profile, server_args())
+
+    def starting(what: str) -> None:
+        progress_line(progress, f"stress: {time.time() - report.started_unix:5.0f} s, {what}")
+
     if "config" in groups:
+        starting(f"config: {len(CONFIG_CASES)} refused configurations")
         with tempfile.TemporaryDirectory(prefix="output-rate-stress-") as scratch:
             for case in CONFIG_CASES:
-                report.cases.append(check_config_case(case, model, Path(scratch)))
+                report.add([check_config_case(case, model, Path(scratch))], progress)
             if profile == "full":
+                starting(f"config: the same {len(CONFIG_CASES)} as real servers")
                 for case in CONFIG_CASES:
-                    report.cases.append(serve_refuses(case, model, Path(scratch), log_dir))
+                    report.add([serve_refuses(case, model, Path(scratch), log_dir)], progress)
     if "identity_churn" in groups:
-        report.cases.append(identity_churn(1_000_000 if profile == "full" else 20_000, model))
-    if groups & {"user_field", "requests", "client_faults", "identity_churn"}:
+        starting("identity churn in the engine core")
+        report.add([identity_churn(1_000_000 if profile == "full" else 20_000, model)], progress)
+    live = [g for g in ("user_field", "requests", "client_faults", "identity_churn") if g in groups]
+    if live:
+        starting(f"starting a server for {', '.join(live)} (log: {log_dir / 'stress-server.log'})")
         with Server(model, report.server_args, log_dir / "stress-server.log",
                     extra_env={"OUTPUT_RATE_TELEMETRY": "1"}) as server:
-            report.cases += asyncio.run(live_cases(server.base_url, profile, server.proc.pid, groups))
+            starting("the server is up")
+            asyncio.run(live_cases(server.base_url, profile, server.proc.pid, groups,
+                                   lambda cases: report.add(cases, progress)))
     if profile == "full" and "tenants" in groups:
-        report.cases += run_tenant_cases(model, log_dir)
+        starting("tenants")
+        report.add(run_tenant_cases(model, log_dir), progress)
     if profile == "full" and "telemetry_faults" in groups:
-        report.cases += telemetry_fault_cases(model, log_dir)
+        starting("telemetry faults")
+        report.add(telemetry_fault_cases(model, log_dir), progress)
     write_report(out_dir, report)
     return report
 
@@ -1438,6 +1477,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="report directory (default: reports/stress)")
     parser.add_argument("--groups", default=",".join(GROUPS),
                         help=f"comma-separated groups to run (default: all; {', '.join(GROUPS)})")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress lines on stderr (a line per group and per case)")
     args = parser.parse_args(argv)
     groups = frozenset(g.strip() for g in args.groups.split(",") if g.strip())
     if not groups or groups - set(GROUPS):
@@ -1445,7 +1486,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"choose from {', '.join(GROUPS)}")
     model, log_dir = model_and_logs(args.model)
     out = Path(args.out or "reports/stress")
-    report = run(model, args.profile, out, log_dir, groups)
+    report = run(model, args.profile, out, log_dir, groups, not args.no_progress)
     for c in report.cases:
         print(f"{'pass' if c.ok else 'FAIL'}  {c.group:<14} {c.name:<50} {c.measured[:120]}")
     print(f"\n{len(report.cases) - len(report.failed)} passed, {len(report.failed)} failed; "

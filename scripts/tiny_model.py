@@ -90,7 +90,7 @@ def build_model(out_dir: Path) -> None:
         eos_token_id=1,
         pad_token_id=1,
         tie_word_embeddings=False,
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -173,7 +173,7 @@ def build_second_model(out: Path) -> None:
         num_attention_heads=6, num_key_value_heads=3, head_dim=64,
         max_position_embeddings=2048, bos_token_id=fast.bos_token_id,
         eos_token_id=fast.eos_token_id, pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=True, torch_dtype="float32")
+        tie_word_embeddings=True, dtype="float32")
     torch.manual_seed(1)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(str(out), safe_serialization=True)
 

@@ -714,11 +714,25 @@ def _t0(a: Analysis) -> int:
 def plot_timeline(a: Analysis, path: Path) -> None:
     import matplotlib.pyplot as plt
 
+    fig = timeline_figure(a)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def timeline_figure(a: Analysis) -> Any:
+    """Each user's cumulative engine-side tokens with its limit's slope, the
+    phases shaded and named in a legend above the panels."""
+    import matplotlib.pyplot as plt
+
     t0 = _t0(a)
     users = [u for u in a.users_in_run() if a.user_events(u)]
-    fig, axes = plt.subplots(len(users), 1, figsize=(9, 2.3 * max(len(users), 1) + 0.6),
+    fig, axes = plt.subplots(len(users), 1, figsize=(9, 2.3 * max(len(users), 1) + 1.0),
                              sharex=True, squeeze=False)
     phases = _phase_ranges(a)
+    # one shade per phase, named in a legend of its own under the title (names
+    # written on the axes would sit under the per-user legend and on each other)
+    palette = ["tab:orange", "tab:green", "tab:purple", "tab:olive", "tab:cyan", "tab:brown"]
+    shades = dict(zip(phases, palette * len(phases)))
     for ax, user in zip(axes[:, 0], users):
         xs, ys, total = [], [], 0
         for t, n in a.user_events(user):
@@ -731,20 +745,22 @@ def plot_timeline(a: Analysis, path: Path) -> None:
             ax.plot([xs[0], xs[-1]], [ys[0], ys[0] + float(limit) * (xs[-1] - xs[0])], "k:",
                     linewidth=1, label=f"limit slope {float(limit):g} tok/s")
         for name, rng in phases.items():
-            ax.axvspan((rng[0] - t0) / 1e9, (rng[1] - t0) / 1e9, alpha=0.06, color="grey")
+            ax.axvspan((rng[0] - t0) / 1e9, (rng[1] - t0) / 1e9, alpha=0.12, color=shades[name],
+                       linewidth=0)
         ax.set_ylabel("tokens")
         ax.set_title(f"{user} ({'unlimited' if limit is None else f'{float(limit):g} tok/s'})",
                      fontsize=9, loc="left")
-        ax.legend(fontsize=7, loc="upper left")
-    top = axes[0, 0]
-    for name, rng in phases.items():
-        top.text((rng[0] - t0) / 1e9, 0.97, f" {name}", fontsize=8, va="top",
-                 transform=top.get_xaxis_transform())
-    axes[-1, 0].set_xlabel("engine time since the run's first token (s); shaded: phases")
+        ax.legend(fontsize=7, loc="lower right")  # rising curves leave it free
+    if phases:
+        handles = [plt.Rectangle((0, 0), 1, 1, color=shades[n], alpha=0.3) for n in phases]
+        fig.legend(handles, [f"{n} {(r[0] - t0) / 1e9:.1f}-{(r[1] - t0) / 1e9:.1f} s"
+                             for n, r in phases.items()],
+                   title="phases (shaded)", title_fontsize=8, fontsize=8, ncol=len(phases),
+                   loc="upper center", bbox_to_anchor=(0.5, 0.96), frameon=False)
+    axes[-1, 0].set_xlabel("engine time since the run's first token (s)")
     fig.suptitle("Cumulative output tokens per user, engine-side", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fig.tight_layout(rect=(0, 0, 1, 0.93 if phases else 1))
+    return fig
 
 
 def _phase_ranges(a: Analysis) -> dict[str, tuple[int, int]]:

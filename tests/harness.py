@@ -148,7 +148,9 @@ class OtlpHttpReceiver:
         self.spans: list[tuple[str, dict]] = []
         self.paths: list[str] = []
         self.resources: list[dict] = []
-        spans, paths, resources = self.spans, self.paths, self.resources
+        #: (name, version) of each batch's instrumentation scope
+        self.scopes: list[tuple[str, str]] = []
+        spans, paths, resources, scopes = self.spans, self.paths, self.resources, self.scopes
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
@@ -159,6 +161,7 @@ class OtlpHttpReceiver:
                 for rs in req.resource_spans:
                     resources.append({a.key: a.value.string_value for a in rs.resource.attributes})
                     for ss in rs.scope_spans:
+                        scopes.append((ss.scope.name, ss.scope.version))
                         for span in ss.spans:
                             spans.append((span.name, {a.key: a.value for a in span.attributes}))
                 self.send_response(200)

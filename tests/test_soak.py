@@ -142,3 +142,21 @@ def test_the_feature_off_arm_has_no_limits_and_no_state_checks():
     report = soak.Report("m", 10, [], samples=_samples([900.0] * 6, final_requests=2.0))
     soak.analyse_samples(report, 10, state=False)
     assert [c.ok for c in report.checks] == [True]  # RSS only: no state of ours to check
+
+
+def test_a_sample_is_a_progress_line_on_stderr_unless_no_progress(capsys):
+    """What the soak prints per sample (the samples themselves need a live
+    engine: the short soak above): how far it is, RSS, the queues, the
+    requests sent and failed; nothing with progress off."""
+    s = soak.Sample(90.0, 812.4, 301.0, {"limiter.users": 42.0}, running=5, waiting=1)
+    requests = [soak.Request("paced", "soak-mid", 60), soak.Request("churn", "churn-0", 8, error="ReadError: ")]
+    line = soak.sample_line(s, 30, requests)
+    assert line == ("soak: 1.5/30 min, engine core RSS 812 MiB, API server 301 MiB, running 5, "
+                    "waiting 1, 2 requests sent, 1 failed, limiter users 42")
+    soak.progress_line(True, line)
+    soak.progress_line(False, "not shown")
+    out, err = capsys.readouterr()
+    assert out == "" and err == line + "\n"
+    with pytest.raises(SystemExit):  # --no-progress is an option of the command: the error is another
+        soak.main(["--no-progress", "--minutes", "0"])
+    assert "--minutes, --sample-s and --churn-s must be positive" in capsys.readouterr().err

@@ -76,3 +76,23 @@ def test_a_real_server_refuses_a_bad_file_in_one_line(tmp_path):
     result = stress.serve_refuses(case, tiny_model(), tmp_path, tmp_path)
     assert result.ok, result
     assert "error: --output-rate-limits-file" in result.measured
+
+
+@pytest.mark.parametrize("progress", [True, False], ids=["progress", "no-progress"])
+def test_a_line_per_group_and_case_on_stderr_unless_no_progress(tmp_path, capsys, progress):
+    """The config group (parsed in-process, no engine): a line as the group
+    starts and one per case, on stderr; none with --no-progress. The report
+    on stdout either way."""
+    argv = ["--model", tiny_model(), "--groups", "config", "--out", str(tmp_path)]
+    code = stress.main(argv + ([] if progress else ["--no-progress"]))
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("stress: ")]
+    assert code == 0
+    if not progress:
+        assert lines == []
+    else:
+        n = len(stress.CONFIG_CASES)
+        assert len(lines) == 1 + n and f"config: {n} refused configurations" in lines[0]
+        for i, (line, case) in enumerate(zip(lines[1:], stress.CONFIG_CASES), 1):
+            assert f" {i} cases (0 failed): pass config: {case.name} (" in line, line
+    assert f"{len(stress.CONFIG_CASES)} passed, 0 failed" in out

@@ -770,13 +770,53 @@ def test_a_base_endpoint_gets_the_traces_path_and_the_service_comes_from_the_env
     assert [n for n, _ in receiver.spans].count("output_rate.generation") == 3
     resource = receiver.resources[0]
     want_name = {"OTEL_SERVICE_NAME": "llm-gold", "OTEL_RESOURCE_ATTRIBUTES": "llm-eu"}
+    # unset: the SDK's default, what vLLM's own tracer provider carries too
     assert resource["service.name"] == next(
-        (want_name[k] for k in service), "vllm-output-rate")
+        (want_name[k] for k in service), "unknown_service:python")
     if "OTEL_RESOURCE_ATTRIBUTES" in service:
         assert resource["service.version"] == "7" and resource["deployment.environment"] == "prod"
-    else:
-        assert resource["service.version"] == metadata.version("vllm-output-rate")
+    else:  # this package's version is its tracer's, not the service's
+        assert "service.version" not in resource
+    assert {v for _n, v in receiver.scopes} == {metadata.version("vllm-output-rate")}
     assert drops.counts == {"trace_queue_full": 0, "trace_export_failed": 0}
+
+
+@pytest.mark.parametrize("service_name", [None, "llm-gold"])
+def test_our_spans_and_vllms_own_land_in_one_service(monkeypatch, service_name):
+    """vLLM's own tracer (``vllm.tracing.init_tracer``) and ours, in one
+    process, export to one receiver: one service.name and one
+    service.instance.id, with or without OTEL_SERVICE_NAME."""
+    import os
+    import subprocess
+    import sys
+
+    _clear_otel_env(monkeypatch)
+    receiver = OtlpHttpReceiver()
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+    if service_name:
+        env["OTEL_SERVICE_NAME"] = service_name
+    script = ("import sys\n"
+              "from opentelemetry.trace import get_tracer_provider\n"
+              "from vllm.tracing import init_tracer\n"
+              "from vllm_output_rate.tracing.provider import tracer_from, tracer_provider_from_env\n"
+              "init_tracer('vllm.llm_engine', sys.argv[1]).start_span('vllm').end()\n"
+              "ours = tracer_provider_from_env(sys.argv[1])\n"
+              "tracer_from(ours).start_span('ours').end()\n"
+              "ours.shutdown()\n"
+              "get_tracer_provider().shutdown()\n")
+    try:
+        run = subprocess.run([sys.executable, "-c", script, receiver.url], env=env,
+                             capture_output=True, text=True, timeout=300)
+    finally:
+        receiver.close()
+    assert run.returncode == 0, run.stderr
+    assert sorted(n for n, _ in receiver.spans) == ["ours", "vllm"]
+    assert len(receiver.resources) == 2
+    vllm_res, ours_res = sorted(receiver.resources, key=lambda r: "vllm.process_id" in r, reverse=True)
+    assert "vllm.process_id" in vllm_res and "vllm.process_id" not in ours_res
+    for key in ("service.name", "service.instance.id"):
+        assert ours_res[key] == vllm_res[key], key
+    assert ours_res["service.name"] == (service_name or "unknown_service:python")
 
 
 def test_a_comma_separated_exporter_list_exports_to_each(monkeypatch):
@@ -1060,6 +1100,8 @@ def test_offline_traces_are_an_otlp_json_file(tmp_path, monkeypatch, writable):
     the SDK made (names, ids, parents, times, attributes including the
     integer series). A file that cannot be written is a counted export
     failure, the engine goes on."""
+    from importlib import metadata
+
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
     from vllm_output_rate.tracing.provider import TRACES_FILE_ENV
@@ -1083,9 +1125,10 @@ def test_offline_traces_are_an_otlp_json_file(tmp_path, monkeypatch, writable):
         request = _from_otlp_json(line)
         for rs in request.resource_spans:
             resource = {a.key: _any_value(a.value) for a in rs.resource.attributes}
-            assert resource["service.name"] == "vllm-output-rate"
+            assert resource["service.name"] == "unknown_service:python"
             for ss in rs.scope_spans:
                 assert ss.scope.name == "vllm_output_rate"
+                assert ss.scope.version == metadata.version("vllm-output-rate")
                 for span in ss.spans:
                     got[span.span_id] = span
     sdk = {s.context.span_id.to_bytes(8, "big"): s for s in made.get_finished_spans()}

@@ -1,5 +1,5 @@
 """The tracer provider from the environment: whether traces are on, the
-resource (service name and version), the exporters and the counting
+resource (the SDK's, as vLLM's own tracing makes it), the exporters and the counting
 processor in front of them, and the tracer the recorder's spans go to.
 
 Where the data's path is set up: ``telemetry.engine`` makes the provider
@@ -38,8 +38,10 @@ def tracer_provider_from_env(otlp_endpoint: str | None = None,
     ``OTEL_EXPORTER_OTLP_ENDPOINT`` a base URL (over HTTP the exporter adds
     ``/v1/traces``). vLLM's ``--otlp-traces-endpoint`` is a traces endpoint,
     as vLLM uses it. The resource is the SDK's (``OTEL_RESOURCE_ATTRIBUTES``,
-    ``OTEL_SERVICE_NAME``), with ``service.name`` ``vllm-output-rate`` and
-    ``service.version`` this package's version where they set none.
+    ``OTEL_SERVICE_NAME``, else the SDK's ``unknown_service:python``), as
+    vLLM's own tracer provider makes it: the spans land in the service of the
+    vLLM process they come from. This package's version is the tracer's
+    (the instrumentation scope's), not the service's.
     For offline use, ``OUTPUT_RATE_TRACES_FILE``: append the spans to
     that file in OTLP/JSON, one export request per line, as the
     Collector's ``otlpjsonfile`` receiver reads them (instead of the
@@ -77,24 +79,21 @@ def tracer_provider_from_env(otlp_endpoint: str | None = None,
 
 
 def _resource() -> Any:
-    """The SDK's resource from the environment, with our name and version
-    where the environment gives none."""
-    from importlib import metadata
+    """The SDK's resource from the environment, as vLLM's own tracing
+    (``vllm.tracing.otel``) creates it: no service name of ours, so with
+    ``OTEL_SERVICE_NAME`` unset a vLLM process and its limiter are one
+    service."""
+    from opentelemetry.sdk.resources import Resource
 
-    from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
-
-    detected = Resource.create()
-    ours: dict[str, str] = {}
-    if str(detected.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
-        ours[SERVICE_NAME] = "vllm-output-rate"
-    if SERVICE_VERSION not in detected.attributes:
-        try:
-            ours[SERVICE_VERSION] = metadata.version("vllm-output-rate")
-        except metadata.PackageNotFoundError:  # pragma: no cover - not installed
-            pass
-    return detected.merge(Resource(ours)) if ours else detected
+    return Resource.create()
 
 
 def tracer_from(provider: Any) -> Any:
     """The tracer of this package on ``provider``."""
-    return provider.get_tracer(_TRACER_NAME)
+    from importlib import metadata
+
+    try:
+        version = metadata.version("vllm-output-rate")
+    except metadata.PackageNotFoundError:  # pragma: no cover - not installed
+        version = None
+    return provider.get_tracer(_TRACER_NAME, version)
