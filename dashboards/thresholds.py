@@ -12,11 +12,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from vllm_output_rate.config import ANONYMOUS_USER, UNLISTED_USER
 from vllm_output_rate.limiter import BURST_NS
 from vllm_output_rate.telemetry.labels import OTHER
+from vllm_output_rate.yaml_load import safe_load
 
 HERE = Path(__file__).resolve().parent
 
@@ -111,8 +110,7 @@ def check_kubernetes(k8s: dict[str, Any]) -> None:
 
 
 def load_thresholds(path: Path = HERE / "thresholds.yaml") -> dict[str, Any]:
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    data = safe_load(Path(path).read_text(), str(path))  # a key given twice is refused
     check_fleet(data["fleet"])
     check_kubernetes(data["kubernetes"])
     check_limits_differ(data["limits_differ"], data["fleet"])

@@ -157,6 +157,14 @@ _CONFIG_KEYS = {
 UNLIMITED = "unlimited"
 
 
+def ceiling_problem(rate: Fraction, ceiling: Fraction | str | None) -> str | None:
+    """Why ``ceiling`` cannot go with ``rate`` (None: it can)."""
+    if ceiling not in (None, UNLIMITED) and ceiling < rate:
+        return (f"ceiling {ceiling} is below the rate {rate} (a ceiling bounds what is "
+                f"borrowed above it)")
+    return None
+
+
 @dataclass(frozen=True)
 class OutputRateConfig:
     """The limits of one engine. Present means the feature is on.
@@ -204,11 +212,11 @@ class OutputRateConfig:
             except SharedStateError as exc:
                 raise OutputRateConfigError(str(exc)) from None
         for user, ceiling in [*self.ceilings.items(), (None, self.default_ceiling)]:
-            rate = self.default_rate if user is None else self.rate_of(user)
-            if ceiling not in (None, UNLIMITED) and ceiling < rate:
+            problem = ceiling_problem(self.default_rate if user is None else self.rate_of(user),
+                                      ceiling)
+            if problem:
                 raise OutputRateConfigError(
-                    f"{'default' if user is None else f'users.{user}'}: ceiling {ceiling} "
-                    f"is below the rate {rate} (a ceiling bounds what is borrowed above it)")
+                    f"{'default' if user is None else f'users.{user}'}: {problem}")
         if self.shared_state is not None and self.borrowing:
             raise OutputRateConfigError(
                 f"{SHARED_STATE_OPTION}: borrowing (a limit with a ceiling) is not "
@@ -415,6 +423,18 @@ def config_of(vllm_config: Any) -> OutputRateConfig | None:
 
 #: Top-level keys of a limits file.
 LIMITS_FILE_KEYS = ("default", "tiers", "users")
+#: The keys of a limit written as a pair (``{rate: R, ceiling: C}``).
+PAIR_KEYS = ("rate", "ceiling")
+
+
+class ConfigFileError(OutputRateConfigError):
+    """A file (limits, API keys) that cannot be used: ``errors`` holds every
+    error found, one line each (``FILE:LINE: KEY: what, got VALUE``), in the
+    file's order."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = list(errors)
+        super().__init__("\n".join(self.errors))
 
 
 def read_limits_file(path: str) -> bytes:
@@ -436,109 +456,15 @@ def load_limits_file(path: str) -> OutputRateConfig:
     content = read_limits_file(path)  # its errors name the option already
     try:
         return parse_limits_document(content, path)
-    except OutputRateConfigError as exc:
-        raise OutputRateConfigError(f"{LIMITS_FILE_OPTION} {exc}") from None
+    except ConfigFileError as exc:
+        raise ConfigFileError([f"{LIMITS_FILE_OPTION} {e}" for e in exc.errors]) from None
 
 
 def parse_limits_document(content: bytes, path: str) -> OutputRateConfig:
-    """A limits file's content, checked: every error names the file, the key
-    path and the value.
+    """A limits file's content, checked (``vllm_output_rate.limits_file``):
+    the one parser of the engine's start-up, its reloads and
+    ``vllm-output-rate check-limits``. Raises ``ConfigFileError`` naming
+    every error found, each with the file, the line, the key and the value."""
+    from vllm_output_rate.limits_file import parse_document
 
-    ``default``: the limit of users not listed (required); ``tiers``: named
-    limits; ``users``: user id -> a limit or a tier name. Limits are numbers
-    of tokens per second, exact as on the command line (0.1 is 1/10).
-    """
-    import yaml  # JSON is YAML: one parser for both
-
-    def fail(where: str, what: str) -> OutputRateConfigError:
-        return OutputRateConfigError(f"{path}: {where}: {what}")
-
-    try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise OutputRateConfigError(f"{path}: not UTF-8 text ({exc})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise OutputRateConfigError(f"{path}: not valid YAML or JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise OutputRateConfigError(
-            f"{path}: expected a mapping with keys {', '.join(LIMITS_FILE_KEYS)}, "
-            f"got {type(data).__name__}"
-        )
-    unknown = [k for k in data if k not in LIMITS_FILE_KEYS]
-    if unknown:
-        raise OutputRateConfigError(
-            f"{path}: unknown key(s) {', '.join(repr(k) for k in unknown)} "
-            f"(expected {', '.join(LIMITS_FILE_KEYS)})"
-        )
-    if "default" not in data:
-        raise OutputRateConfigError(
-            f"{path}: 'default' is required (the limit of users not listed)"
-        )
-
-    def limit(value: Any, where: str) -> tuple[Fraction, Fraction | str | None]:
-        """A rate, or a pair ``{rate: R, ceiling: C}``: (rate, ceiling)."""
-        ceiling = None
-        if isinstance(value, dict):
-            extra = sorted(set(map(str, value)) - {"rate", "ceiling"})
-            if extra or "rate" not in value:
-                raise fail(where, f"expected a limit or {{rate: R, ceiling: C}}, got {value!r}")
-            if value.get("ceiling") is not None:
-                try:
-                    ceiling = parse_ceiling(value["ceiling"], f"{where}.ceiling")
-                except OutputRateConfigError as exc:
-                    raise OutputRateConfigError(f"{path}: {exc}") from None
-            value = value["rate"]
-            where = f"{where}.rate"
-        try:
-            return parse_rate(value, where), ceiling
-        except OutputRateConfigError as exc:
-            raise OutputRateConfigError(f"{path}: {exc}") from None
-
-    default, default_ceiling = limit(data["default"], "default")
-    tiers_in = data.get("tiers") or {}
-    if not isinstance(tiers_in, dict):
-        raise fail("tiers", f"expected a mapping of tier name -> limit, got {tiers_in!r}")
-    tiers: dict[str, Fraction] = {}
-    tier_ceilings: dict[str, Fraction | str] = {}
-    for name, value in tiers_in.items():
-        if not isinstance(name, str) or not name:
-            raise fail("tiers", f"tier names must be non-empty strings, got {name!r}")
-        tiers[name], ceiling = limit(value, f"tiers.{name}")
-        if ceiling is not None:
-            tier_ceilings[name] = ceiling
-    users_in = data.get("users") or {}
-    if not isinstance(users_in, dict):
-        raise fail("users", f"expected a mapping of user id -> limit or tier, got {users_in!r}")
-    user_rates: dict[str, Fraction] = {}
-    user_tiers: dict[str, str] = {}
-    ceilings: dict[str, Fraction | str] = {}
-    for user, value in users_in.items():
-        if isinstance(user, bool) or not isinstance(user, (str, int)) or user == "":
-            raise fail("users", f"user ids must be non-empty strings, got {user!r}")
-        user = str(user)
-        if len(user) > MAX_USER_LEN:
-            raise fail("users", f"user id {user[:40]!r}... is longer than {MAX_USER_LEN} characters")
-        if isinstance(value, str) and value.strip() in tiers:
-            user_tiers[user] = value.strip()
-            user_rates[user] = tiers[value.strip()]
-            if value.strip() in tier_ceilings:
-                ceilings[user] = tier_ceilings[value.strip()]
-            continue
-        if isinstance(value, str):
-            try:
-                Fraction(value.strip())
-            except (ValueError, ZeroDivisionError):
-                raise fail(f"users.{user}", f"{value!r} is neither a limit nor a tier "
-                           f"(tiers: {', '.join(tiers) or 'none'})") from None
-        user_rates[user], ceiling = limit(value, f"users.{user}")
-        if ceiling is not None:
-            ceilings[user] = ceiling
-    try:
-        return OutputRateConfig(default, user_rates, tiers=tiers, user_tiers=user_tiers,
-                                limits_file=path, digest=hashlib.sha256(content).hexdigest(),
-                                ceilings=ceilings, tier_ceilings=tier_ceilings,
-                                default_ceiling=default_ceiling)
-    except OutputRateConfigError as exc:
-        raise OutputRateConfigError(f"{path}: {exc}") from None
+    return parse_document(content, path)
