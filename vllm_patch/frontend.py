@@ -115,23 +115,27 @@ def parse_api_keys(content: bytes, path: str) -> dict[str, str]:
         raise OutputRateConfigError(
             f"{path}: expected one key 'keys', a mapping of SHA-256 (hex) of an API "
             f"key -> user (make one with: printf %s KEY | sha256sum)")
-    errors = [d.message(path, lambda k: f"{str(k)[:8]}...") for d in doc.duplicates]
+    def shown(key: Any) -> str:  # a digest by its first 8 hex digits
+        return str(key) if key == "keys" else f"{str(key)[:8]}..."
+
+    errors = [(d.again, d.message(path, shown)) for d in doc.duplicates]
     keys: dict[str, str] = {}
     for digest, user in data["keys"].items():
-        where = f"{path}:{doc.line_of(('keys', digest))}: keys.{str(digest)[:8]}..."
+        line = doc.line_of(("keys", digest))
+        where = f"{path}:{line}: keys.{str(digest)[:8]}..."
         if not isinstance(digest, str) or not _HEX64.match(digest.strip().lower()):
-            errors.append(f"{where}: not a SHA-256 hex digest (64 hex digits); "
-                          f"the file holds digests of keys, never keys")
+            errors.append((line, f"{where}: not a SHA-256 hex digest (64 hex digits); "
+                                 f"the file holds digests of keys, never keys"))
         elif isinstance(user, bool) or not isinstance(user, (str, int)) or user == "":
-            errors.append(f"{where}: expected a user id, got {user!r}")
+            errors.append((line, f"{where}: expected a user id, got {user!r}"))
         elif len(str(user)) > MAX_USER_LEN:
-            errors.append(f"{where}: user id longer than {MAX_USER_LEN} characters")
+            errors.append((line, f"{where}: user id longer than {MAX_USER_LEN} characters"))
         elif digest.strip().lower() in keys:
-            errors.append(f"{where}: the digest is listed twice (in another case or spacing)")
+            errors.append((line, f"{where}: the digest is listed twice (in another case or spacing)"))
         else:
             keys[digest.strip().lower()] = str(user)
     if errors:
-        raise ConfigFileError(errors)
+        raise ConfigFileError([m for _, m in sorted(errors, key=lambda e: e[0])])
     return keys
 
 
