@@ -18,15 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from harness import REPO
-from vllm_output_rate.config import (
-    LIMITS_FILE_KEYS,
-    PAIR_KEYS,
-    ConfigFileError,
-    load_limits_file,
-    parse_limits_document,
-)
+from vllm_output_rate.config import ConfigFileError, load_limits_file, parse_limits_document
 from vllm_output_rate.frontend import key_digest, parse_api_keys
-from vllm_output_rate.limits_file import schema
+from vllm_output_rate.limits_file import LIMITS_FILE_KEYS, PAIR_KEYS, schema
 from vllm_output_rate.limits_watch import LimitsWatcher
 from vllm_output_rate.tools import check_limits
 from vllm_output_rate.yaml_load import DuplicateKeyError, load_json, load_yaml, safe_load

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
+from vllm_output_rate.limit_values import (  # (their home was here: still importable from here)
+    MAX_USER_LEN,
+    UNLIMITED,
+    ConfigFileError,
+    OutputRateConfigError,
+    ceiling_problem,
+    parse_ceiling,
+    parse_rate,
+)
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, parse_shared_state
 
 DEFAULT_OPTION = "--default-user-output-tokens-per-second"
@@ -39,61 +47,6 @@ TRUSTED_FIELD = "output_rate_identity"
 #: with ``--otlp-traces-endpoint``.
 TRACEPARENT_FIELD = "output_rate_traceparent"
 TRACESTATE_FIELD = "output_rate_tracestate"
-#: Longest user id kept; longer ids are cut (they are still one user each).
-MAX_USER_LEN = 256
-
-# 1e9 tok/s is far beyond any model; above it the integer state only grows.
-_MAX_RATE = Fraction(10**9)
-
-
-class OutputRateConfigError(ValueError):
-    """A limit option has a value that cannot be used."""
-
-
-def parse_rate(value: Any, option: str) -> Fraction:
-    """One limit, in tokens per second, as an exact fraction.
-
-    Accepts positive finite numbers given as int, float or decimal string
-    ("20", "0.5", "1e2"). Decimal strings and floats are taken at their
-    shortest decimal spelling, so 0.1 means exactly 1/10.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str, Fraction)):
-        raise OutputRateConfigError(
-            f"{option}: expected a number of tokens per second, got {value!r}"
-        )
-    text = value.strip() if isinstance(value, str) else value
-    try:
-        if isinstance(text, float):
-            if not math.isfinite(text):
-                raise ValueError
-            rate = Fraction(repr(text))
-        else:
-            rate = Fraction(text)
-    except (ValueError, ZeroDivisionError, OverflowError):
-        raise OutputRateConfigError(
-            f"{option}: expected a positive finite number of tokens per second, "
-            f"got {value!r}"
-        ) from None
-    if rate <= 0:
-        raise OutputRateConfigError(
-            f"{option}: a limit must be greater than 0 tokens per second, "
-            f"got {value!r}"
-        )
-    if rate > _MAX_RATE:
-        raise OutputRateConfigError(
-            f"{option}: {value!r} tokens per second is beyond any model "
-            f"(at most {_MAX_RATE})"
-        )
-    return rate
-
-
-def parse_ceiling(value: Any, option: str) -> Fraction | str:
-    """A ceiling: a limit (``parse_rate``) or ``unlimited``."""
-    if isinstance(value, str) and value.strip().lower() == UNLIMITED:
-        return UNLIMITED
-    return parse_rate(value, option)
-
-
 def parse_user_rates(value: Any, option: str = USERS_OPTION) -> dict[str, Fraction]:
     """The per-user overrides: a JSON object of user id -> tokens per second."""
     if value is None:
@@ -152,18 +105,6 @@ _CONFIG_KEYS = {
     "tier_ceilings",
     "default_ceiling",
 }
-
-#: A ceiling no token count bounds (the limits file's ``ceiling: unlimited``).
-UNLIMITED = "unlimited"
-
-
-def ceiling_problem(rate: Fraction, ceiling: Fraction | str | None) -> str | None:
-    """Why ``ceiling`` cannot go with ``rate`` (None: it can)."""
-    if ceiling not in (None, UNLIMITED) and ceiling < rate:
-        return (f"ceiling {ceiling} is below the rate {rate} (a ceiling bounds what is "
-                f"borrowed above it)")
-    return None
-
 
 @dataclass(frozen=True)
 class OutputRateConfig:
@@ -421,22 +362,6 @@ def config_of(vllm_config: Any) -> OutputRateConfig | None:
 
 # -- the limits file ------------------------------------------------------------
 
-#: Top-level keys of a limits file.
-LIMITS_FILE_KEYS = ("default", "tiers", "users")
-#: The keys of a limit written as a pair (``{rate: R, ceiling: C}``).
-PAIR_KEYS = ("rate", "ceiling")
-
-
-class ConfigFileError(OutputRateConfigError):
-    """A file (limits, API keys) that cannot be used: ``errors`` holds every
-    error found, one line each (``FILE:LINE: KEY: what, got VALUE``), in the
-    file's order."""
-
-    def __init__(self, errors: list[str]) -> None:
-        self.errors = list(errors)
-        super().__init__("\n".join(self.errors))
-
-
 def read_limits_file(path: str) -> bytes:
     """The file's bytes; a clear error when it cannot be read."""
     try:
@@ -467,4 +392,10 @@ def parse_limits_document(content: bytes, path: str) -> OutputRateConfig:
     every error found, each with the file, the line, the key and the value."""
     from vllm_output_rate.limits_file import parse_document
 
-    return parse_document(content, path)
+    try:
+        return OutputRateConfig(**parse_document(content, path), limits_file=path,
+                                digest=hashlib.sha256(content).hexdigest())
+    except ConfigFileError:
+        raise
+    except OutputRateConfigError as exc:
+        raise ConfigFileError([f"{path}: {exc}"]) from None

@@ -3,7 +3,8 @@ Schema, from the same tables.
 
 ``parse_document`` is the one reader of a limits file: the engine's start-up,
 its live reloads (``limits_watch``) and ``vllm-output-rate check-limits`` all
-call it (through ``config.parse_limits_document``). It reports every error it
+call it (through ``config.parse_limits_document``, which makes the
+``OutputRateConfig``). It reports every error it
 finds, not only the first: keys given twice (``yaml_load``), unknown keys,
 and each bad limit of ``default``, ``tiers`` and ``users``, one line each
 naming the file, the line, the key and the value.
@@ -16,24 +17,25 @@ above its rate, a limit at most ``10**9``) only the parser checks.
 
 from __future__ import annotations
 
-import hashlib
 from fractions import Fraction
 from typing import Any
 
-from vllm_output_rate.config import (
-    _MAX_RATE,
-    LIMITS_FILE_KEYS,
+from vllm_output_rate.limit_values import (
+    MAX_RATE,
     MAX_USER_LEN,
-    PAIR_KEYS,
     UNLIMITED,
     ConfigFileError,
-    OutputRateConfig,
     OutputRateConfigError,
     ceiling_problem,
     parse_ceiling,
     parse_rate,
 )
 from vllm_output_rate.yaml_load import KeyPath, load_yaml
+
+#: Top-level keys of a limits file.
+LIMITS_FILE_KEYS = ("default", "tiers", "users")
+#: The keys of a limit written as a pair (``{rate: R, ceiling: C}``).
+PAIR_KEYS = ("rate", "ceiling")
 
 Ceiling = Fraction | str | None
 
@@ -85,8 +87,10 @@ def _limit(value: Any, keys: KeyPath, errors: _Errors) -> tuple[Fraction, Ceilin
     return (rate, ceiling) if ok and not problem else None
 
 
-def parse_document(content: bytes, path: str) -> OutputRateConfig:
-    """A limits file's content as the engine's limits. ``default``: the limit
+def parse_document(content: bytes, path: str) -> dict[str, Any]:
+    """A limits file's content as the fields of the engine's limits
+    (``config.OutputRateConfig``, which ``config.parse_limits_document``
+    makes of them). ``default``: the limit
     of users not listed (required); ``tiers``: named limits; ``users``: user
     id -> a limit or a tier name. Limits are numbers of tokens per second,
     exact as on the command line (0.1 is 1/10), or pairs ``{rate, ceiling}``.
@@ -123,13 +127,9 @@ def parse_document(content: bytes, path: str) -> OutputRateConfig:
     user_rates, user_tiers, ceilings = _users(data.get("users"), tiers, tier_ceilings, errors)
     errors.raise_any()
     assert default is not None
-    try:
-        return OutputRateConfig(default[0], user_rates, tiers=tiers, user_tiers=user_tiers,
-                                limits_file=path, digest=hashlib.sha256(content).hexdigest(),
-                                ceilings=ceilings, tier_ceilings=tier_ceilings,
-                                default_ceiling=default[1])
-    except OutputRateConfigError as exc:
-        raise ConfigFileError([f"{path}: {exc}"]) from None
+    return {"default_rate": default[0], "user_rates": user_rates, "tiers": tiers,
+            "user_tiers": user_tiers, "ceilings": ceilings, "tier_ceilings": tier_ceilings,
+            "default_ceiling": default[1]}
 
 
 def _mapping(value: Any, key: str, what: str, errors: _Errors) -> dict:
@@ -212,8 +212,8 @@ NUMBER_PATTERN = (rf"^\s*\+?(({_DIGITS}(\.({_DIGITS})?)?|\.{_DIGITS})([eE][-+]?{
 def schema() -> dict[str, Any]:
     """The limits file's JSON Schema (draft 2020-12)."""
     rate = {"description": "tokens per second: a number above 0, at most "
-                           f"{_MAX_RATE}, or the same as a string (\"0.5\", \"1/3\")",
-            "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": int(_MAX_RATE)},
+                           f"{MAX_RATE}, or the same as a string (\"0.5\", \"1/3\")",
+            "anyOf": [{"type": "number", "exclusiveMinimum": 0, "maximum": int(MAX_RATE)},
                       {"type": "string", "pattern": NUMBER_PATTERN}]}
     any_case = "".join(f"[{c.lower()}{c.upper()}]" for c in UNLIMITED)
     ceiling = {"description": f"the most a user may borrow up to, or \"{UNLIMITED}\"",
