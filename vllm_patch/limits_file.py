@@ -18,7 +18,7 @@ above its rate, a limit at most ``10**9``) only the parser checks.
 from __future__ import annotations
 
 from fractions import Fraction
-from typing import Any
+from typing import Any, Callable
 
 from vllm_output_rate.limit_values import (
     MAX_RATE,
@@ -43,8 +43,8 @@ Ceiling = Fraction | str | None
 class _Errors:
     """The errors of one document, each at its line."""
 
-    def __init__(self, path: str, lines) -> None:
-        self.path, self.line_of = path, lines
+    def __init__(self, path: str, line_of: Callable[[KeyPath], int]) -> None:
+        self.path, self.line_of = path, line_of
         self.found: list[tuple[int, str]] = []
 
     def add(self, keys: KeyPath, what: str) -> None:
@@ -88,11 +88,10 @@ def _limit(value: Any, keys: KeyPath, errors: _Errors) -> tuple[Fraction, Ceilin
 
 
 def parse_document(content: bytes, path: str) -> dict[str, Any]:
-    """A limits file's content as the fields of the engine's limits
-    (``config.OutputRateConfig``, which ``config.parse_limits_document``
-    makes of them). ``default``: the limit
-    of users not listed (required); ``tiers``: named limits; ``users``: user
-    id -> a limit or a tier name. Limits are numbers of tokens per second,
+    """A limits file's content as the fields of the engine's limits (of
+    which ``config.parse_limits_document`` makes the ``OutputRateConfig``).
+    ``default``: the limit of users not listed (required); ``tiers``: named
+    limits; ``users``: user id -> a limit or a tier name. Limits are numbers of tokens per second,
     exact as on the command line (0.1 is 1/10), or pairs ``{rate, ceiling}``.
     Raises ``ConfigFileError`` with every error found."""
     import yaml  # JSON is YAML: one parser for both
