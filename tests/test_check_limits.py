@@ -98,10 +98,11 @@ def test_the_command_passes_a_good_file_and_fails_a_bad_one_naming_each_error(tm
     assert f"{good}: valid" in failed.stdout  # the good one still said so
 
 
-def test_usage_errors_exit_2(tmp_path):
+def test_usage_errors_exit_2_and_an_unreadable_file_1(tmp_path, capsys):
     assert run_command().returncode == 2
-    missing = check_limits.main([str(tmp_path / "missing.yaml")])
-    assert missing == 1
+    missing = tmp_path / "missing.yaml"
+    assert check_limits.main([str(missing)]) == 1
+    assert capsys.readouterr().err == f"{missing}: cannot read it (No such file or directory)\n"
 
 
 def test_the_checks_are_the_engines(tmp_path):
