@@ -86,14 +86,18 @@ _MERGE = "tag:yaml.org,2002:merge"
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
+#: a key no path goes through (a complex one: PyYAML's safe loader refuses it)
+_NO_KEY = object()
+
+
 def _key(loader: Any, node: yaml.Node) -> Any:
     if not isinstance(node, yaml.ScalarNode):
-        return None  # a complex key: no path through it (PyYAML's safe loader refuses it)
+        return _NO_KEY
     value = loader.construct_object(node, deep=True)
     try:
         hash(value)
     except TypeError:
-        return None
+        return _NO_KEY
     return value
 
 
@@ -121,7 +125,7 @@ def _walk(loader: Any, node: yaml.Node, keys: KeyPath, doc: Document,
             continue
         key = _key(loader, key_node)
         line = key_node.start_mark.line + 1
-        if key is not None:
+        if key is not _NO_KEY:
             if key in seen:
                 first, first_value = seen[key]
                 doc.duplicates.append(Duplicate((*keys, key), first, line,
