@@ -13,11 +13,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from vllm_output_rate.config import ANONYMOUS_USER, UNLISTED_USER
 from vllm_output_rate.limiter import BURST_NS
 from vllm_output_rate.telemetry.labels import OTHER
+from vllm_output_rate.yaml_load import safe_load
 
 HERE = Path(__file__).resolve().parent
 
@@ -158,8 +157,7 @@ def check_thresholds(data: dict[str, Any]) -> None:
 
 def load_thresholds(path: Path = HERE / "thresholds.yaml") -> dict[str, Any]:
     """``path`` read and checked, with the limiter's burst added."""
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    data = safe_load(Path(path).read_text(), str(path))  # a key given twice is refused
     try:
         check_thresholds(data)
     except ValueError as exc:

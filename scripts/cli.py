@@ -34,6 +34,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "twin": ("vllm_output_rate.tools.twin",
              "what-if twin: vLLM's scheduler and the limiter on a workload in virtual time "
              "(run, compare, workload, calibrate, scale)"),
+    "check-limits": ("vllm_output_rate.tools.check_limits",
+                     "check limits and keys files offline with the engine's own parser "
+                     "(CI, pre-commit); --schema prints the JSON Schema"),
     "fairness": ("vllm_output_rate.tools.fairness",
                  "fairness benchmark: FCFS, priority, a gateway's token limit, capped and "
                  "borrowing on the same workloads, side by side"),

@@ -12,7 +12,10 @@
 - ``docs/alerts.md``: the alert rules, ``dashboards/prometheus/alerts.rules.yaml``
   (itself generated from the metric table and ``dashboards/thresholds.yaml``);
 - ``docs/layout.md``: every module of the installed folders, with the first
-  paragraph of its docstring.
+  paragraph of its docstring;
+- ``docs/limits-file.md`` and ``docs/limits.schema.json``: the limits file's
+  JSON Schema (``vllm_patch/limits_file.py``, ``schema()``), what
+  ``vllm-output-rate check-limits --schema`` prints.
 
 ``tests/test_docs.py`` fails when a page differs from what this writes.
 """
@@ -20,6 +23,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -27,6 +31,7 @@ from pathlib import Path
 from vllm_output_rate import plugin, settings
 from vllm_output_rate.config import ADDITIONAL_CONFIG_KEY
 from vllm_output_rate.dashboards.generate import write_outputs
+from vllm_output_rate.limits_file import schema
 from vllm_output_rate.telemetry import metrics
 from vllm_output_rate.tools import cli
 
@@ -236,10 +241,46 @@ def layout_page(root: Path | None = None) -> str:
             + "\n".join(lines))
 
 
+def limits_file_page() -> str:
+    doc = schema()
+    rows = [(f"`{key}`", "yes" if key in doc["required"] else "no", prop["description"])
+            for key, prop in doc["properties"].items()]
+    text = json.dumps(doc, indent=2)
+    lines = [
+        "# The limits file",
+        "",
+        "What `--output-rate-limits-file` takes (YAML, or the same as JSON): how to use it in "
+        "[operations](operations.md#change-a-limit-without-a-restart). "
+        "`vllm-output-rate check-limits FILE` checks one offline with the engine's own parser; "
+        "a key given twice is an error.",
+        "",
+        *_table(("key", "required", "what"), rows),
+        "A limit: " + doc["$defs"]["rate"]["description"] + "; or a pair `{rate: R, ceiling: C}`, "
+        "C " + doc["$defs"]["ceiling"]["description"] + ".",
+        "",
+        "## JSON Schema",
+        "",
+        "The file's shape, for editors and CI validators (the same as "
+        "[limits.schema.json](limits.schema.json) and `vllm-output-rate check-limits --schema`). "
+        "A YAML editor with the YAML language server picks it up from a first line "
+        "`# yaml-language-server: $schema=<URL of limits.schema.json>`. Only the parser checks "
+        "what a schema cannot say: that a user's tier is one of `tiers`, that a ceiling is at "
+        "or above its rate, the size of a number written as a string, and YAML's `.nan`.",
+        "",
+        "```json",
+        text,
+        "```",
+        "",
+    ]
+    return HEAD.format(source="`vllm_patch/limits_file.py`") + "\n".join(lines)
+
+
 #: page (relative to the checkout) -> its text
 def pages() -> dict[str, str]:
     return {"docs/metrics.md": metrics_page(), "docs/settings.md": settings_page(),
-            "docs/alerts.md": alerts_page(), "docs/layout.md": layout_page()}
+            "docs/alerts.md": alerts_page(), "docs/layout.md": layout_page(),
+            "docs/limits-file.md": limits_file_page(),
+            "docs/limits.schema.json": json.dumps(schema(), indent=2) + "\n"}
 
 
 def main(argv: list[str] | None = None) -> int:

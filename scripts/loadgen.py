@@ -470,18 +470,17 @@ def load_scenario(path: str | Path | None = None) -> Scenario:
         text = p.read_text()
     except OSError as exc:
         raise ScenarioError(f"{p}: cannot read the scenario file ({exc.strerror or exc})") from None
-    if p.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ScenarioError(f"{p}: not valid JSON: {exc}") from None
-    else:
-        import yaml
+    import yaml
 
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            raise ScenarioError(f"{p}: not valid YAML: {exc}") from None
+    from vllm_output_rate.yaml_load import DuplicateKeyError, load_json, safe_load
+
+    try:  # a key given twice is refused, naming both lines
+        data = load_json(text, str(p)) if p.suffix == ".json" else safe_load(text, str(p))
+    except DuplicateKeyError as exc:
+        raise ScenarioError(str(exc)) from None
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        kind = "JSON" if p.suffix == ".json" else "YAML"
+        raise ScenarioError(f"{p}: not valid {kind}: {exc}") from None
     return parse_scenario(data, str(p))
 
 

@@ -56,6 +56,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from vllm_output_rate.yaml_load import DuplicateKeyError, load_json
+
 _POSITIVE_INT = {"type": "integer", "minimum": 1}
 _TIME = {"type": "number", "minimum": 0, "description": "seconds from the start of the run"}
 
@@ -187,7 +189,9 @@ def read_workload(path: str) -> Workload:
             continue
         where = f"{path}:{i}"
         try:
-            obj = json.loads(text)
+            obj = load_json(text, path, i)
+        except DuplicateKeyError as exc:  # a field given twice, named
+            raise WorkloadError(str(exc)) from None
         except ValueError as exc:
             raise WorkloadError(f"{where}: not JSON ({exc})") from None
         events.append(parse_line(obj, where, base_dir, i))

@@ -97,7 +97,7 @@ def test_pairs_in_the_limits_file(tmp_path):
 
 
 @pytest.mark.parametrize("text, match", [
-    ("default: {rate: 5, ceiling: 2}\n", r"limits.yaml: default: ceiling 2 is below the rate 5"),
+    ("default: {rate: 5, ceiling: 2}\n", r"limits.yaml:1: default: ceiling 2 is below the rate 5"),
     ("default: 5\nusers: {a: {rate: 5, ceil: 9}}\n", r"users.a: expected a limit or"),
     ("default: 5\nusers: {a: {ceiling: 9}}\n", r"users.a: expected a limit or"),
     ("default: 5\nusers: {a: {rate: 5, ceiling: lots}}\n", r"users.a.ceiling"),

@@ -9,12 +9,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Any
 
+from vllm_output_rate.limit_values import (  # (their home was here: still importable from here)
+    MAX_USER_LEN,
+    UNLIMITED,
+    ConfigFileError,
+    OutputRateConfigError,
+    ceiling_problem,
+    parse_ceiling,
+    parse_rate,
+)
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, parse_shared_state
 
 DEFAULT_OPTION = "--output-rate-default-tokens-per-second"
@@ -42,61 +50,6 @@ TRUSTED_FIELD = "output_rate_identity"
 #: with ``--otlp-traces-endpoint``.
 TRACEPARENT_FIELD = "output_rate_traceparent"
 TRACESTATE_FIELD = "output_rate_tracestate"
-#: Longest user id kept; longer ids are cut (they are still one user each).
-MAX_USER_LEN = 256
-
-# 1e9 tok/s is far beyond any model; above it the integer state only grows.
-_MAX_RATE = Fraction(10**9)
-
-
-class OutputRateConfigError(ValueError):
-    """A limit option has a value that cannot be used."""
-
-
-def parse_rate(value: Any, option: str) -> Fraction:
-    """One limit, in tokens per second, as an exact fraction.
-
-    Accepts positive finite numbers given as int, float or decimal string
-    ("20", "0.5", "1e2"). Decimal strings and floats are taken at their
-    shortest decimal spelling, so 0.1 means exactly 1/10.
-    """
-    if isinstance(value, bool) or not isinstance(value, (int, float, str, Fraction)):
-        raise OutputRateConfigError(
-            f"{option}: expected a number of tokens per second, got {value!r}"
-        )
-    text = value.strip() if isinstance(value, str) else value
-    try:
-        if isinstance(text, float):
-            if not math.isfinite(text):
-                raise ValueError
-            rate = Fraction(repr(text))
-        else:
-            rate = Fraction(text)
-    except (ValueError, ZeroDivisionError, OverflowError):
-        raise OutputRateConfigError(
-            f"{option}: expected a positive finite number of tokens per second, "
-            f"got {value!r}"
-        ) from None
-    if rate <= 0:
-        raise OutputRateConfigError(
-            f"{option}: a limit must be greater than 0 tokens per second, "
-            f"got {value!r}"
-        )
-    if rate > _MAX_RATE:
-        raise OutputRateConfigError(
-            f"{option}: {value!r} tokens per second is beyond any model "
-            f"(at most {_MAX_RATE})"
-        )
-    return rate
-
-
-def parse_ceiling(value: Any, option: str) -> Fraction | str:
-    """A ceiling: a limit (``parse_rate``) or ``unlimited``."""
-    if isinstance(value, str) and value.strip().lower() == UNLIMITED:
-        return UNLIMITED
-    return parse_rate(value, option)
-
-
 def parse_user_rates(value: Any, option: str = USERS_OPTION) -> dict[str, Fraction]:
     """The per-user overrides: a JSON object of user id -> tokens per second."""
     if value is None:
@@ -156,10 +109,6 @@ _CONFIG_KEYS = {
     "default_ceiling",
 }
 
-#: A ceiling no token count bounds (the limits file's ``ceiling: unlimited``).
-UNLIMITED = "unlimited"
-
-
 @dataclass(frozen=True)
 class OutputRateConfig:
     """The limits of one engine. Present means the feature is on.
@@ -207,11 +156,11 @@ class OutputRateConfig:
             except SharedStateError as exc:
                 raise OutputRateConfigError(str(exc)) from None
         for user, ceiling in [*self.ceilings.items(), (None, self.default_ceiling)]:
-            rate = self.default_rate if user is None else self.rate_of(user)
-            if ceiling not in (None, UNLIMITED) and ceiling < rate:
+            problem = ceiling_problem(self.default_rate if user is None else self.rate_of(user),
+                                      ceiling)
+            if problem:
                 raise OutputRateConfigError(
-                    f"{'default' if user is None else f'users.{user}'}: ceiling {ceiling} "
-                    f"is below the rate {rate} (a ceiling bounds what is borrowed above it)")
+                    f"{'default' if user is None else f'users.{user}'}: {problem}")
         if self.shared_state is not None and self.borrowing:
             raise OutputRateConfigError(
                 f"{SHARED_STATE_OPTION}: borrowing (a limit with a ceiling) is not "
@@ -416,10 +365,6 @@ def config_of(vllm_config: Any) -> OutputRateConfig | None:
 
 # -- the limits file ------------------------------------------------------------
 
-#: Top-level keys of a limits file.
-LIMITS_FILE_KEYS = ("default", "tiers", "users")
-
-
 def read_limits_file(path: str) -> bytes:
     """The file's bytes; a clear error when it cannot be read."""
     try:
@@ -439,109 +384,21 @@ def load_limits_file(path: str) -> OutputRateConfig:
     content = read_limits_file(path)  # its errors name the option already
     try:
         return parse_limits_document(content, path)
-    except OutputRateConfigError as exc:
-        raise OutputRateConfigError(f"{LIMITS_FILE_OPTION} {exc}") from None
+    except ConfigFileError as exc:
+        raise ConfigFileError([f"{LIMITS_FILE_OPTION} {e}" for e in exc.errors]) from None
 
 
 def parse_limits_document(content: bytes, path: str) -> OutputRateConfig:
-    """A limits file's content, checked: every error names the file, the key
-    path and the value.
-
-    ``default``: the limit of users not listed (required); ``tiers``: named
-    limits; ``users``: user id -> a limit or a tier name. Limits are numbers
-    of tokens per second, exact as on the command line (0.1 is 1/10).
-    """
-    import yaml  # JSON is YAML: one parser for both
-
-    def fail(where: str, what: str) -> OutputRateConfigError:
-        return OutputRateConfigError(f"{path}: {where}: {what}")
+    """A limits file's content, checked (``vllm_output_rate.limits_file``):
+    the one parser of the engine's start-up, its reloads and
+    ``vllm-output-rate check-limits``. Raises ``ConfigFileError`` naming
+    every error found, each with the file, the line, the key and the value."""
+    from vllm_output_rate.limits_file import parse_document
 
     try:
-        text = content.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise OutputRateConfigError(f"{path}: not UTF-8 text ({exc})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise OutputRateConfigError(f"{path}: not valid YAML or JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise OutputRateConfigError(
-            f"{path}: expected a mapping with keys {', '.join(LIMITS_FILE_KEYS)}, "
-            f"got {type(data).__name__}"
-        )
-    unknown = [k for k in data if k not in LIMITS_FILE_KEYS]
-    if unknown:
-        raise OutputRateConfigError(
-            f"{path}: unknown key(s) {', '.join(repr(k) for k in unknown)} "
-            f"(expected {', '.join(LIMITS_FILE_KEYS)})"
-        )
-    if "default" not in data:
-        raise OutputRateConfigError(
-            f"{path}: 'default' is required (the limit of users not listed)"
-        )
-
-    def limit(value: Any, where: str) -> tuple[Fraction, Fraction | str | None]:
-        """A rate, or a pair ``{rate: R, ceiling: C}``: (rate, ceiling)."""
-        ceiling = None
-        if isinstance(value, dict):
-            extra = sorted(set(map(str, value)) - {"rate", "ceiling"})
-            if extra or "rate" not in value:
-                raise fail(where, f"expected a limit or {{rate: R, ceiling: C}}, got {value!r}")
-            if value.get("ceiling") is not None:
-                try:
-                    ceiling = parse_ceiling(value["ceiling"], f"{where}.ceiling")
-                except OutputRateConfigError as exc:
-                    raise OutputRateConfigError(f"{path}: {exc}") from None
-            value = value["rate"]
-            where = f"{where}.rate"
-        try:
-            return parse_rate(value, where), ceiling
-        except OutputRateConfigError as exc:
-            raise OutputRateConfigError(f"{path}: {exc}") from None
-
-    default, default_ceiling = limit(data["default"], "default")
-    tiers_in = data.get("tiers") or {}
-    if not isinstance(tiers_in, dict):
-        raise fail("tiers", f"expected a mapping of tier name -> limit, got {tiers_in!r}")
-    tiers: dict[str, Fraction] = {}
-    tier_ceilings: dict[str, Fraction | str] = {}
-    for name, value in tiers_in.items():
-        if not isinstance(name, str) or not name:
-            raise fail("tiers", f"tier names must be non-empty strings, got {name!r}")
-        tiers[name], ceiling = limit(value, f"tiers.{name}")
-        if ceiling is not None:
-            tier_ceilings[name] = ceiling
-    users_in = data.get("users") or {}
-    if not isinstance(users_in, dict):
-        raise fail("users", f"expected a mapping of user id -> limit or tier, got {users_in!r}")
-    user_rates: dict[str, Fraction] = {}
-    user_tiers: dict[str, str] = {}
-    ceilings: dict[str, Fraction | str] = {}
-    for user, value in users_in.items():
-        if isinstance(user, bool) or not isinstance(user, (str, int)) or user == "":
-            raise fail("users", f"user ids must be non-empty strings, got {user!r}")
-        user = str(user)
-        if len(user) > MAX_USER_LEN:
-            raise fail("users", f"user id {user[:40]!r}... is longer than {MAX_USER_LEN} characters")
-        if isinstance(value, str) and value.strip() in tiers:
-            user_tiers[user] = value.strip()
-            user_rates[user] = tiers[value.strip()]
-            if value.strip() in tier_ceilings:
-                ceilings[user] = tier_ceilings[value.strip()]
-            continue
-        if isinstance(value, str):
-            try:
-                Fraction(value.strip())
-            except (ValueError, ZeroDivisionError):
-                raise fail(f"users.{user}", f"{value!r} is neither a limit nor a tier "
-                           f"(tiers: {', '.join(tiers) or 'none'})") from None
-        user_rates[user], ceiling = limit(value, f"users.{user}")
-        if ceiling is not None:
-            ceilings[user] = ceiling
-    try:
-        return OutputRateConfig(default, user_rates, tiers=tiers, user_tiers=user_tiers,
-                                limits_file=path, digest=hashlib.sha256(content).hexdigest(),
-                                ceilings=ceilings, tier_ceilings=tier_ceilings,
-                                default_ceiling=default_ceiling)
+        return OutputRateConfig(**parse_document(content, path), limits_file=path,
+                                digest=hashlib.sha256(content).hexdigest())
+    except ConfigFileError:
+        raise
     except OutputRateConfigError as exc:
-        raise OutputRateConfigError(f"{path}: {exc}") from None
+        raise ConfigFileError([f"{path}: {exc}"]) from None

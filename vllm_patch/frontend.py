@@ -58,6 +58,7 @@ from vllm_output_rate.config import (
     DEFAULT_OPTION,
     LIMITS_FILE_OPTION,
     MAX_USER_LEN,
+    ConfigFileError,
     OutputRateConfigError,
 )
 from vllm_output_rate import access, settings
@@ -107,32 +108,42 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 def parse_api_keys(content: bytes, path: str) -> dict[str, str]:
     """``keys: {sha256 hex of a key: user}`` (YAML or JSON). Errors name the
-    file and the entry (by the first 8 hex digits), never a key."""
+    file, the line and the entry (by the first 8 hex digits), never a key;
+    every bad entry and every digest given twice at once (``ConfigFileError``)."""
     import yaml
 
+    from vllm_output_rate.yaml_load import load_yaml
+
     try:
-        data = yaml.safe_load(content.decode("utf-8"))
+        doc = load_yaml(content.decode("utf-8"), path)
     except (UnicodeDecodeError, yaml.YAMLError) as exc:
         raise OutputRateConfigError(f"{path}: not valid YAML or JSON ({type(exc).__name__})") from None
+    data = doc.data
     if not isinstance(data, dict) or set(data) != {"keys"} or not isinstance(data["keys"], dict):
         raise OutputRateConfigError(
             f"{path}: expected one key 'keys', a mapping of SHA-256 (hex) of an API "
             f"key -> user (make one with: printf %s KEY | sha256sum)")
+    def shown(key: Any) -> str:  # a digest by its first 8 hex digits
+        return str(key) if key == "keys" else f"{str(key)[:8]}..."
+
+    errors = [(d.again, d.message(path, shown)) for d in doc.duplicates]
     keys: dict[str, str] = {}
     for digest, user in data["keys"].items():
+        line = doc.line_of(("keys", digest))
+        where = f"{path}:{line}: keys.{str(digest)[:8]}..."
         if not isinstance(digest, str) or not _HEX64.match(digest.strip().lower()):
-            shown = str(digest)[:8]
-            raise OutputRateConfigError(
-                f"{path}: keys.{shown}...: not a SHA-256 hex digest (64 hex digits); "
-                f"the file holds digests of keys, never keys")
-        if isinstance(user, bool) or not isinstance(user, (str, int)) or user == "":
-            raise OutputRateConfigError(
-                f"{path}: keys.{digest[:8]}...: expected a user id, got {user!r}")
-        user = str(user)
-        if len(user) > MAX_USER_LEN:
-            raise OutputRateConfigError(
-                f"{path}: keys.{digest[:8]}...: user id longer than {MAX_USER_LEN} characters")
-        keys[digest.strip().lower()] = user
+            errors.append((line, f"{where}: not a SHA-256 hex digest (64 hex digits); "
+                                 f"the file holds digests of keys, never keys"))
+        elif isinstance(user, bool) or not isinstance(user, (str, int)) or user == "":
+            errors.append((line, f"{where}: expected a user id, got {user!r}"))
+        elif len(str(user)) > MAX_USER_LEN:
+            errors.append((line, f"{where}: user id longer than {MAX_USER_LEN} characters"))
+        elif digest.strip().lower() in keys:
+            errors.append((line, f"{where}: the digest is listed twice (in another case or spacing)"))
+        else:
+            keys[digest.strip().lower()] = str(user)
+    if errors:
+        raise ConfigFileError([m for _, m in sorted(errors, key=lambda e: e[0])])
     return keys
 
 
@@ -156,7 +167,9 @@ class ApiKeysWatcher(WatchedFile):
                 f"{self.option} {path}: cannot read it ({exc.strerror or exc})") from None
         try:
             keys = parse_api_keys(content, path)
-        except OutputRateConfigError as exc:  # at start-up, name the option too
+        except ConfigFileError as exc:  # at start-up, name the option too
+            raise ConfigFileError([f"{self.option} {e}" for e in exc.errors]) from None
+        except OutputRateConfigError as exc:
             raise OutputRateConfigError(f"{self.option} {exc}") from None
         super().__init__(path, keys, hashlib.sha256(content).hexdigest(), poll_s, start_thread)
 
