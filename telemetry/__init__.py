@@ -9,6 +9,8 @@
   episodes, and ``spacing``: token timing; ``histograms``: the arithmetic),
   ``series`` and ``books`` (the per-user series and books), ``export`` and
   ``eventlog`` (the JSON snapshot and the event log, on the worker thread);
+  ``records``: what the stages hand each other (a throttle episode worked out
+  once by the intake, read by the metric folds and the spans alike);
 - ``collector``: the snapshots as Prometheus metrics on vLLM's ``/metrics``;
 - ``events``: the engine event log's format, its encoder (``eventlog``) and
   reader (``vllm_output_rate.tools.verify``);

@@ -19,6 +19,13 @@ from typing import Any
 from vllm_output_rate.observers import EngineView
 from vllm_output_rate.telemetry.eventlog import EventLog
 from vllm_output_rate.telemetry.labels import OTHER
+from vllm_output_rate.telemetry.metrics import (
+    ENGINE_THROTTLED_KV_BLOCKS,
+    ENGINE_THROTTLED_REQUESTS,
+    THROTTLED_KV_BLOCKS,
+    THROTTLED_KV_CACHE_RATIO,
+    THROTTLED_REQUESTS,
+)
 from vllm_output_rate.telemetry.series import Series
 
 NS = 1_000_000_000
@@ -113,15 +120,16 @@ class UserBooks:
             counts[0] += 1
             counts[1] += n
         self.thr_by_user = {u: (c[0], c[1]) for u, c in by_user.items()}
-        for key in [k for k in gauges if k[0] in ("throttled_requests", "throttled_kv_blocks")]:
+        per_user = (THROTTLED_REQUESTS.name, THROTTLED_KV_BLOCKS.name)
+        for key in [k for k in gauges if k[0] in per_user]:
             del gauges[key]
         for label in set(requests) | set(labeler.labelled_users().values()):
-            gauges[("throttled_requests", (label,))] = requests.get(label, 0)
-            gauges[("throttled_kv_blocks", (label,))] = blocks.get(label, 0)
+            gauges[THROTTLED_REQUESTS.key(label)] = requests.get(label, 0)
+            gauges[THROTTLED_KV_BLOCKS.key(label)] = blocks.get(label, 0)
         share = total_blocks / self._num_blocks
-        gauges[("engine_throttled_requests", ())] = len(throttled)
-        gauges[("engine_throttled_kv_blocks", ())] = total_blocks
-        gauges[("throttled_kv_cache_ratio", ())] = share
+        gauges[ENGINE_THROTTLED_REQUESTS.key()] = len(throttled)
+        gauges[ENGINE_THROTTLED_KV_BLOCKS.key()] = total_blocks
+        gauges[THROTTLED_KV_CACHE_RATIO.key()] = share
         if self._events is not None:
             self._events.throttled(by_user, share)
 

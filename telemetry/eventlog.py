@@ -18,6 +18,7 @@ from typing import Any
 
 from vllm_output_rate.observers import EngineView, LimitsChange
 from vllm_output_rate.telemetry.events import encode_event
+from vllm_output_rate.telemetry.metrics import TELEMETRY_DROPPED
 
 #: Event records queued between two exports before new ones are dropped.
 EVENTS_QUEUE_CAP = 500_000
@@ -46,7 +47,7 @@ class EventLog:
     def queue(self, event: tuple) -> None:
         events = self._queue
         if len(events) >= EVENTS_QUEUE_CAP:
-            self._counters[("telemetry_dropped", ("events_queue_full",))] += 1
+            self._counters[TELEMETRY_DROPPED.key("events_queue_full")] += 1
         else:
             events.append(event)
 
@@ -125,5 +126,5 @@ class EventLog:
             with open(self.path, "a") as f:
                 f.write("".join(lines))
         except Exception as exc:
-            self._counters[("telemetry_dropped", ("events_write_failed",))] += len(lines)
+            self._counters[TELEMETRY_DROPPED.key("events_write_failed")] += len(lines)
             log_drop(f"event log {self.path}", exc)

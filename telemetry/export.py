@@ -23,15 +23,42 @@ from vllm_output_rate.limits_watch import RESULTS as LIMITS_RESULTS
 from vllm_output_rate.observers import EngineView
 from vllm_output_rate.telemetry.books import UserBooks, ceiling_value
 from vllm_output_rate.telemetry.histograms import Histogram
-from vllm_output_rate.telemetry.metrics import SPACING_BUCKETS, STORE_CALL_BUCKETS
+from vllm_output_rate.telemetry.metrics import (
+    DEFAULT_LIMIT_TOKENS_PER_SECOND,
+    ENGINE_INTER_TOKEN_SECONDS,
+    ENGINE_THROTTLED_KV_BLOCKS,
+    ENGINE_THROTTLED_REQUESTS,
+    LIMITS_INFO,
+    LIMITS_LOADED_TIMESTAMP_SECONDS,
+    LIMITS_RELOADS,
+    SHARED_LIVE_ENGINES,
+    SHARED_STORE_CALL_SECONDS,
+    SHARED_STORE_CALLS,
+    SHARED_STORE_FALLBACK,
+    SHARED_STORE_FALLBACK_SECONDS,
+    SHARED_STORE_RESETS,
+    SHARED_TOKENS_EXPIRED,
+    SHARED_TOKENS_LEASED,
+    SHARED_TOKENS_SPENT,
+    SHARED_TOKENS_UNLEASED,
+    SPACING_BUCKETS,
+    STATE_ENTRIES,
+    STORE_CALL_BUCKETS,
+    TELEMETRY_DROPPED,
+    TELEMETRY_SNAPSHOT_TIMESTAMP_SECONDS,
+    THROTTLED_KV_BLOCKS,
+    THROTTLED_KV_CACHE_RATIO,
+    THROTTLED_REQUESTS,
+    USER_LIMIT_TOKENS_PER_SECOND,
+)
 from vllm_output_rate.telemetry.series import Series
 
 logger = logging.getLogger("vllm_output_rate.telemetry")
 
-_THROTTLED_GAUGES = (
-    "throttled_requests", "throttled_kv_blocks", "engine_throttled_requests",
-    "engine_throttled_kv_blocks", "throttled_kv_cache_ratio",
-)
+_THROTTLED_GAUGES = tuple(m.name for m in (
+    THROTTLED_REQUESTS, THROTTLED_KV_BLOCKS, ENGINE_THROTTLED_REQUESTS,
+    ENGINE_THROTTLED_KV_BLOCKS, THROTTLED_KV_CACHE_RATIO,
+))
 
 
 class SnapshotWriter:
@@ -61,7 +88,7 @@ class SnapshotWriter:
         drops = getattr(self.spans, "drops", None)
         if drops is not None:
             for reason, n in list(drops.counts.items()):
-                counters[("telemetry_dropped", (reason,))] = n
+                counters[TELEMETRY_DROPPED.key(reason)] = n
         gauges = series.gauges.copy()
         idle = not self.view.has_running()
         if idle:
@@ -75,19 +102,19 @@ class SnapshotWriter:
             self._fold_shared_state(shared, counters, gauges)
         histograms = series.histograms.copy()
         if self._store_call_hist is not None:
-            histograms[("shared_store_call_seconds", ())] = self._store_call_hist
+            histograms[SHARED_STORE_CALL_SECONDS.key()] = self._store_call_hist
         total = Histogram(SPACING_BUCKETS)
         total.add(series.spacing_evicted)
         for hist in list(series.spacing.values()):
             total.add(hist)
-        histograms[("engine_inter_token_seconds", ())] = total
+        histograms[ENGINE_INTER_TOKEN_SECONDS.key()] = total
         try:  # len() of containers the scheduler's thread may be resizing
             for container, n in self._state_sizes().items():
-                gauges[("state_entries", (container,))] = n
+                gauges[STATE_ENTRIES.key(container)] = n
         except RuntimeError:  # (a dict changed size during iteration: next export)
             pass
         written = time.time()
-        gauges[("telemetry_snapshot_timestamp_seconds", ())] = written
+        gauges[TELEMETRY_SNAPSHOT_TIMESTAMP_SECONDS.key()] = written
         books = self.books
         return {
             "engine": self.engine,
@@ -107,17 +134,17 @@ class SnapshotWriter:
         if status is None:
             return None
         for result in LIMITS_RESULTS:
-            counters[("limits_reloads", (result,))] = status.results.get(result, 0)
-        gauges[("limits_loaded_timestamp_seconds", ())] = status.loaded_unix
-        gauges[("limits_info", (status.digest, status.source))] = 1
+            counters[LIMITS_RELOADS.key(result)] = status.results.get(result, 0)
+        gauges[LIMITS_LOADED_TIMESTAMP_SECONDS.key()] = status.loaded_unix
+        gauges[LIMITS_INFO.key(status.digest, status.source)] = 1
         if self._limits_doc[0] != status.digest:
             self._limits_doc = (status.digest, limits_document(self.view.limits()))
         doc = self._limits_doc[1]
         # The limits loaded are in force from the next step on: an idle
         # engine shows them at once (its gauges follow too).
-        gauges[("default_limit_tokens_per_second", ())] = doc["default"]
+        gauges[DEFAULT_LIMIT_TOKENS_PER_SECOND.key()] = doc["default"]
         for user, label in self.series.labeler.labelled_users().items():
-            gauges[("user_limit_tokens_per_second", (label,))] = doc["users"].get(
+            gauges[USER_LIMIT_TOKENS_PER_SECOND.key(label)] = doc["users"].get(
                 user, doc["default"])
         return {"source": status.source, "sha256": status.digest,
                 "loaded_unix": status.loaded_unix, "reloads": dict(status.results),
@@ -125,16 +152,16 @@ class SnapshotWriter:
 
     def _fold_shared_state(self, shared: dict[str, Any], counters: dict, gauges: dict) -> None:
         """The lease machinery's numbers (exporter thread; shared-budget mode)."""
-        for name, key in (("shared_tokens_leased", "leased"), ("shared_tokens_spent", "spent"),
-                          ("shared_tokens_expired", "expired"),
-                          ("shared_tokens_unleased", "unleased"),
-                          ("shared_store_fallback_seconds", "fallback_seconds"),
-                          ("shared_store_resets", "resets")):
-            counters[(name, ())] = shared[key]
-        counters[("shared_store_calls", ("ok",))] = shared["calls"] - shared["failed_calls"]
-        counters[("shared_store_calls", ("failed",))] = shared["failed_calls"]
-        gauges[("shared_store_fallback", ())] = shared["fallback"]
-        gauges[("shared_live_engines", ())] = shared["live_engines"]
+        for metric, key in ((SHARED_TOKENS_LEASED, "leased"), (SHARED_TOKENS_SPENT, "spent"),
+                            (SHARED_TOKENS_EXPIRED, "expired"),
+                            (SHARED_TOKENS_UNLEASED, "unleased"),
+                            (SHARED_STORE_FALLBACK_SECONDS, "fallback_seconds"),
+                            (SHARED_STORE_RESETS, "resets")):
+            counters[metric.key()] = shared[key]
+        counters[SHARED_STORE_CALLS.key("ok")] = shared["calls"] - shared["failed_calls"]
+        counters[SHARED_STORE_CALLS.key("failed")] = shared["failed_calls"]
+        gauges[SHARED_STORE_FALLBACK.key()] = shared["fallback"]
+        gauges[SHARED_LIVE_ENGINES.key()] = shared["live_engines"]
         # Only this thread touches it (not the series' histograms: the worker's).
         hist = self._store_call_hist
         if hist is None:
@@ -159,7 +186,7 @@ class SnapshotWriter:
             os.replace(tmp, self.path)
             return True
         except Exception as exc:  # never let telemetry hurt the engine
-            self.series.counters[("telemetry_dropped", ("export_failed",))] += 1
+            self.series.counters[TELEMETRY_DROPPED.key("export_failed")] += 1
             self.log_drop_once(f"the snapshot {self.path}", exc)
             return False
 

@@ -12,7 +12,8 @@ then). The full fold (``Folds.fold``) brings every user's counters, the
 episodes' and the spacing histograms up to date (``telemetry.series``), at
 exports, aborts, when the engine goes idle and at close; export steps also
 update the per-user books (``telemetry.books``) and the labels. The spans
-(``tracing.recorder``) are fed from the same plain data.
+(``tracing.recorder``) are fed from the same plain data, the throttle
+episodes as the same records (``telemetry.records.Episodes``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,19 @@ from vllm_output_rate.observers import EngineView, IdleWait, LimitsChange, StepR
 from vllm_output_rate.telemetry.books import UserBooks
 from vllm_output_rate.telemetry.eventlog import EventLog
 from vllm_output_rate.telemetry.labels import OTHER
+from vllm_output_rate.telemetry.metrics import (
+    ENGINE_REQUESTS_SKIPPED,
+    ENGINE_THROTTLED_PREEMPTED,
+    ENGINE_TOKENS_BORROWED,
+    ENGINE_TOKENS_CHARGED,
+    ENGINE_TOKENS_REFUNDED,
+    IDLE_WAIT_SECONDS,
+    SCHEDULE_LIMITER_RATIO,
+    TOKENS_REFUNDED,
+    USER_LIMIT_TOKENS_PER_SECOND,
+    WAKE_LATENESS_SECONDS,
+)
+from vllm_output_rate.telemetry.records import EngineReads, Episodes, StepEpisodes
 from vllm_output_rate.telemetry.series import Series
 from vllm_output_rate.telemetry.spacing import TokenSpacing
 from vllm_output_rate.telemetry.throttle import ThrottleBook
@@ -33,6 +47,15 @@ from vllm_output_rate.telemetry.throttle import ThrottleBook
 #: Steps' charges and skips kept for the next fold before one is forced (an
 #: export is due every ``EXPORT_INTERVAL_S``; this bounds them if it is late).
 PENDING_STEPS_CAP = 4096
+#: the keys of the engine-wide series a step adds to
+_CHARGED = ENGINE_TOKENS_CHARGED.key()
+_BORROWED = ENGINE_TOKENS_BORROWED.key()
+_REFUNDED = ENGINE_TOKENS_REFUNDED.key()
+_SKIPPED = ENGINE_REQUESTS_SKIPPED.key()
+_PREEMPTED_FOR_SLOT = ENGINE_THROTTLED_PREEMPTED.key("resident_slot")
+_PREEMPTED_FOR_KV = ENGINE_THROTTLED_PREEMPTED.key("kv_cache")
+_LIMITER_SHARE = SCHEDULE_LIMITER_RATIO.key()
+_LATENESS = WAKE_LATENESS_SECONDS.key()
 
 
 class RequestHandles:
@@ -87,25 +110,21 @@ class Folds:
         """Runs and lists kept for the next full fold."""
         return self.book.pending() + len(self.spacing.resume_runs)
 
-    def fold_step(self, record: StepReport, ended: Any, starts: Any, end_ns: int,
-                  ended_by: dict[str, str], opened: Any, cur: Any, every: bool,
-                  held: Any, reads: tuple | None) -> None:
-        """One step: its charges, skips and episodes kept for the next fold
-        (``ThrottleBook.add_step``; ``every``: the step's throttled requests
-        and those dispatched inside an episode, ``cur``, are exactly those
-        with an episode open), the engine's counters, its spans; at an
-        export step (``reads`` of the engine) a full fold, the gauges, the
-        user states and the labels."""
+    def fold_step(self, record: StepReport, episodes: StepEpisodes,
+                  reads: EngineReads | None) -> None:
+        """One step: its charges, skips and ``episodes`` kept for the next
+        fold (``ThrottleBook.add_step``), the engine's counters, its spans;
+        at an export step (``reads`` of the engine) a full fold, the gauges,
+        the user states and the labels."""
         counters = self.series.counters
         charged = record.charged
         throttled = record.throttled
         book = self.book
-        book.add_step(charged, throttled, ended, starts, end_ns, ended_by, opened, cur, every,
-                      self._user_of)
+        book.add_step(charged, throttled, episodes, self._user_of)
         if charged:
-            counters[("engine_tokens_charged", ())] += len(charged)
+            counters[_CHARGED] += len(charged)
         if record.borrowed:  # (borrowing only: a limit with a ceiling)
-            counters[("engine_tokens_borrowed", ())] += len(record.borrowed)
+            counters[_BORROWED] += len(record.borrowed)
             lent = self.books.window_borrowed
             for user, n in Counter(record.borrowed.values()).items():
                 self.series.borrow(user, n)
@@ -113,15 +132,15 @@ class Folds:
         if record.refunded:
             labeler = self.series.labeler
             for _req_id, user, reason in record.refunded:
-                counters[("tokens_refunded", (labeler.label(user), reason))] += 1
-                counters[("engine_tokens_refunded", ())] += 1
+                counters[TOKENS_REFUNDED.key(labeler.label(user), reason)] += 1
+                counters[_REFUNDED] += 1
         now = record.now_ns
         if throttled:
-            counters[("engine_requests_skipped", ())] += len(throttled)
+            counters[_SKIPPED] += len(throttled)
         if record.preempted_throttled:
             slot = record.preempted_for_slot
-            counters[("engine_throttled_preempted", ("resident_slot",))] += slot
-            counters[("engine_throttled_preempted", ("kv_cache",))] += (
+            counters[_PREEMPTED_FOR_SLOT] += slot
+            counters[_PREEMPTED_FOR_KV] += (
                 len(record.preempted_throttled) - slot)
         spans = self.spans
         if spans is not None:
@@ -130,20 +149,19 @@ class Folds:
             if now - self._ticked >= spans.sweep_ns:  # users with an episode open
                 self._ticked = now
                 sweep = set(map(users.get, book.bases))
-            spans.on_step(record, ended, starts,
-                          list(map(users.__getitem__, opened)) if opened else (),
-                          held, sweep, end_ns, ended_by)
+            opened = episodes.opened
+            spans.on_step(record, episodes.ended,
+                          list(map(users.__getitem__, opened)) if opened else (), sweep)
         if record.limiter_share is not None:
-            self.series.histograms[("schedule_limiter_ratio", ())].observe(record.limiter_share)
+            self.series.histograms[_LIMITER_SHARE].observe(record.limiter_share)
         if self.pending() > PENDING_STEPS_CAP:
             self.fold()  # (exports are late: keep what is pending bounded)
         if reads is not None:
             # Gauges and label changes only when an export is coming: their
             # cost is per export interval, not per step.
-            blocks, requests, ready, gone = reads
-            self.fold(gone)
-            self.books.update_throttled(throttled, blocks, book.thr_users)
-            self.books.update_user_states(now, requests, ready)
+            self.fold(reads.gone)
+            self.books.update_throttled(throttled, reads.blocks, book.thr_users)
+            self.books.update_user_states(now, reads.requests, reads.ready_at)
             self.rebalance()
             if spans is not None:
                 spans.on_throttled_users(now, self.books.thr_by_user)
@@ -178,8 +196,8 @@ class Folds:
         self.events.queue(("queued", now, req_id, self.handles.view.handle_user(handle)))
 
     def fold_outputs(self, cur: set[str], special: list[Any], outputs: dict[int, Any] | None,
-                     now: int, running: bool, reads: tuple | None,
-                     closing: tuple | None = None) -> None:
+                     now: int, running: bool, reads: EngineReads | None,
+                     closing: Episodes | None = None) -> None:
         """Token timing from the outputs of one ``update_from_output``
         (``cur``: the requests with a token, ``special``: the outputs
         finished or with more than one token, ``outputs``: all of them when
@@ -189,10 +207,9 @@ class Folds:
         with one open, ended here before their spans are made)."""
         spans = self.spans
         if closing is not None:  # episodes of requests that finished inside one
-            ended, starts, end_ns, by_id, held = closing
-            self.book.end_episodes(end_ns, ended, starts, by_id)
+            self.book.end_episodes(closing)
             if spans is not None:
-                spans.on_ended(end_ns, ended, starts, by_id, held)
+                spans.on_ended(closing)
         if outputs is not None:
             self.events.outputs(outputs, now)
         paused, back, prevs, first, zeros, ends, finished = self.spacing.update(cur, special, now)
@@ -205,22 +222,23 @@ class Folds:
             if not running:
                 self._going_idle(now, reads)
 
-    def _going_idle(self, now: int, reads: tuple) -> None:
+    def _going_idle(self, now: int, reads: EngineReads) -> None:
         """Nothing runs any more: no step may come to fold at."""
-        self.fold(reads[3])
-        self.books.update_user_states(now, reads[1], reads[2])
+        self.fold(reads.gone)
+        self.books.update_user_states(now, reads.requests, reads.ready_at)
         if self.spans is not None:
             self.spans.on_idle(now)
 
-    def fold_aborted(self, aborted: list[tuple[str, str]], now: int, ended: dict[str, int],
-                     running: bool, reads: tuple | None, held: dict | None = None) -> None:
-        """Requests finished from outside the scheduler (client aborts)."""
-        if ended:
-            self.book.end_episodes(now, list(ended), list(ended.values()), dict(aborted))
+    def fold_aborted(self, aborted: list[tuple[str, str]], now: int, ended: Episodes | None,
+                     running: bool, reads: EngineReads | None) -> None:
+        """Requests finished from outside the scheduler (client aborts);
+        ``ended``: the throttle episodes open among them, ended now."""
+        if ended is not None:
+            self.book.end_episodes(ended)
         # The engine may go idle now, with no step to fold counts at.
-        self.fold(None if reads is None else reads[3])
+        self.fold(None if reads is None else reads.gone)
         if reads is not None:
-            self.books.update_user_states(now, reads[1], reads[2])
+            self.books.update_user_states(now, reads.requests, reads.ready_at)
         spans = self.spans
         facts = None
         if spans is not None:
@@ -231,19 +249,19 @@ class Folds:
         if self.events is not None:
             self.events.aborted(aborted, now)
         if spans is not None:
-            spans.on_aborted(aborted, now, ended, facts, held)
+            spans.on_aborted(aborted, now, ended, facts)
             if not running:
                 spans.on_idle(now)
 
     def fold_idle_wait(self, wait: IdleWait) -> None:
         if self.spans is not None:
             self.spans.on_idle_wait(wait)
-        self.series.histogram("idle_wait_seconds", (wait.reason,)).observe(
+        self.series.histogram(IDLE_WAIT_SECONDS, (wait.reason,)).observe(
             (wait.woke_ns - wait.started_ns) / 1e9
         )
         lateness = wait.lateness_ns
         if lateness is not None and wait.reason == "timeout":
-            self.series.histograms[("wake_lateness_seconds", ())].observe(max(lateness, 0) / 1e9)
+            self.series.histograms[_LATENESS].observe(max(lateness, 0) / 1e9)
 
     def fold_limits(self, change: LimitsChange) -> None:
         """Reloaded limits: pin the listed users' labels, give the new ones
@@ -254,7 +272,7 @@ class Folds:
         series = self.series
         series.labeler.set_pinned(change.user_rates)
         gauges = series.gauges
-        for key in [k for k in gauges if k[0] == "user_limit_tokens_per_second"]:
+        for key in [k for k in gauges if k[0] == USER_LIMIT_TOKENS_PER_SECOND.name]:
             del gauges[key]
         self.drop_labels(set())  # limit gauges, label caches, request labels
         series.init_user_series(series.labeler.pinned.values())

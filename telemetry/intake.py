@@ -39,6 +39,8 @@ from vllm_output_rate.observers import (
     StepReport,
 )
 from vllm_output_rate.telemetry.folds import Folds
+from vllm_output_rate.telemetry.metrics import TELEMETRY_DROPPED
+from vllm_output_rate.telemetry.records import EngineReads, Episodes, StepEpisodes
 
 logger = logging.getLogger("vllm_output_rate.telemetry")
 
@@ -87,7 +89,7 @@ class Inbox:
                 try:
                     fold(*args)
                 except Exception:
-                    self._counters[("telemetry_dropped", ("fold_failed",))] += 1
+                    self._counters[TELEMETRY_DROPPED.key("fold_failed")] += 1
                     if not self._fold_error_logged:
                         self._fold_error_logged = True
                         logger.exception("output-rate telemetry: folding an event failed; "
@@ -226,16 +228,15 @@ class Intake(Inbox, OutputRateObserver):
         # both, the requests with one open are exactly those (the worker
         # counts skips by episode then).
         every = len(throttled) + len(cur) == len(episodes)
-        held = None
-        spans = self.spans
-        if spans is not None and ended:
-            held = self._held(ended, starts, end_ns)
+        closed = None
+        if ended:
+            closed = Episodes(end_ns, ended, starts, ended_by,
+                              None if self.spans is None else self._held(ended, starts, end_ns))
         reads = None
         if self._export_due:
             self._export_due = False
             reads = self._engine_reads(record.throttled)
-        self._post(self._fold_step, record, ended, starts, end_ns, ended_by, opened, cur, every,
-                   held, reads)
+        self._post(self._fold_step, record, StepEpisodes(closed, opened, cur, every), reads)
 
     def _held(self, ended: list[str], starts: list[int], end_ns: int) -> dict | None:
         """The KV blocks and facts, read when their episodes began, of the
@@ -249,7 +250,7 @@ class Intake(Inbox, OutputRateObserver):
         return {r: (view.kv_blocks_held(r), view.request_facts(r)) if h is None else h
                 for r, h in long}
 
-    def _engine_reads(self, throttled: list[str]) -> tuple:
+    def _engine_reads(self, throttled: list[str]) -> EngineReads:
         """What gauges and user states need from the engine, read on the
         scheduler's thread (at export steps and when it goes idle): the KV
         blocks of each throttled request, live requests per user and their
@@ -264,8 +265,8 @@ class Intake(Inbox, OutputRateObserver):
                 del episodes[req_id]
                 self._open_held.pop(req_id, None)
         requests = view.requests_by_user()
-        return (list(map(view.kv_blocks_held, throttled)), requests,
-                {user: view.ready_at_ns(user) for user in requests}, gone)
+        return EngineReads(list(map(view.kv_blocks_held, throttled)), requests,
+                           {user: view.ready_at_ns(user) for user in requests}, gone)
 
     def on_outputs(self, outputs: EngineOutputs) -> None:
         """The engine outputs of one ``update_from_output``: when, and
@@ -296,8 +297,8 @@ class Intake(Inbox, OutputRateObserver):
                 end_ns, by_id = self._cur_ns, self._cur_by
                 if done[0] not in by_id:  # (one update: the tokens of one step)
                     end_ns, by_id = self._prev_ns, self._prev_by
-                closing = (done, starts, end_ns, by_id,
-                           None if self.spans is None else self._held(done, starts, end_ns))
+                closing = Episodes(end_ns, done, starts, by_id,
+                                   None if self.spans is None else self._held(done, starts, end_ns))
         self._post(self._fold_outputs, cur, special, outputs if self._log_outputs else None,
                    time.monotonic_ns(), running, None if running else self._engine_reads([]),
                    closing)
@@ -306,17 +307,19 @@ class Intake(Inbox, OutputRateObserver):
         """Requests finished from outside the scheduler (client aborts): the
         throttle episodes open among them close."""
         episodes = self._episodes
-        ended = {}
-        held = None
+        closed = None
         if episodes:
             ended = {r: episodes.pop(r) for r, _ in aborted if r in episodes}
-            if ended and self._open_held:
-                # (the KV blocks they held while they waited, for their spans)
-                kept = self._open_held
-                held = {r: kept.pop(r) for r in ended if r in kept}
+            if ended:
+                held = None
+                if self._open_held:
+                    # (the KV blocks they held while they waited, for their spans)
+                    kept = self._open_held
+                    held = {r: kept.pop(r) for r in ended if r in kept}
+                closed = Episodes(now, list(ended), list(ended.values()), dict(aborted), held)
         running = self.view.has_running()
-        self._post(self._fold_aborted, aborted, now, ended, running,
-                   None if running else self._engine_reads([]), held)
+        self._post(self._fold_aborted, aborted, now, closed, running,
+                   None if running else self._engine_reads([]))
 
     def on_idle_wait(self, wait: IdleWait) -> None:
         self._post(self._fold_idle_wait, wait)

@@ -61,6 +61,12 @@ class Metric:
     def all_labels(self) -> tuple[str, ...]:
         return ENGINE_LABELS + self.labels
 
+    def key(self, *labels: str) -> tuple[str, tuple[str, ...]]:
+        """The key of its series with the values of ``labels`` (in the
+        order of ``self.labels``), as the telemetry's series and snapshots
+        keep it."""
+        return (self.name, labels)
+
 
 METRICS: tuple[Metric, ...] = (
     Metric("tokens_charged", "counter", "tokens",
@@ -174,6 +180,47 @@ METRICS: tuple[Metric, ...] = (
 )
 
 BY_NAME = {m.name: m for m in METRICS}
+
+# Each metric as the code refers to it (its short name in capitals): no
+# module but this one spells a metric's name (tests/test_metric_names.py).
+TOKENS_CHARGED = BY_NAME["tokens_charged"]
+ENGINE_TOKENS_CHARGED = BY_NAME["engine_tokens_charged"]
+TOKENS_BORROWED = BY_NAME["tokens_borrowed"]
+ENGINE_TOKENS_BORROWED = BY_NAME["engine_tokens_borrowed"]
+TOKENS_REFUNDED = BY_NAME["tokens_refunded"]
+ENGINE_TOKENS_REFUNDED = BY_NAME["engine_tokens_refunded"]
+REQUESTS_SKIPPED = BY_NAME["requests_skipped"]
+ENGINE_REQUESTS_SKIPPED = BY_NAME["engine_requests_skipped"]
+ENGINE_THROTTLED_PREEMPTED = BY_NAME["engine_throttled_preempted"]
+THROTTLED_REQUESTS = BY_NAME["throttled_requests"]
+THROTTLED_KV_BLOCKS = BY_NAME["throttled_kv_blocks"]
+ENGINE_THROTTLED_REQUESTS = BY_NAME["engine_throttled_requests"]
+ENGINE_THROTTLED_KV_BLOCKS = BY_NAME["engine_throttled_kv_blocks"]
+THROTTLED_KV_CACHE_RATIO = BY_NAME["throttled_kv_cache_ratio"]
+USER_LIMIT_TOKENS_PER_SECOND = BY_NAME["user_limit_tokens_per_second"]
+DEFAULT_LIMIT_TOKENS_PER_SECOND = BY_NAME["default_limit_tokens_per_second"]
+INTER_TOKEN_SECONDS = BY_NAME["inter_token_seconds"]
+ENGINE_INTER_TOKEN_SECONDS = BY_NAME["engine_inter_token_seconds"]
+THROTTLE_EPISODE_SECONDS = BY_NAME["throttle_episode_seconds"]
+WAKE_LATENESS_SECONDS = BY_NAME["wake_lateness_seconds"]
+IDLE_WAIT_SECONDS = BY_NAME["idle_wait_seconds"]
+SCHEDULE_LIMITER_RATIO = BY_NAME["schedule_limiter_ratio"]
+TELEMETRY_SNAPSHOT_TIMESTAMP_SECONDS = BY_NAME["telemetry_snapshot_timestamp_seconds"]
+LIMITS_RELOADS = BY_NAME["limits_reloads"]
+LIMITS_LOADED_TIMESTAMP_SECONDS = BY_NAME["limits_loaded_timestamp_seconds"]
+LIMITS_INFO = BY_NAME["limits_info"]
+SHARED_TOKENS_LEASED = BY_NAME["shared_tokens_leased"]
+SHARED_TOKENS_SPENT = BY_NAME["shared_tokens_spent"]
+SHARED_TOKENS_EXPIRED = BY_NAME["shared_tokens_expired"]
+SHARED_TOKENS_UNLEASED = BY_NAME["shared_tokens_unleased"]
+SHARED_STORE_CALLS = BY_NAME["shared_store_calls"]
+SHARED_STORE_CALL_SECONDS = BY_NAME["shared_store_call_seconds"]
+SHARED_STORE_FALLBACK = BY_NAME["shared_store_fallback"]
+SHARED_STORE_FALLBACK_SECONDS = BY_NAME["shared_store_fallback_seconds"]
+SHARED_STORE_RESETS = BY_NAME["shared_store_resets"]
+SHARED_LIVE_ENGINES = BY_NAME["shared_live_engines"]
+STATE_ENTRIES = BY_NAME["state_entries"]
+TELEMETRY_DROPPED = BY_NAME["telemetry_dropped"]
 
 #: Scraped name now -> the name it had before the rename (prefix
 #: ``output_rate_``; the two shares were ``_share``).

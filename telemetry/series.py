@@ -13,14 +13,31 @@ label (its future counts go to the overflow bucket).
 from __future__ import annotations
 
 from collections import defaultdict
-from operator import sub
-from itertools import repeat
 from typing import Any
 
 from vllm_output_rate.observers import EngineView
 from vllm_output_rate.telemetry.histograms import Histogram, observe_by_label
 from vllm_output_rate.telemetry.labels import OTHER, UserLabeler
-from vllm_output_rate.telemetry.metrics import BY_NAME, SPACING_BUCKETS
+from vllm_output_rate.telemetry.metrics import (
+    DEFAULT_LIMIT_TOKENS_PER_SECOND,
+    ENGINE_REQUESTS_SKIPPED,
+    ENGINE_THROTTLED_PREEMPTED,
+    ENGINE_TOKENS_BORROWED,
+    ENGINE_TOKENS_CHARGED,
+    ENGINE_TOKENS_REFUNDED,
+    INTER_TOKEN_SECONDS,
+    REQUESTS_SKIPPED,
+    SCHEDULE_LIMITER_RATIO,
+    SPACING_BUCKETS,
+    TELEMETRY_DROPPED,
+    THROTTLE_EPISODE_SECONDS,
+    TOKENS_BORROWED,
+    TOKENS_CHARGED,
+    TOKENS_REFUNDED,
+    USER_LIMIT_TOKENS_PER_SECOND,
+    WAKE_LATENESS_SECONDS,
+    Metric,
+)
 
 Labels = tuple[str, ...]
 #: Why a charged token was given back (see the scheduler's refund point).
@@ -28,7 +45,8 @@ REFUND_REASONS = ("not_scheduled", "preempted")
 #: Why a request out of budget was preempted (``StepReport.preempted_throttled``).
 PREEMPT_REASONS = ("kv_cache", "resident_slot")
 #: The counters of a user that end when it loses its label.
-_USER_COUNTERS = ("tokens_charged", "tokens_refunded", "requests_skipped", "tokens_borrowed")
+_USER_COUNTERS = tuple(m.name for m in (TOKENS_CHARGED, TOKENS_REFUNDED, REQUESTS_SKIPPED,
+                                          TOKENS_BORROWED))
 
 
 class Series:
@@ -53,77 +71,79 @@ class Series:
         # Limits and zero-valued series exist from the first export on.
         self.set_limits()
         counters = self.counters
-        for name in ("engine_tokens_charged", "engine_tokens_refunded", "engine_requests_skipped"):
-            counters[(name, ())] += 0
+        for metric in (ENGINE_TOKENS_CHARGED, ENGINE_TOKENS_REFUNDED, ENGINE_REQUESTS_SKIPPED):
+            counters[metric.key()] += 0
         if view.limits().borrowing:
-            counters[("engine_tokens_borrowed", ())] += 0
+            counters[ENGINE_TOKENS_BORROWED.key()] += 0
         for reason in PREEMPT_REASONS:
-            counters[("engine_throttled_preempted", (reason,))] += 0
-        counters[("telemetry_dropped", ("export_failed",))] += 0
-        counters[("telemetry_dropped", ("fold_failed",))] += 0
+            counters[ENGINE_THROTTLED_PREEMPTED.key(reason)] += 0
+        counters[TELEMETRY_DROPPED.key("export_failed")] += 0
+        counters[TELEMETRY_DROPPED.key("fold_failed")] += 0
         if events_on:
             for reason in ("events_write_failed", "events_queue_full"):
-                counters[("telemetry_dropped", (reason,))] += 0
+                counters[TELEMETRY_DROPPED.key(reason)] += 0
         self.init_user_series(labeler.labelled_users().values())
-        for name in ("wake_lateness_seconds", "schedule_limiter_ratio"):
-            self.histogram(name, ())
+        for metric in (WAKE_LATENESS_SECONDS, SCHEDULE_LIMITER_RATIO):
+            self.histogram(metric, ())
 
-    def histogram(self, name: str, labels: Labels) -> Histogram:
-        key = (name, labels)
+    def histogram(self, metric: Metric, labels: Labels) -> Histogram:
+        key = metric.key(*labels)
         hist = self.histograms.get(key)
         if hist is None:
-            hist = self.histograms[key] = Histogram(BY_NAME[name].buckets)
+            hist = self.histograms[key] = Histogram(metric.buckets)
         return hist
 
     def init_user_series(self, labels: Any) -> None:
         """Configured users have their series from the start (rate() works)."""
         for label in labels:
-            self.counters[("tokens_charged", (label,))] += 0
-            self.counters[("requests_skipped", (label,))] += 0
+            self.counters[TOKENS_CHARGED.key(label)] += 0
+            self.counters[REQUESTS_SKIPPED.key(label)] += 0
             for reason in REFUND_REASONS:
-                self.counters[("tokens_refunded", (label, reason))] += 0
-            self.histogram("throttle_episode_seconds", (label,))
+                self.counters[TOKENS_REFUNDED.key(label, reason)] += 0
+            self.histogram(THROTTLE_EPISODE_SECONDS, (label,))
 
     def set_limits(self) -> None:
         limits = self.view.limits()
-        self.gauges[("default_limit_tokens_per_second", ())] = float(limits.default_rate)
+        self.gauges[DEFAULT_LIMIT_TOKENS_PER_SECOND.key()] = float(limits.default_rate)
         for user, label in self.labeler.labelled_users().items():
-            self.gauges[("user_limit_tokens_per_second", (label,))] = float(limits.rate_of(user))
+            self.gauges[USER_LIMIT_TOKENS_PER_SECOND.key(label)] = float(limits.rate_of(user))
 
-    def _user_key(self, cache: dict[str, tuple], name: str, user: str) -> tuple:
+    def _user_key(self, cache: dict[str, tuple], metric: Metric, user: str) -> tuple:
         """The counter key of ``user`` for ``name``, cached until labels
         change; the cache holds at most ``labeler.capacity`` users, so a
         flood of distinct ids cannot grow it."""
         key = cache.get(user)
         if key is None:
-            key = (name, (self.labeler.promote(user),))
+            key = metric.key(self.labeler.promote(user))
             if len(cache) < self.labeler.capacity:
                 cache[user] = key
         return key
 
     def charge(self, user: str, n: int) -> None:
-        self.counters[self._user_key(self._charged_keys, "tokens_charged", user)] += n
+        self.counters[self._user_key(self._charged_keys, TOKENS_CHARGED, user)] += n
 
     def borrow(self, user: str, n: int) -> None:
-        self.counters[self._user_key(self._borrowed_keys, "tokens_borrowed", user)] += n
+        self.counters[self._user_key(self._borrowed_keys, TOKENS_BORROWED, user)] += n
 
     def skip(self, user: str, n: int) -> None:
-        self.counters[self._user_key(self._skipped_keys, "requests_skipped", user)] += n
+        self.counters[self._user_key(self._skipped_keys, REQUESTS_SKIPPED, user)] += n
 
     def spacing_hist(self, label: str) -> Histogram:
         hist = self.spacing.get(label)
         if hist is None:
-            hist = self.spacing[label] = self.histogram("inter_token_seconds", (label,))
+            hist = self.spacing[label] = self.histogram(INTER_TOKEN_SECONDS, (label,))
         return hist
 
-    def observe_episodes(self, ended: list[tuple[int, list[str], list[int], Any, Any]]) -> None:
-        """Closed throttle episodes (as ``telemetry.throttle`` keeps them)
-        into their users' histograms."""
+    def observe_episodes(self, ended: list[Any]) -> None:
+        """Closed throttle episodes (``telemetry.throttle``'s ``EndedRun``)
+        into their users' histograms: each one's duration and user as its
+        record holds them (the spans read the same)."""
         users: list[str | None] = []
         took: list[int] = []
-        for end_ns, req_ids, starts, by_id, _credits in ended:  # (per step; lists made in C)
-            users.extend(map(by_id.get, req_ids))
-            took.extend(map(sub, repeat(end_ns, len(starts)), starts))
+        for run in ended:  # (per step; lists made in C)
+            episodes = run.episodes
+            users.extend(episodes.user_list())
+            took.extend(episodes.took())
         label = self.labeler.label
         labels = {user: label(user or OTHER) for user in set(users)}
         hists = self._episode_hists
@@ -131,7 +151,7 @@ class Series:
         def hist_of(name: str) -> Histogram:
             hist = hists.get(name)
             if hist is None:
-                hist = hists[name] = self.histogram("throttle_episode_seconds", (name,))
+                hist = hists[name] = self.histogram(THROTTLE_EPISODE_SECONDS, (name,))
             return hist
 
         observe_by_label(list(map(labels.__getitem__, users)), took, hist_of)
@@ -146,7 +166,7 @@ class Series:
         for key in list(self.histograms):
             if key[1] and key[1][0] in gone:
                 hist = self.histograms.pop(key)
-                if key[0] == "inter_token_seconds":
+                if key[0] == INTER_TOKEN_SECONDS.name:
                     self.spacing.pop(key[1][0], None)
                     self.spacing_evicted.add(hist)
         for key in list(self.gauges):

@@ -22,10 +22,19 @@ from collections import Counter
 from itertools import chain, filterfalse, repeat
 from operator import sub
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_output_rate.telemetry.histograms import sums_by_key
 from vllm_output_rate.telemetry.labels import OTHER
+from vllm_output_rate.telemetry.records import Episodes, StepEpisodes
+
+
+class EndedRun(NamedTuple):
+    """Throttle episodes that ended together, not yet in their histograms."""
+
+    episodes: Episodes
+    #: the steps each was counted skipped in since the last fold
+    credits: list[int]
 
 
 class ThrottleBook:
@@ -37,10 +46,8 @@ class ThrottleBook:
         #: dict, how many steps in a row had it]): no work per user or per
         #: request in a step.
         self._charge_runs: list[list[Any]] = []
-        #: closed throttle episodes not yet in their histograms: (end ns,
-        #: request ids, start ns of each, request id -> user, steps each
-        #: was counted skipped in since the last fold)
-        self.ended_runs: list[tuple[int, list[str], list[int], Any, list[int]]] = []
+        #: closed throttle episodes not yet in their histograms
+        self.ended_runs: list[EndedRun] = []
         #: the steps whose throttled requests were exactly those with an
         #: episode open, so far; request id -> that count when its episode
         #: began or was last folded (the requests with an episode open, as
@@ -57,22 +64,22 @@ class ThrottleBook:
         #: request id -> user, of the requests throttled since the last fold
         self.thr_users: dict[str, str] = {}
 
-    def add_step(self, charged: dict[str, str], throttled: list[str], ended: Any, starts: Any,
-                 end_ns: int, ended_by: dict[str, str], opened: Any, cur: Any, every: bool,
+    def add_step(self, charged: dict[str, str], throttled: list[str], episodes: StepEpisodes,
                  user_of: Callable[[str], str | None]) -> None:
         """One step's charges (the step's own request -> user dict, or one
-        more step of the last one when equal: a steady engine), the
-        episodes that ended (at ``end_ns``; ``ended_by``: the charges of
-        the step they ended in) and opened in it, and its skips."""
+        more step of the last one when equal: a steady engine), its
+        throttle ``episodes`` (those that ended in it, at the last step's
+        dispatch, and those that began) and its skips."""
         if charged:
             runs = self._charge_runs
             if runs and runs[-1][0] == charged:
                 runs[-1][1] += 1
             else:
                 runs.append([charged, 1])
-        if ended:
-            self.end_episodes(end_ns, ended, starts, ended_by)
+        if episodes.ended is not None:
+            self.end_episodes(episodes.ended)
         bases, full = self.bases, self.full_steps
+        opened = episodes.opened
         if opened:
             users = self.thr_users
             new = list(filterfalse(users.__contains__, opened))
@@ -80,21 +87,21 @@ class ThrottleBook:
                 for req_id in new:
                     users[req_id] = user_of(req_id) or OTHER
             bases.update(dict.fromkeys(opened, full))
-        if every:
+        if episodes.every:
             self.full_steps = full + 1
-            if cur:
-                self._inside_lists.append(cur)
+            if episodes.inside:
+                self._inside_lists.append(episodes.inside)
         elif throttled:
             self._skip_lists.append(throttled)
 
-    def end_episodes(self, end_ns: int, ended: list[str], starts: list[int],
-                     by_id: dict[str, str]) -> None:
-        """Throttle episodes of ``ended`` (begun at ``starts``) that ended at
-        ``end_ns``; ``by_id``: request -> user for them. Their durations and
-        skips (the steps counted since each began) go in at the next fold."""
+    def end_episodes(self, ended: Episodes) -> None:
+        """Throttle episodes that ended: their durations and skips (the
+        steps counted since each began) go in at the next fold."""
         full = self.full_steps
-        credits = list(map(sub, repeat(full, len(ended)), map(self.bases.pop, ended, repeat(full))))
-        self.ended_runs.append((end_ns, ended, starts, by_id, credits))
+        req_ids = ended.req_ids
+        credits = list(map(sub, repeat(full, len(req_ids)),
+                           map(self.bases.pop, req_ids, repeat(full))))
+        self.ended_runs.append(EndedRun(ended, credits))
 
     def pending(self) -> int:
         """Runs and lists kept for the next fold."""
@@ -138,9 +145,9 @@ class ThrottleBook:
         if self.ended_runs:  # (per episode, in C and numpy: a user's credits summed)
             ended_users: list[str | None] = []
             ended_credits: list[int] = []
-            for _now, ended, _starts, _by_id, credits in self.ended_runs:
-                ended_users.extend(map(user_of, ended))
-                ended_credits.extend(credits)
+            for run in self.ended_runs:
+                ended_users.extend(map(user_of, run.episodes.req_ids))
+                ended_credits.extend(run.credits)
             skipped.update(sums_by_key(ended_users, ended_credits))
         lists, self._skip_lists = self._skip_lists, []
         if lists:
@@ -157,7 +164,7 @@ class ThrottleBook:
             self.thr_users = {r: users[r] for r in self.bases if r in users}
         return skipped
 
-    def take_ended(self) -> list[tuple[int, list[str], list[int], Any, list[int]]]:
+    def take_ended(self) -> list[EndedRun]:
         """The closed episodes since the last fold (for their histograms)."""
         ended, self.ended_runs = self.ended_runs, []
         return ended

@@ -847,10 +847,10 @@ def test_skips_counted_by_episode_equal_skips_counted_per_request(tmp_path_facto
     every = []
     real = type(tel.folds).fold_step
 
-    def fold_step(self, record, *args):
+    def fold_step(self, record, episodes, reads):
         if record.throttled:
-            every.append(args[-3])  # (the step's ``every``)
-        real(self, record, *args)
+            every.append(episodes.every)
+        real(self, record, episodes, reads)
 
     tel._fold_step = fold_step.__get__(tel.folds)
     live = []

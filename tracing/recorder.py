@@ -26,6 +26,7 @@ from typing import Any
 
 from vllm_output_rate import settings
 from vllm_output_rate.observers import EngineView, IdleWait, RequestFacts, StepReport
+from vllm_output_rate.telemetry.records import Episodes
 from vllm_output_rate.tracing.drops import TraceDrops, max_queue_from_env
 from vllm_output_rate.tracing.emit import SpanEmitter
 from vllm_output_rate.tracing.generation import GenerationSpans
@@ -147,28 +148,19 @@ class SpanRecorder:
 
     # -- per step: throttle episodes, over-limit periods, step spans ---------
 
-    def on_step(self, record: StepReport, ended: Any = (), starts: Any = (),
-                opened_users: Any = (),
-                held: dict[str, tuple[int, RequestFacts | None]] | None = None,
-                sweep: set[str | None] | None = None, end_ns: int | None = None,
-                ended_by: dict[str, str] | None = None) -> None:
+    def on_step(self, record: StepReport, ended: Episodes | None = None,
+                opened_users: Any = (), sweep: set[str | None] | None = None) -> None:
         """Per step (``telemetry.folds``, on the worker: at most two appends).
-        ``ended``: the ids of requests whose throttle episode ended (at
-        ``end_ns``, the step they were last dispatched in, whose charges
-        are ``ended_by``; default: this step), and ``starts`` when their
-        episodes began; ``opened_users``: the users of the episodes that
-        began in this step; ``held``: the KV blocks and facts, read in the
-        step, of the ended requests whose episode is at least
-        ``throttle_min_ns`` long; ``sweep`` (every ``sweep_ns``): the users
-        with an episode open, for periods to end."""
+        ``ended``: the throttle episodes that ended in the step (at the
+        dispatch of the step before, see ``telemetry.records.Episodes``);
+        ``opened_users``: the users of the episodes that began in this step;
+        ``sweep`` (every ``sweep_ns``): the users with an episode open, for
+        periods to end."""
         now = record.now_ns
-        if ended or opened_users or record.refused or record.preempted_throttled or sweep is not None \
-                or record.borrowed or record.at_ceiling:
-            self._queue(self._replay_step, now, opened_users,
-                        ended, starts, record.charged, record.preempted_throttled, held,
-                        sweep, now if end_ns is None else end_ns,
-                        record.charged if ended_by is None else ended_by,
-                        record.borrowed, record.at_ceiling)
+        if ended is not None or opened_users or record.refused or record.preempted_throttled \
+                or sweep is not None or record.borrowed or record.at_ceiling:
+            self._queue(self._replay_step, now, opened_users, ended, record.charged,
+                        record.preempted_throttled, sweep, record.borrowed, record.at_ceiling)
         if record.refunded or (record.refused and self._sample_refusal()):
             self._queue(self._build_step, now, record.step, len(record.charged), record.refunded,
                         len(record.throttled), list(record.refused))
@@ -177,12 +169,10 @@ class SpanRecorder:
         self._refusal_steps += 1
         return self._refusal_steps % self.step_sample_every == 1 or self.step_sample_every == 1
 
-    def on_ended(self, end_ns: int, ended: list[str], starts: list[int], by_id: dict[str, str],
-                 held: dict[str, tuple[int, RequestFacts | None]] | None) -> None:
+    def on_ended(self, ended: Episodes) -> None:
         """Throttle episodes that ended outside a step: of requests that
-        finished with one open (their last token dispatched inside it), at
-        ``end_ns``; ``by_id``: request -> user for them."""
-        self._queue(self.throttle.replay_ended, end_ns, ended, starts, by_id, held)
+        finished with one open (their last token dispatched inside it)."""
+        self._queue(self.throttle.replay_ended, ended)
 
     def on_throttled_users(self, now: int, by_user: dict[str, tuple[int, int]]) -> None:
         """At an export step: user -> (throttled requests, their KV blocks)."""
@@ -208,30 +198,31 @@ class SpanRecorder:
                     zeros, finished)
 
     def on_aborted(self, aborted: list[tuple[str, str]], now: int,
-                   ended: dict[str, int] | None = None,
-                   facts: list[RequestFacts | None] | None = None,
-                   held: dict[str, tuple[int, RequestFacts | None]] | None = None) -> None:
+                   ended: Episodes | None = None,
+                   facts: list[RequestFacts | None] | None = None) -> None:
         """Requests finished from outside (client aborts), as (request id,
-        user), and the start of the open throttle episodes among them: their
-        generation spans are emitted (one append; ``facts`` of each, read
-        from the engine now when not given; ``held``: the KV blocks of those
-        with an episode open, read when it began)."""
+        user), and the throttle episodes open among them, ended now (with
+        the KV blocks each held, read when it began): their generation
+        spans are emitted (one append; ``facts`` of each, read from the
+        engine now when not given)."""
         if facts is None:
             view = self.view
             facts = [view.request_facts(req_id) for req_id, _ in aborted]
-        self._queue(self._replay_aborted, aborted, facts, ended or {}, now, held or {})
+        self._queue(self._replay_aborted, aborted, facts, ended, now)
 
     def _replay_aborted(self, aborted: list[tuple[str, str]], facts: list[RequestFacts | None],
-                        ended: dict[str, int], now: int,
-                        held: dict[str, tuple[int, RequestFacts | None]] | None = None) -> None:
+                        ended: Episodes | None, now: int) -> None:
         """The aborted requests' open episodes end (the throttle books),
         then the requests (their generation spans)."""
         throttle, finish = self.throttle, self.generation.finish
-        if ended:
-            closed = [req_id for req_id, _ in aborted if req_id in ended]
-            throttle.book_episodes(now, closed, [now - ended[r] for r in closed], dict(aborted).get)
+        start_of: dict[str, int] = {}
+        held = None
+        if ended is not None:
+            throttle.book_episodes(ended)
+            start_of = dict(zip(ended.req_ids, ended.starts))
+            held = ended.held
         for (req_id, _user), known in zip(aborted, facts):
-            start = ended.get(req_id)
+            start = start_of.get(req_id)
             if start is not None and now - start >= self.throttle_min_ns:
                 blocks = held[req_id][0] if held and req_id in held else 0
                 throttle.keep_longest(req_id, start, now, "aborted", blocks, known)

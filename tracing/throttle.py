@@ -16,12 +16,12 @@ from array import array
 from collections import Counter, defaultdict, deque
 from functools import partial
 from itertools import compress, repeat
-from operator import le, lt, sub
-from collections.abc import Callable
+from operator import le, lt
 from typing import Any
 
 from vllm_output_rate.config import UNLIMITED
 from vllm_output_rate.observers import EngineView, RequestFacts
+from vllm_output_rate.telemetry.records import Episodes
 from vllm_output_rate.tracing.attributes import (
     GEN_AI_REQUEST_ID,
     external_request_id,
@@ -116,16 +116,13 @@ class ThrottleSpans:
 
     # -- replayed per step ------------------------------------------------
 
-    def replay_step(self, now: int, opened_users: list[str],
-                    ended: list[str], starts: list[int], charged: dict[str, str],
-                    preempted: list[str],
-                    held: dict[str, tuple[int, RequestFacts | None]] | None,
-                    sweep: set[str | None] | None, end_ns: int,
-                    ended_by: dict[str, str], borrowed: dict[str, str] | None = None,
+    def replay_step(self, now: int, opened_users: list[str], ended: Episodes | None,
+                    charged: dict[str, str], preempted: list[str],
+                    sweep: set[str | None] | None, borrowed: dict[str, str] | None = None,
                     at_ceiling: list[str] | None = None) -> None:
         """A step's episode events (``SpanRecorder.on_step`` tells what each
-        argument holds; ``borrowed`` and ``at_ceiling`` are the step's, see
-        ``StepReport``)."""
+        argument holds; ``charged``, ``preempted``, ``borrowed`` and
+        ``at_ceiling`` are the step's, see ``StepReport``)."""
         self._now = now
         periods = self._periods
         if charged:  # tokens per user: the users of the step's charges, counted in C
@@ -149,38 +146,38 @@ class ThrottleSpans:
                     period.ceiling_steps += 1
         if preempted:
             self._preempted.update(preempted)
-        if ended:
-            self.replay_ended(end_ns, ended, starts, ended_by, held)
+        if ended is not None:
+            self.replay_ended(ended)
         if sweep is not None:
             self.sweep(now, sweep)
 
-    def replay_ended(self, end_ns: int, ended: list[str], starts: list[int],
-                     by_id: dict[str, str],
-                     held: dict[str, tuple[int, RequestFacts | None]] | None) -> None:
-        """Throttle episodes of ``ended`` (begun at ``starts``) that ended at
-        ``end_ns``; ``held``: those long enough for a span."""
+    def replay_ended(self, ended: Episodes) -> None:
+        """Throttle episodes that ended (``ended.held``: those long enough
+        for a span)."""
+        end_ns, req_ids = ended.end_ns, ended.req_ids
         self._now = max(self._now, end_ns)
-        self.book_episodes(end_ns, ended, list(map(sub, repeat(end_ns, len(starts)), starts)),
-                           by_id.get)
+        self.book_episodes(ended)
+        held = ended.held
         if held:  # the episodes long enough for a span: the longest of each
-            start_of = dict(zip(ended, starts))
+            start_of = dict(zip(req_ids, ended.starts))
             for req_id, (blocks, facts) in held.items():
                 self.keep_longest(req_id, start_of[req_id], end_ns, "dispatched", blocks, facts)
         if self._preempted:
-            self._preempted.difference_update(ended)
+            self._preempted.difference_update(req_ids)
 
-    def book_episodes(self, now: int, req_ids: list[str], took: list[int],
-                      user_of: Callable[[str], str | None]) -> None:
-        """Throttle episodes of ``req_ids`` that ended at ``now`` after
-        ``took`` ns each: onto their requests' and (periods being open) their
-        users' lists, and when their users' last one ended (in C)."""
+    def book_episodes(self, ended: Episodes) -> None:
+        """Throttle episodes that ended, with the durations and users their
+        record holds (the metrics read the same): onto their requests' and
+        (periods being open) their users' lists, and when their users' last
+        one ended (in C)."""
+        took = ended.took()
         by_request = self._throttle_ns
-        deque(map(array.append, map(by_request.__getitem__, req_ids), took), maxlen=0)
+        deque(map(array.append, map(by_request.__getitem__, ended.req_ids), took), maxlen=0)
         if self._periods:
-            users = list(map(user_of, req_ids))
+            users = ended.user_list()
             lists = self._episode_ns
             deque(map(list.append, map(lists.__getitem__, users), took), maxlen=0)
-            self._last_end.update(dict.fromkeys(users, now))
+            self._last_end.update(dict.fromkeys(users, ended.end_ns))
 
     def replay_throttled_users(self, now: int, by_user: dict[str, tuple[int, int]]) -> None:
         """At an export step: user -> (throttled requests, their KV blocks)."""
