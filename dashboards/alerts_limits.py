@@ -122,7 +122,8 @@ def cases(c: Config) -> list[dict[str, Any]]:
                 limits_info(OLD_LIMITS, "1x40", model_name="other", engine="1"),
             ],
             "alert_rule_test": [quiet(differ, "30m")],
-        },    ]
+        },
+    ]
 
 
 def fleet_cases(c: Config) -> list[dict[str, Any]]:
@@ -191,4 +192,5 @@ def fleet_cases(c: Config) -> list[dict[str, Any]]:
                 "eval_time": "30m",
                 "exp_samples": [{"labels": f'{{model_name="{MODEL}"}}', "value": 1}],
             }],
-        },    ]
+        },
+    ]
