@@ -74,19 +74,6 @@ Request = Any
 class ResidencyMixin:
     """Resident slots kept for requests within budget (see the module)."""
 
-    #: resident slots kept in this step for waiting requests with budget
-    #: (or, with borrowing, below their user's share), and their ids
-    _orl_resident_kept = 0
-    _orl_kept_ids: set[str] = frozenset()
-    #: users whose first waiting request takes their next token in this step
-    _orl_turns: set[str] = frozenset()
-    #: with borrowing, those requests (id -> user): a token set aside each
-    _orl_turn_ids: dict[str, str] = {}
-    #: the engine's step period (ns; None before two busy steps) and when
-    #: the last step began
-    _orl_period_ns: int | None = None
-    _orl_prev_now: int | None = None
-
     def _orl_budgeted_first(self) -> None:
         """A step begins (no borrowing, chunked prefill, FCFS): the waiting
         requests of users with budget beyond their resident streams (as
@@ -113,23 +100,22 @@ class ResidencyMixin:
         """A step begins at ``now``: the step period, a moving average over
         the steps that began with requests running (an idle engine's wait
         is no period), for how many streams a user's rate keeps busy."""
-        prev = self._orl_prev_now
+        st = self.output_rate
+        prev = st.prev_now
         if prev is not None and self.running and now > prev:
-            period = self._orl_period_ns
+            period = st.period_ns
             dt = now - prev
-            self._orl_period_ns = dt if period is None else (7 * period + dt) // 8
-        self._orl_prev_now = now
+            st.period_ns = dt if period is None else (7 * period + dt) // 8
+        st.prev_now = now
 
     def _orl_make_room(self) -> None:
         """A step begins: keep resident slots for the waiting requests of
         users with budget, preempting throttled ones when none are free."""
-        self._orl_resident_kept = 0
-        self._orl_kept_ids = frozenset()
-        self._orl_turns = frozenset()
-        self._orl_turn_ids = {}
+        st = self.output_rate
+        step = st.step
         waiting = self.waiting
         running = self.running
-        if waiting and self._orl_chunked and self._orl_lender is None and not self._orl_priority:
+        if waiting and st.chunked and st.lender is None and not st.priority:
             self._orl_budgeted_first()
         free = self.max_num_running_reqs - len(running)
         if not waiting:
@@ -151,7 +137,7 @@ class ResidencyMixin:
             return
         # the active slots left beside the resident requests with budget (a
         # request kept beyond them would wait for an active slot anyway)
-        most = self._orl_base_active
+        most = st.base_active
         budgets = self._orl_budgets()
         for user, n in resident.items():
             most -= min(n, max(budgets[user], 0))
@@ -161,7 +147,7 @@ class ResidencyMixin:
         # the users with requests), which a user who may borrow is kept
         # slots up to, and a user's first waiting request takes its turn
         # below it (``_orl_turn_due``)
-        lender = self._orl_lender
+        lender = st.lender
         share = None
         holds = dict(resident)
         wanted: dict[str, int] = {}
@@ -198,10 +184,10 @@ class ResidencyMixin:
             # the first kept ones (vLLM admits in queue order)
             freed = self._orl_evict(kept[:short], resident, share, below_share)
             short -= freed
-        self._orl_resident_kept = len(kept) - max(short, 0)
-        self._orl_kept_ids = {r.request_id for r in kept}
+        step.resident_kept = len(kept) - max(short, 0)
+        step.kept_ids = {r.request_id for r in kept}
         if turns:  # those with a resident slot now (the first kept ones have them)
-            slotted = {id(r) for r in kept[:self._orl_resident_kept]}
+            slotted = {id(r) for r in kept[:step.resident_kept]}
             self._orl_give_turns([r for r in turns if id(r) in slotted])
 
     def _orl_turn_due(self, request: Request, budget: int, resident: int) -> bool:
@@ -220,45 +206,48 @@ class ResidencyMixin:
         request a new block, the token budget's worth of prefill): only then
         does a request take its turn, which would otherwise preempt a stream
         (its user's own, throttled for it) for its blocks."""
-        return self._orl_free_blocks() >= (self._orl_groups * len(self.running)
-                                           + self._orl_step_blocks)
+        st = self.output_rate
+        return st.free_blocks() >= st.groups * len(self.running) + st.step_blocks
 
     def _orl_give_turns(self, requests: list[Request]) -> None:
         """These waiting requests, each with a resident slot in this step,
         take their users' next token: their users' resident streams are
         a token short in the running order (``_orl_order_running``), and
         with borrowing the step keeps their room (``_orl_keep``)."""
-        self._orl_turns = {r.output_rate_user for r in requests}
-        if self._orl_lender is not None:
+        step = self.output_rate.step
+        step.turns = {r.output_rate_user for r in requests}
+        book = step.lending
+        if book is not None:
             # (the token set aside from the user's step budget, which its
             # resident streams would take first even as borrowers; the
             # running order reads the budgets from before, less the turn)
             self._orl_budgets()
-            self._orl_turn_ids = {}
+            turns = step.turn_ids = {}
             for request in requests:
                 self._orl_keep(request)
                 user = request.output_rate_user
                 self._orl_left(user)
-                self._orl_allow[user] -= 1
+                step.allow[user] -= 1
                 self._orl_ceiling_left(user)  # (a borrower of the user's takes it not either)
-                self._orl_ceil_left[user] -= 1
-                self._orl_turn_ids[request.request_id] = user
-            turns = self._orl_turn_ids  # (not among the waiting borrowers)
-            self._orl_waiting_borrowers = [r for r in self._orl_waiting_borrowers
-                                           if r.request_id not in turns]
+                book.ceil_left[user] -= 1
+                turns[request.request_id] = user
+            # (not among the waiting borrowers)
+            book.waiting_borrowers = [r for r in book.waiting_borrowers
+                                      if r.request_id not in turns]
 
     def _orl_turn_taken(self, req_id: str) -> None:
         """vLLM's waiting loop reaches a request taking its user's turn
         (with borrowing): the token set aside for it is its user's again."""
-        user = self._orl_turn_ids.pop(req_id, None)
+        step = self.output_rate.step
+        user = step.turn_ids.pop(req_id, None)
         if user is not None:
-            self._orl_allow[user] += 1
-            self._orl_ceil_left[user] += 1
+            step.allow[user] += 1
+            step.lending.ceil_left[user] += 1
 
     def _orl_return_turns(self) -> None:
         """The step ends: tokens set aside for turns vLLM's waiting loop
         never reached go back to their users, uncharged."""
-        for req_id in list(self._orl_turn_ids):
+        for req_id in list(self.output_rate.step.turn_ids):
             self._orl_turn_taken(req_id)
 
     def _orl_resident_shares(self, resident: dict[str, int]) -> dict[str, float]:
@@ -287,10 +276,11 @@ class ResidencyMixin:
         if not excess:
             return 0
         holds = dict(resident)
-        priority = self._orl_priority
-        in_flight = self._orl_async
+        st = self.output_rate
+        priority = st.priority
+        in_flight = st.is_async
         can_be_freed = self._request_blocks_can_be_freed
-        record = self._orl_record
+        record = st.step.report
         # those that may go for any request (in ``running``'s order; what
         # each test reads is the request's own, unchanged by another's
         # preemption): looked at once, not once per victim
@@ -339,7 +329,7 @@ class ResidencyMixin:
         this step: a stream throttled for a step or two between tokens is
         pacing, not piling up (preempted, it would be recomputed and
         preempt another in its turn)."""
-        period = self._orl_period_ns
+        period = self.output_rate.period_ns
         if period is None:
             return 1
         return max(1, math.ceil(float(self.output_rate_limiter.rate_of(user)) * period / 1e9))
@@ -348,17 +338,18 @@ class ResidencyMixin:
         """Whether a waiting request of a user without budget may be
         admitted in this step beside the resident slots kept for requests
         with budget."""
-        return (len(self.running) + self._orl_held + 1 + self._orl_resident_kept
-                <= self.max_num_running_reqs)
+        step = self.output_rate.step
+        return len(self.running) + step.held + 1 + step.resident_kept <= self.max_num_running_reqs
 
     def _orl_take_kept(self, request: Request, any_slot: bool = False) -> bool:
         """vLLM's waiting loop admits ``request``: the slot kept for it (or,
         ``any_slot``, one kept slot) is taken. Whether one was kept for it."""
-        mine = request.request_id in self._orl_kept_ids
+        step = self.output_rate.step
+        mine = request.request_id in step.kept_ids
         if mine:
-            self._orl_kept_ids.discard(request.request_id)
-        if (mine or any_slot) and self._orl_resident_kept:
-            self._orl_resident_kept -= 1
+            step.kept_ids.discard(request.request_id)
+        if (mine or any_slot) and step.resident_kept:
+            step.resident_kept -= 1
         return mine
 
     # -- admission (hook 3 of ``internals``) --------------------------------
@@ -366,12 +357,14 @@ class ResidencyMixin:
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):
             return False
-        if self._orl_block_admission:
+        st = self.output_rate
+        step = st.step
+        if step.block_admission:
             # We preempted a throttled request in this step; like vLLM after
             # its own preemptions, admit nothing new in this step.
             return False
         user = request.output_rate_user
-        if self._orl_turn_ids:
+        if step.turn_ids:
             self._orl_turn_taken(request.request_id)  # its turn: the token set aside for it
         if self._orl_left(user) > 0:
             self._orl_take_kept(request, any_slot=True)
@@ -379,15 +372,15 @@ class ResidencyMixin:
         # out of budget: to borrow, or to compute its prefill ahead, in a
         # slot kept for it (to borrow), or beside the kept ones
         if self._orl_take_kept(request) or self._orl_resident_room():
-            if self._orl_lender is not None and self._orl_admit_borrower(request):
+            if st.lender is not None and self._orl_admit_borrower(request):
                 return True
-            self._orl_refused[user] = 0
-            if self._orl_chunked and self._can_hold_prefill(request) and (
-                    self._orl_lender is None or self._orl_admit_room(request)):
+            step.refused[user] = 0
+            if st.chunked and self._can_hold_prefill(request) and (
+                    st.lender is None or self._orl_admit_room(request)):
                 return True
         else:
-            self._orl_refused[user] = 0
-        self._orl_record.waiting_skipped += 1
+            step.refused[user] = 0
+        step.report.waiting_skipped += 1
         return False
 
     def _can_hold_prefill(self, request: Request) -> bool:
@@ -397,7 +390,7 @@ class ResidencyMixin:
         if request.num_tokens - 1 - request.num_computed_tokens <= 0:
             return False
         return not (
-            self._orl_prefix_caching
+            self.output_rate.prefix_caching
             and request.num_computed_tokens == 0
             and (request.num_tokens - 1) % self.block_size == 0
         )
