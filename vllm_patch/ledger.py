@@ -126,9 +126,10 @@ class OutputRateState:
     #: vLLM's ``AsyncScheduler`` below: a request's last token may be in
     #: flight when the next step is scheduled
     is_async: bool = False
-    #: KV cache groups, and the blocks a step can allocate beyond one a
-    #: request (the token budget's worth of prefill), over all groups
+    #: KV cache groups, the block size (tokens), and the blocks a step can
+    #: allocate beyond one a request (the token budget's worth of prefill)
     groups: int = 1
+    block_size: int = 16
     step_blocks: int = 0
     #: the KV cache's free blocks now
     free_blocks: Callable[[], int] | None = None
@@ -142,3 +143,19 @@ class OutputRateState:
     prev_now: int | None = None
     #: this step's ledger
     step: StepLedger | None = None
+
+    def blocks_for(self, tokens: int) -> int:
+        """KV blocks ``tokens`` new tokens may need: one more than they
+        fill, per KV cache group."""
+        return self.groups * (-(-tokens // self.block_size) + 1)
+
+    def kv_fits(self, requests: int, tokens: int | None = None, kept_blocks: int = 0) -> bool:
+        """The one KV-room check: whether the KV cache's free blocks cover a
+        new block for each of ``requests`` resident requests, the blocks
+        ``tokens`` new tokens may need (None: the step's whole token budget
+        of prefill) and ``kept_blocks`` kept for waiting requests. Within
+        it nothing the step allocates makes vLLM preempt (a failed
+        allocation preempts the tail with FCFS and, with PRIORITY, by
+        priority and arrival, a request already scheduled maybe)."""
+        need = self.step_blocks if tokens is None else self.blocks_for(tokens)
+        return self.free_blocks() >= self.groups * requests + need + kept_blocks

@@ -35,6 +35,7 @@ from vllm.v1.request import RequestStatus
 from vllm_output_rate.borrowing import NO_CEILING, Lender
 from vllm_output_rate.config import OutputRateConfig
 from vllm_output_rate.ledger import LendingBook
+from vllm_output_rate.ordering import beyond_resident
 from vllm_output_rate.observers import StepReport
 
 Request = Any
@@ -64,38 +65,31 @@ class LendingMixin:
         waiting requests of users with budget (the module)."""
         st = self.output_rate
         book = st.step.lending = LendingBook()
-        left = self._orl_left
         if not self.waiting:
             return
         room = min(self.max_num_running_reqs - len(self.running), st.base_active)
-        # a user's budget beyond what its resident requests take first
-        resident = self._orl_streams()
-        wanted: dict[str, int] = {}
         kept = book.kept
         may, slots = st.lender.may_borrow, st.base_active
         candidates = book.waiting_borrowers
-        for request in self.waiting:
-            user = request.output_rate_user
-            n = wanted.get(user)
-            if n is None:
-                n = wanted[user] = left(user) - resident.get(user, 0)
-                if n <= 0 and not may(user):
-                    n = wanted[user] = -slots  # neither kept nor lent to
+        not_lent: set[str] = set()  # (out of budget from the first, may not borrow)
+        for request, n, first in beyond_resident(self.waiting, self._orl_left, self._orl_streams()):
             if n > 0:
                 if len(kept) >= room:
                     # more of them than free slots: lending would keep one
                     # waiting (borrowers resident or active in its place)
                     book.lends = False
                     break
-                wanted[user] = n - 1
                 need = _prompt_left(request)
-                blocks = self._orl_blocks_for(need)
+                blocks = st.blocks_for(need)
                 kept[request.request_id] = (need, blocks)
                 book.kept_tokens += need
                 book.kept_blocks += blocks
-            elif n > -slots and len(candidates) < room:
-                wanted[user] = n - 1  # (its first few only)
-                candidates.append(request)
+                continue
+            user = request.output_rate_user
+            if first and not may(user):
+                not_lent.add(user)  # neither kept nor lent to
+            elif n > -slots and len(candidates) < room and user not in not_lent:
+                candidates.append(request)  # (its first few only)
         book.kept_slots = len(kept)
         if book.kept_blocks > st.free_blocks():
             # the KV cache cannot take them all: lent tokens (more blocks
@@ -110,7 +104,7 @@ class LendingMixin:
         if request.request_id in book.kept:
             return
         need = _prompt_left(request)
-        blocks = self._orl_blocks_for(need)
+        blocks = self.output_rate.blocks_for(need)
         book.kept[request.request_id] = (need, blocks)
         book.kept_slots += 1
         book.kept_tokens += need
@@ -140,16 +134,14 @@ class LendingMixin:
             slots, tokens, blocks = slots - 1, tokens - own[0], blocks - own[1]
         return (book.given_slots + 1 + slots <= st.base_active
                 and book.given_tokens + n + tokens <= self.max_num_scheduled_tokens
-                and self._orl_kv_room(n, blocks))
+                and st.kv_fits(0, n, blocks))
 
     def _orl_admit_room(self, request: Request) -> bool:
         """Whether a waiting request out of guaranteed budget may be
         admitted in this step: ``_orl_room`` for its prompt, and a resident
         slot beside those kept for other waiting requests."""
-        step = self.output_rate.step
-        book = step.lending
-        kept = book.kept_slots - (request.request_id in book.kept)
-        return (len(self.running) + step.held + 1 + kept <= self.max_num_running_reqs
+        book = self.output_rate.step.lending
+        return (self._orl_resident_fits(book.kept_slots - (request.request_id in book.kept))
                 and self._orl_room(_prompt_left(request), request))
 
     def _orl_lend_tail(self, ready: list[Request], throttled: list[Request],
@@ -247,20 +239,6 @@ class LendingMixin:
         return (self._orl_lent_now(request)
                 and self._orl_room(num_new_tokens, request)
                 and self._orl_borrow(user))
-
-    def _orl_kv_room(self, num_new_tokens: int, kept_blocks: int) -> bool:
-        """Whether the KV cache has the blocks a running borrower's tokens
-        could need (one more than they fill, per KV cache group) without a
-        preemption: a lent token never costs anyone else their blocks (a
-        failed allocation would have vLLM preempt the tail with FCFS, and
-        by priority and arrival, a request already scheduled maybe, with
-        PRIORITY)."""
-        return self.output_rate.free_blocks() >= self._orl_blocks_for(num_new_tokens) + kept_blocks
-
-    def _orl_blocks_for(self, tokens: int) -> int:
-        """KV blocks ``tokens`` new tokens may need: one more than they
-        fill, per KV cache group."""
-        return self.output_rate.groups * (-(-tokens // self.block_size) + 1)
 
     def _orl_ceiling_left(self, user: str) -> int:
         """How many tokens ``user``'s ceiling still allows in this step."""

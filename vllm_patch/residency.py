@@ -39,7 +39,7 @@ second stream, coming after its first took the budget, so takes turns
 with it instead of waiting for it to end (2.9 s for 60 tokens at 20 tok/s
 in a full engine). The slots stay kept for those requests in the step: a
 waiting request of a user without budget is admitted to compute its
-prefill ahead only beside them (``_orl_resident_room``). vLLM's waiting
+prefill ahead only beside them (``_orl_resident_fits``). vLLM's waiting
 loop then admits the requests with budget in its own order.
 
 The admission hook lives here too (``_handle_blocked_waiting_request``,
@@ -66,7 +66,7 @@ import math
 import time
 from typing import Any
 
-from vllm_output_rate.ordering import last_token_in_flight
+from vllm_output_rate.ordering import beyond_resident, last_token_in_flight
 
 Request = Any
 
@@ -80,17 +80,9 @@ class ResidencyMixin:
         many of each user's as that budget has tokens) go ahead of the
         others, each part in queue order; ``waiting`` is changed only when
         one of them waits behind another."""
-        left = self._orl_left
-        resident = self._orl_streams()
-        wanted: dict[str, int] = {}
         first: list[Request] = []
         rest: list[Request] = []
-        for request in self.waiting:
-            user = request.output_rate_user
-            n = wanted.get(user)
-            if n is None:
-                n = left(user) - resident.get(user, 0)
-            wanted[user] = n - 1
+        for request, n, _ in beyond_resident(self.waiting, self._orl_left, self._orl_streams()):
             (first if n > 0 else rest).append(request)
         if first and rest and first[-1] is not self.waiting[len(first) - 1]:
             self.waiting.clear()
@@ -122,15 +114,14 @@ class ResidencyMixin:
             return
         left = self._orl_left
         resident = self._orl_streams()
+        turn_due = self._orl_turn_due
         if free >= len(waiting):  # every waiting request has a slot: nothing to keep
             if resident:  # but a user's first waiting one may take its turn
-                seen: set[str] = set()
                 turns = []
-                for request in waiting:
-                    user = request.output_rate_user
-                    if user not in seen:
-                        seen.add(user)
-                        if self._orl_turn_due(request, left(user), resident.get(user, 0)):
+                for request, n, first in beyond_resident(waiting, left, resident):
+                    if first:
+                        streams = resident.get(request.output_rate_user, 0)
+                        if turn_due(request, n + streams, streams):
                             turns.append(request)
                 if turns:
                     self._orl_give_turns(turns)
@@ -150,19 +141,15 @@ class ResidencyMixin:
         lender = st.lender
         share = None
         holds = dict(resident)
-        wanted: dict[str, int] = {}
         kept: list[Request] = []
         below_share: set[str] = set()
         turns: list[Request] = []
-        for request in waiting:
+        for request, n, first in beyond_resident(waiting, left, resident):
             user = request.output_rate_user
-            n = wanted.get(user)
             turn = False
-            if n is None:
-                n = left(user)
-                turn = self._orl_turn_due(request, n, resident.get(user, 0))
-                n -= resident.get(user, 0)
-            wanted[user] = n - 1
+            if first:
+                streams = resident.get(user, 0)
+                turn = turn_due(request, n + streams, streams)
             if n <= 0:
                 if not turn and (lender is None or not lender.may_borrow(user)):
                     continue
@@ -198,16 +185,10 @@ class ResidencyMixin:
         Without this a user's second stream, coming after the first took
         the budget, waits for the first to end whenever the resident or the
         active slots are full (2.9 s for 60 tokens at 20 tok/s)."""
+        # (only while the step cannot run out of KV blocks: a turn would
+        # otherwise preempt a stream, its user's own maybe, for its blocks)
         return 0 < budget <= resident and not request.output_rate_served_ns \
-            and request.num_output_tokens == 0 and self._orl_kv_at_ease()
-
-    def _orl_kv_at_ease(self) -> bool:
-        """Whether the step cannot run out of KV blocks (every resident
-        request a new block, the token budget's worth of prefill): only then
-        does a request take its turn, which would otherwise preempt a stream
-        (its user's own, throttled for it) for its blocks."""
-        st = self.output_rate
-        return st.free_blocks() >= st.groups * len(self.running) + st.step_blocks
+            and request.num_output_tokens == 0 and self.output_rate.kv_fits(len(self.running))
 
     def _orl_give_turns(self, requests: list[Request]) -> None:
         """These waiting requests, each with a resident slot in this step,
@@ -334,13 +315,6 @@ class ResidencyMixin:
             return 1
         return max(1, math.ceil(float(self.output_rate_limiter.rate_of(user)) * period / 1e9))
 
-    def _orl_resident_room(self) -> bool:
-        """Whether a waiting request of a user without budget may be
-        admitted in this step beside the resident slots kept for requests
-        with budget."""
-        step = self.output_rate.step
-        return len(self.running) + step.held + 1 + step.resident_kept <= self.max_num_running_reqs
-
     def _orl_take_kept(self, request: Request, any_slot: bool = False) -> bool:
         """vLLM's waiting loop admits ``request``: the slot kept for it (or,
         ``any_slot``, one kept slot) is taken. Whether one was kept for it."""
@@ -371,7 +345,8 @@ class ResidencyMixin:
             return True
         # out of budget: to borrow, or to compute its prefill ahead, in a
         # slot kept for it (to borrow), or beside the kept ones
-        if self._orl_take_kept(request) or self._orl_resident_room():
+        # (beside the resident slots kept for requests with budget)
+        if self._orl_take_kept(request) or self._orl_resident_fits(step.resident_kept):
             if st.lender is not None and self._orl_admit_borrower(request):
                 return True
             step.refused[user] = 0

@@ -123,9 +123,9 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         self.output_rate_last_step = st.step.report
         # KV blocks a step can allocate beyond one a request (prefill chunks take the token
         # budget at most), per KV cache group: the room throttled ones may be held back within.
-        groups = max(len(self.kv_cache_config.kv_cache_groups), 1)
-        st.step_blocks = groups * (-(-self.max_num_scheduled_tokens // self.block_size) + 1)
-        st.groups = groups
+        st.groups = max(len(self.kv_cache_config.kv_cache_groups), 1)
+        st.block_size = self.block_size
+        st.step_blocks = st.blocks_for(self.max_num_scheduled_tokens)
         st.free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks
         # FCFS preempts the tail of ``running``, where throttled requests sit: no wrap. PRIORITY
         # picks by priority and arrival: a throttled one of the lowest priority first (wrapped).
@@ -402,8 +402,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         running = self.running
         lent = step.lent_tail  # borrowers after them (borrowing only)
         keep = len(running) - len(throttled) - lent
-        need = st.groups * (keep + lent) + st.step_blocks
-        if st.free_blocks() < need:
+        if not st.kv_fits(keep + lent):
             return None
         del running[keep:keep + len(throttled)]
         step.held = step.report.held_back = len(throttled)
@@ -413,6 +412,13 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             refused[request.output_rate_user] = 0  # ready time filled in at the end
             mark(request)
         return throttled
+
+    def _orl_resident_fits(self, kept: int) -> bool:
+        """Whether one more request fits in the resident set
+        (``--max-num-seqs``) beside those held back and ``kept`` resident
+        slots kept for waiting requests (residency's, or lending's)."""
+        return (len(self.running) + self.output_rate.step.held + 1 + kept
+                <= self.max_num_running_reqs)
 
     # -- the charge point ------------------------------------------------
 
