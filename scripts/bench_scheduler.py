@@ -242,9 +242,9 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         if control:
             return step(sched, clock)
         if shared is not None:
-            sched.output_rate_limiter, sched._orl_limiter_begin = plain, None
+            sched.output_rate_limiter, sched.output_rate.limiter_begin = plain, None
             took = step(sched, clock)
-            sched.output_rate_limiter, sched._orl_limiter_begin = shared, shared.begin_step
+            sched.output_rate_limiter, sched.output_rate.limiter_begin = shared, shared.begin_step
             return took
         if telemetry_dir is not None:
             sched.output_rate_observer = None

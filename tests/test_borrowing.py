@@ -382,7 +382,7 @@ def check_no_displacement(users, active, is_async, kv=None, priorities=(0, 0, 0,
     def before_step():
         limiter, now = sched.output_rate_limiter, clock()
         budget_at[len(steps)] = {u: min(limiter.available(u, now),
-                                        sched._orl_lender.available(u, now) if sched._orl_lender else 10**9)
+                                        sched.output_rate.lender.available(u, now) if sched.output_rate.lender else 10**9)
                                  for u in rates}
 
     arrivals = sorted((start, f"u{i}", n) for i, (_, _, n, start) in enumerate(users))
@@ -620,7 +620,7 @@ def test_without_ceilings_no_borrowing_series(tmp_path):
     sched = make_scheduler(limits(1000, {"a": 5}), clock=VirtualClock())
     tel = attach_telemetry(sched, str(tmp_path), start_thread=False)
     assert not any(name.endswith("borrowed") for name, _ in tel.counters)
-    assert sched._orl_lender is None and sched._orl_direct
+    assert sched.output_rate.lender is None and sched.output_rate.step.direct
 
 
 # -- a live change ----------------------------------------------------------------
@@ -667,7 +667,7 @@ def test_a_pair_changed_live_is_in_force_at_the_next_step(tmp_path, monkeypatch,
     plain = phase("default: 1000\nusers: {a: 5}\n", 600)
     assert not tokens(steps, "a", ("borrowed",), since=plain[0][0])
     check_bound(plain, 5)
-    assert sched._orl_lender is None
+    assert sched.output_rate.lender is None
     # the plain steps held the throttled streams back and put each back once
     assert sorted(map(id, sched.running)) == sorted(set(map(id, sched.running)))
     assert len(sched.running) == 4

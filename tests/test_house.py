@@ -1,6 +1,7 @@
 """The house rules a newcomer relies on, read from the source: no module of
-the engine plugin, telemetry, tracing or dashboards longer than 600 lines, no class that
-sets more than 25 attributes in its ``__init__``."""
+the engine plugin, telemetry, tracing or dashboards longer than 600 lines, no
+class that sets more than 25 attributes in its ``__init__``, few attributes of
+ours on vLLM's scheduler object."""
 
 from __future__ import annotations
 
@@ -21,6 +22,17 @@ LONG_MODULES: dict[str, str] = {}
 WIDE_CLASSES: dict[str, str] = {}
 
 MODULES = sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py"))
+#: The modules whose classes are mixed over vLLM's ``Scheduler``: what they
+#: set on ``self`` (and their class-level data) lives on vLLM's object.
+SCHEDULER_MIXINS = ("vllm_patch/scheduler.py", "vllm_patch/lending.py",
+                    "vllm_patch/residency.py", "vllm_patch/preemption.py")
+#: Attributes of ours on vLLM's scheduler object. The target (issue 46) is
+#: one, the output-rate state (``output_rate``, ``ledger.OutputRateState``);
+#: today the limiter, its config, the limits watcher, the observer, the last
+#: step's report, and the clock and the settings tests replace on the class
+#: are still their own ``output_rate_*`` names (the per-step and internal
+#: ``_orl_*`` state, 48 names before, is all in the state object).
+MAX_SCHEDULER_ATTRIBUTES = 9
 
 
 def init_attributes(cls: ast.ClassDef) -> set[str]:
@@ -37,6 +49,27 @@ def init_attributes(cls: ast.ClassDef) -> set[str]:
                         if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
                                 and sub.value.id == "self"):
                             found.add(sub.attr)
+    return found
+
+
+def self_attributes(tree: ast.AST) -> set[str]:
+    """What the classes of ``tree`` keep on their instances: ``self.X``
+    assigned in any method, and data set in the class body (not methods)."""
+    found: set[str] = set()
+    for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
+        for item in cls.body:
+            if isinstance(item, (ast.Assign, ast.AnnAssign)):
+                targets = item.targets if isinstance(item, ast.Assign) else [item.target]
+                found.update(t.id for t in targets if isinstance(t, ast.Name))
+        for node in ast.walk(cls):
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                       else [])
+            for target in targets:
+                elts = target.elts if isinstance(target, ast.Tuple) else [target]
+                found.update(t.attr for t in elts
+                             if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                             and t.value.id == "self")
     return found
 
 
@@ -65,6 +98,18 @@ def test_classes_set_few_attributes(path):
     assert not wide, f"{rel(path)}: __init__ sets more than {MAX_INIT_ATTRIBUTES} attributes: {wide}"
 
 
+def test_vllms_scheduler_carries_few_attributes_of_ours():
+    ours: set[str] = set()
+    for module in SCHEDULER_MIXINS:
+        ours |= self_attributes(ast.parse((REPO / module).read_text(), module))
+    internal = sorted(name for name in ours if name.startswith("_orl_"))
+    assert not internal, f"per-step or internal state on vLLM's scheduler: {internal}"
+    assert "output_rate" in ours
+    assert len(ours) <= MAX_SCHEDULER_ATTRIBUTES, (
+        f"{len(ours)} attributes of ours on vLLM's scheduler (at most "
+        f"{MAX_SCHEDULER_ATTRIBUTES}): keep them in the state object: {sorted(ours)}")
+
+
 def test_the_checks_see_what_they_check():
     """The attribute count reads what a class sets (so the rule can fail)."""
     tree = ast.parse(
@@ -76,6 +121,15 @@ def test_the_checks_see_what_they_check():
         "        if True:\n"
         "            self.c, self.d = 3, 4\n")
     assert init_attributes(tree.body[0]) == {"a", "b", "c", "d"}
+    mixin = ast.parse(
+        "class M:\n"
+        "    flag = False\n"
+        "    def f(self):\n"
+        "        self.x = 1\n"
+        "        self.y, self.z.w = 2, 3\n"
+        "        self.running[:] = []\n"
+        "        self.n += 1\n")
+    assert self_attributes(mixin) == {"flag", "x", "y", "n"}
     assert len(MODULES) > 20
     assert all(m in {rel(p) for p in MODULES} for m in LONG_MODULES)
 

@@ -57,7 +57,7 @@ def test_each_charge_path_is_the_one_that_runs(charge_path):
     held = sched.output_rate_last_step.held_back
     assert held == (1 if charge_path.startswith("held") else 0)
     assert len(sched.running) == 2  # held-back requests are back after the step
-    assert sched._orl_direct == (not charge_path.endswith("settled"))
+    assert sched.output_rate.step.direct == (not charge_path.endswith("settled"))
     # vLLM's own hooks only: nothing of ours set on the instance per step
     assert "_reserve_prefill_lookahead" not in sched.__dict__
     assert "allocate_slots" not in sched.kv_cache_manager.__dict__

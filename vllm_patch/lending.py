@@ -2,7 +2,8 @@
 counters): who may borrow in a step, the ceilings' books of the step, and
 their settling when it ends. Mixed into ``scheduler.OutputRateSchedulerMixin``,
 whose attributes these methods read; none of it runs without a limit that
-has a ceiling (``_orl_lender`` is None then).
+has a ceiling (the state's ``lender`` is None then). A step's books are
+the ledger's ``lending`` (``ledger.LendingBook``).
 
 A step lends what requests within their guaranteed rates leave of it. When
 it begins (``_orl_begin_lending``), it keeps, for the waiting requests of
@@ -33,6 +34,8 @@ from vllm.v1.request import RequestStatus
 
 from vllm_output_rate.borrowing import NO_CEILING, Lender
 from vllm_output_rate.config import OutputRateConfig
+from vllm_output_rate.ledger import LendingBook
+from vllm_output_rate.ordering import beyond_resident
 from vllm_output_rate.observers import StepReport
 
 Request = Any
@@ -49,115 +52,96 @@ class LendingMixin:
 
     def _orl_set_lender(self, config: OutputRateConfig, now: int) -> None:
         """Reloaded limits: borrowing starts, stops or takes new ceilings."""
+        st = self.output_rate
         if not config.borrowing:
-            self._orl_lender = None
-            self._orl_lent_tail = 0  # (no step orders borrowers any more)
-        elif self._orl_lender is None:
-            self._orl_lender = Lender(config)
+            st.lender = None
+        elif st.lender is None:
+            st.lender = Lender(config)
         else:
-            self._orl_lender.set_limits(config, now)
+            st.lender.set_limits(config, now)
 
     def _orl_begin_lending(self) -> None:
         """A step begins: its ceilings' books, and the room it keeps for the
         waiting requests of users with budget (the module)."""
-        #: user -> tokens its ceiling still allows in this step, and at its
-        #: start; user -> tokens lent in this step
-        self._orl_ceil_left: dict[str, int] = {}
-        self._orl_ceil_start: dict[str, int] = {}
-        self._orl_borrowed: dict[str, int] = {}
-        #: users whose ceiling refused them in this step
-        self._orl_at_ceiling: set[str] = set()
-        self._orl_lent_tail = 0
-        #: active slots and tokens given in this step (the charge point)
-        self._orl_given_slots = self._orl_given_tokens = 0
-        #: request id -> (prompt tokens, KV blocks) kept for it; their sums
-        self._orl_kept: dict[str, tuple[int, int]] = {}
-        self._orl_kept_slots = self._orl_kept_tokens = self._orl_kept_blocks = 0
-        #: waiting requests that may borrow (a few per user, in queue order),
-        #: and whether this step chose among them (``_orl_lend_tail``)
-        self._orl_waiting_borrowers: list[Request] = []
-        self._orl_chose = False
-        left = self._orl_left
-        self._orl_lending = True
+        st = self.output_rate
+        book = st.step.lending = LendingBook()
         if not self.waiting:
             return
-        room = min(self.max_num_running_reqs - len(self.running), self._orl_base_active)
-        # a user's budget beyond what its resident requests take first
-        resident = self._orl_streams()
-        wanted: dict[str, int] = {}
-        kept = self._orl_kept
-        may, slots = self._orl_lender.may_borrow, self._orl_base_active
-        candidates = self._orl_waiting_borrowers
-        for request in self.waiting:
-            user = request.output_rate_user
-            n = wanted.get(user)
-            if n is None:
-                n = wanted[user] = left(user) - resident.get(user, 0)
-                if n <= 0 and not may(user):
-                    n = wanted[user] = -slots  # neither kept nor lent to
+        room = min(self.max_num_running_reqs - len(self.running), st.base_active)
+        kept = book.kept
+        may, slots = st.lender.may_borrow, st.base_active
+        candidates = book.waiting_borrowers
+        not_lent: set[str] = set()  # (out of budget from the first, may not borrow)
+        for request, n, first in beyond_resident(self.waiting, self._orl_left, self._orl_streams()):
             if n > 0:
                 if len(kept) >= room:
                     # more of them than free slots: lending would keep one
                     # waiting (borrowers resident or active in its place)
-                    self._orl_lending = False
+                    book.lends = False
                     break
-                wanted[user] = n - 1
                 need = _prompt_left(request)
-                blocks = self._orl_blocks_for(need)
+                blocks = st.blocks_for(need)
                 kept[request.request_id] = (need, blocks)
-                self._orl_kept_tokens += need
-                self._orl_kept_blocks += blocks
-            elif n > -slots and len(candidates) < room:
-                wanted[user] = n - 1  # (its first few only)
-                candidates.append(request)
-        self._orl_kept_slots = len(kept)
-        if self._orl_kept_blocks > self._orl_free_blocks():
+                book.kept_tokens += need
+                book.kept_blocks += blocks
+                continue
+            user = request.output_rate_user
+            if first and not may(user):
+                not_lent.add(user)  # neither kept nor lent to
+            elif n > -slots and len(candidates) < room and user not in not_lent:
+                candidates.append(request)  # (its first few only)
+        book.kept_slots = len(kept)
+        if book.kept_blocks > st.free_blocks():
             # the KV cache cannot take them all: lent tokens (more blocks
             # held by borrowers) would keep them waiting longer
-            self._orl_lending = False
+            book.lends = False
 
     def _orl_keep(self, request: Request) -> None:
         """Keep room in this step for a waiting request taking its user's
         turn (``residency``), as for one with budget: borrowers are not
         given its active slot, tokens or KV blocks."""
-        if request.request_id in self._orl_kept:
+        book = self.output_rate.step.lending
+        if request.request_id in book.kept:
             return
         need = _prompt_left(request)
-        blocks = self._orl_blocks_for(need)
-        self._orl_kept[request.request_id] = (need, blocks)
-        self._orl_kept_slots += 1
-        self._orl_kept_tokens += need
-        self._orl_kept_blocks += blocks
+        blocks = self.output_rate.blocks_for(need)
+        book.kept[request.request_id] = (need, blocks)
+        book.kept_slots += 1
+        book.kept_tokens += need
+        book.kept_blocks += blocks
 
     def _orl_give(self, request: Request, n: int) -> None:
         """The charge point gave ``request`` ``n`` tokens of this step (one
         active slot): off the room, and off what was kept for it."""
-        self._orl_given_slots += 1
-        self._orl_given_tokens += n
-        kept = self._orl_kept.pop(request.request_id, None)
+        book = self.output_rate.step.lending
+        book.given_slots += 1
+        book.given_tokens += n
+        kept = book.kept.pop(request.request_id, None)
         if kept is not None:
-            self._orl_kept_slots -= 1
-            self._orl_kept_tokens -= kept[0]
-            self._orl_kept_blocks -= kept[1]
+            book.kept_slots -= 1
+            book.kept_tokens -= kept[0]
+            book.kept_blocks -= kept[1]
 
     def _orl_room(self, n: int, request: Request) -> bool:
         """Whether ``n`` more tokens of ``request`` (one more active slot,
         their KV blocks) fit in this step beside what it gave and what it
         keeps for other waiting requests (with budget, or chosen to borrow)."""
-        slots, tokens, blocks = self._orl_kept_slots, self._orl_kept_tokens, self._orl_kept_blocks
-        own = self._orl_kept.get(request.request_id)
+        st = self.output_rate
+        book = st.step.lending
+        slots, tokens, blocks = book.kept_slots, book.kept_tokens, book.kept_blocks
+        own = book.kept.get(request.request_id)
         if own is not None:  # (its own room, kept for it)
             slots, tokens, blocks = slots - 1, tokens - own[0], blocks - own[1]
-        return (self._orl_given_slots + 1 + slots <= self._orl_base_active
-                and self._orl_given_tokens + n + tokens <= self.max_num_scheduled_tokens
-                and self._orl_kv_room(n, blocks))
+        return (book.given_slots + 1 + slots <= st.base_active
+                and book.given_tokens + n + tokens <= self.max_num_scheduled_tokens
+                and st.kv_fits(0, n, blocks))
 
     def _orl_admit_room(self, request: Request) -> bool:
         """Whether a waiting request out of guaranteed budget may be
         admitted in this step: ``_orl_room`` for its prompt, and a resident
         slot beside those kept for other waiting requests."""
-        kept = self._orl_kept_slots - (request.request_id in self._orl_kept)
-        return (len(self.running) + self._orl_held + 1 + kept <= self.max_num_running_reqs
+        book = self.output_rate.step.lending
+        return (self._orl_resident_fits(book.kept_slots - (request.request_id in book.kept))
                 and self._orl_room(_prompt_left(request), request))
 
     def _orl_lend_tail(self, ready: list[Request], throttled: list[Request],
@@ -175,12 +159,15 @@ class LendingMixin:
         # borrowers in lending order, resident or waiting (a waiting one
         # chosen is admitted in this step, its prompt's tokens and its
         # active slot kept for it; one computing ahead takes no other slot)
-        slots = (self._orl_base_active - (len(ready) - len(prefilling)) - len(ahead)
-                 - self._orl_kept_slots)
-        tokens = self.max_num_scheduled_tokens - self._orl_kept_tokens - sum(
+        st = self.output_rate
+        step = st.step
+        book = step.lending
+        slots = (st.base_active - (len(ready) - len(prefilling)) - len(ahead)
+                 - book.kept_slots)
+        tokens = self.max_num_scheduled_tokens - book.kept_tokens - sum(
             r.num_tokens - r.num_computed_tokens if r.is_prefill_chunk else 1 for r in ready)
         chosen = []
-        for request in self._orl_borrowers(throttled + prefilling + self._orl_waiting_borrowers):
+        for request in self._orl_borrowers(throttled + prefilling + book.waiting_borrowers):
             if id(request) in ahead:
                 chosen.append(request)
                 continue
@@ -196,50 +183,53 @@ class LendingMixin:
                     # step: the flood's victims at GPU scale, 1.44x their
                     # no-flood TTFT p99)
                     self._orl_keep(request)
-        self._orl_chose = True
-        step = self._orl_step_no
+        book.chose = True
         for request in chosen:  # the charge point may lend to these
-            request.output_rate_borrow_step = step
+            request.output_rate_borrow_step = step.no
         borrowers = [r for r in chosen if r.status == _RUNNING]
         if borrowers:
             ids = {id(r) for r in borrowers}
             ready = [r for r in ready if id(r) not in ids]
             throttled = [r for r in throttled if id(r) not in ids]
         self.running[:] = ready + throttled + borrowers
-        self._orl_lent_tail = len(borrowers)
+        step.lent_tail = len(borrowers)
         return ready, throttled
 
     def _orl_admit_borrower(self, request: Request) -> bool:
         """Whether a waiting request out of guaranteed budget is admitted to
         borrow in this step (then flagged for the charge point)."""
+        st = self.output_rate
+        book = st.step.lending
         user = request.output_rate_user
-        if not (self._orl_lending and self._orl_lender.may_borrow(user)
+        if not (book.lends and st.lender.may_borrow(user)
                 and self._orl_admit_room(request)):
             return False
-        if self._orl_chose:  # chosen in lending order, or not in this step
+        if book.chose:  # chosen in lending order, or not in this step
             return self._orl_lent_now(request)
         if self._orl_ceiling_left(user) > 0:
-            request.output_rate_borrow_step = self._orl_step_no
+            request.output_rate_borrow_step = st.step.no
             return True
-        self._orl_at_ceiling.add(user)
+        book.at_ceiling.add(user)
         return False
 
     def _orl_borrowers(self, throttled: list[Request]) -> list[Request]:
         """Those of ``throttled`` that may borrow in this step (their
         ceilings allow), in lending order (``borrowing.Lender.order``)."""
-        lender = self._orl_lender
+        st = self.output_rate
+        lender = st.lender
         may = lender.may_borrow
         ceil = self._orl_ceiling_left
         may_borrow = [r for r in throttled if may(r.output_rate_user)]
         borrowers = lender.order([r for r in may_borrow if ceil(r.output_rate_user) > 0])
         if len(borrowers) < len(may_borrow):  # the others' ceilings are spent
-            self._orl_at_ceiling.update(r.output_rate_user for r in may_borrow
-                                        if self._orl_ceil_left[r.output_rate_user] <= 0)
+            book = st.step.lending
+            book.at_ceiling.update(r.output_rate_user for r in may_borrow
+                                   if book.ceil_left[r.output_rate_user] <= 0)
         return borrowers
 
     def _orl_lent_now(self, request: Request) -> bool:
         """``request`` may borrow in this step (lent tokens, not charged)."""
-        return request.output_rate_borrow_step == self._orl_step_no
+        return request.output_rate_borrow_step == self.output_rate.step_no
 
     def _orl_lend(self, request: Request, user: str, num_new_tokens: int) -> bool:
         """The charge point, for a request out of guaranteed budget: lend it
@@ -250,45 +240,38 @@ class LendingMixin:
                 and self._orl_room(num_new_tokens, request)
                 and self._orl_borrow(user))
 
-    def _orl_kv_room(self, num_new_tokens: int, kept_blocks: int) -> bool:
-        """Whether the KV cache has the blocks a running borrower's tokens
-        could need (one more than they fill, per KV cache group) without a
-        preemption: a lent token never costs anyone else their blocks (a
-        failed allocation would have vLLM preempt the tail with FCFS, and
-        by priority and arrival, a request already scheduled maybe, with
-        PRIORITY)."""
-        return self._orl_free_blocks() >= self._orl_blocks_for(num_new_tokens) + kept_blocks
-
-    def _orl_blocks_for(self, tokens: int) -> int:
-        """KV blocks ``tokens`` new tokens may need: one more than they
-        fill, per KV cache group."""
-        return self._orl_groups * (-(-tokens // self.block_size) + 1)
-
     def _orl_ceiling_left(self, user: str) -> int:
         """How many tokens ``user``'s ceiling still allows in this step."""
-        left = self._orl_ceil_left.get(user)
+        st = self.output_rate
+        step = st.step
+        book = step.lending
+        left = book.ceil_left.get(user)
         if left is None:
-            left = self._orl_lender.available(user, self._orl_now)
-            self._orl_ceil_left[user] = self._orl_ceil_start[user] = left
+            left = st.lender.available(user, step.now)
+            book.ceil_left[user] = book.ceil_start[user] = left
         return left
 
     def _orl_borrow(self, user: str) -> bool:
         """Lend ``user`` one token of this step, if its ceiling allows."""
+        book = self.output_rate.step.lending
         if self._orl_ceiling_left(user) <= 0:
-            self._orl_at_ceiling.add(user)
+            book.at_ceiling.add(user)
             return False
-        self._orl_ceil_left[user] -= 1
-        self._orl_borrowed[user] = self._orl_borrowed.get(user, 0) + 1
+        book.ceil_left[user] -= 1
+        book.borrowed[user] = book.borrowed.get(user, 0) + 1
         return True
 
     def _orl_settle_ceilings(self, record: StepReport, scheduled: dict[str, int]) -> None:
         """Give back what was lent but not dispatched, and put the step's
         tokens on the ceilings and the borrowing counters."""
-        if self._orl_turn_ids:
+        st = self.output_rate
+        step = st.step
+        book = step.lending
+        if step.turn_ids:
             self._orl_return_turns()
-        borrowed, ceil_left, lent = record.borrowed, self._orl_ceil_left, self._orl_borrowed
-        if self._orl_at_ceiling:
-            record.at_ceiling = list(self._orl_at_ceiling)
+        borrowed, ceil_left, lent = record.borrowed, book.ceil_left, book.borrowed
+        if book.at_ceiling:
+            record.at_ceiling = list(book.at_ceiling)
         for req_id in [r for r in borrowed if r not in scheduled]:
             user = borrowed.pop(req_id)
             ceil_left[user] += 1
@@ -296,6 +279,6 @@ class LendingMixin:
         for req_id, user, _ in record.refunded:
             if user in ceil_left:  # a guaranteed token given back
                 ceil_left[user] += 1
-        spent = {user: start - ceil_left[user] for user, start in self._orl_ceil_start.items()
+        spent = {user: start - ceil_left[user] for user, start in book.ceil_start.items()
                  if start < NO_CEILING and start > ceil_left[user]}
-        self._orl_lender.settle(self._orl_now, spent, lent)
+        st.lender.settle(step.now, spent, lent)

@@ -10,7 +10,7 @@ request (``output_rate_user``, ``output_rate_served_ns``) and vLLM's own
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Any
 
 
@@ -21,6 +21,26 @@ def streams_by_user(requests: Any) -> dict[str, int]:
         user = request.output_rate_user
         streams[user] = streams.get(user, 0) + 1
     return streams
+
+
+def beyond_resident(waiting: Iterable[Any], left: Callable[[str], int],
+                    resident: Mapping[str, int]) -> Iterator[tuple[Any, int, bool]]:
+    """Each of ``waiting``, in queue order, with its user's budget beyond
+    what the user's resident streams and its waiting requests before it
+    take (``left(user)``, asked once per user when first met, less
+    ``resident[user]``, less one a request before it): above 0, the request
+    is within its user's budget in this step; and whether it is its user's
+    first. Lazy: a user's budget is asked only when one of its requests is
+    reached."""
+    wanted: dict[str, int] = {}
+    for request in waiting:
+        user = request.output_rate_user
+        n = wanted.get(user)
+        first = n is None
+        if first:
+            n = left(user) - resident.get(user, 0)
+        wanted[user] = n - 1
+        yield request, n, first
 
 
 def last_token_in_flight(request: Any) -> bool:

@@ -27,19 +27,20 @@ class PriorityPreemptionMixin:
     """The PRIORITY policy's victim choice (see the module)."""
 
     def _orl_allocate_slots(self, request: Request, *args: Any, **kwargs: Any):
-        allocate = self._orl_upstream_allocate
+        allocate = self.output_rate.upstream_allocate
         blocks = allocate(request, *args, **kwargs)
         if blocks is not None or request.status != _RUNNING:
             return blocks
+        step = self.output_rate.step
         while blocks is None:
-            victim = throttled_victim(self.running, request, self._orl_charged,
+            victim = throttled_victim(self.running, request, step.charged,
                                       self._request_blocks_can_be_freed, self._orl_left,
                                       self._orl_lent_now)
             if victim is None:
                 break
             self.running.remove(victim)
             self._preempt_request(victim, time.monotonic())
-            self._orl_block_admission = True
-            self._orl_record.preempted_throttled.append(victim.request_id)
+            step.block_admission = True
+            step.report.preempted_throttled.append(victim.request_id)
             blocks = allocate(request, *args, **kwargs)
         return blocks

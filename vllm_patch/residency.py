@@ -39,7 +39,7 @@ second stream, coming after its first took the budget, so takes turns
 with it instead of waiting for it to end (2.9 s for 60 tokens at 20 tok/s
 in a full engine). The slots stay kept for those requests in the step: a
 waiting request of a user without budget is admitted to compute its
-prefill ahead only beside them (``_orl_resident_room``). vLLM's waiting
+prefill ahead only beside them (``_orl_resident_fits``). vLLM's waiting
 loop then admits the requests with budget in its own order.
 
 The admission hook lives here too (``_handle_blocked_waiting_request``,
@@ -66,7 +66,7 @@ import math
 import time
 from typing import Any
 
-from vllm_output_rate.ordering import last_token_in_flight
+from vllm_output_rate.ordering import beyond_resident, last_token_in_flight
 
 Request = Any
 
@@ -74,36 +74,15 @@ Request = Any
 class ResidencyMixin:
     """Resident slots kept for requests within budget (see the module)."""
 
-    #: resident slots kept in this step for waiting requests with budget
-    #: (or, with borrowing, below their user's share), and their ids
-    _orl_resident_kept = 0
-    _orl_kept_ids: set[str] = frozenset()
-    #: users whose first waiting request takes their next token in this step
-    _orl_turns: set[str] = frozenset()
-    #: with borrowing, those requests (id -> user): a token set aside each
-    _orl_turn_ids: dict[str, str] = {}
-    #: the engine's step period (ns; None before two busy steps) and when
-    #: the last step began
-    _orl_period_ns: int | None = None
-    _orl_prev_now: int | None = None
-
     def _orl_budgeted_first(self) -> None:
         """A step begins (no borrowing, chunked prefill, FCFS): the waiting
         requests of users with budget beyond their resident streams (as
         many of each user's as that budget has tokens) go ahead of the
         others, each part in queue order; ``waiting`` is changed only when
         one of them waits behind another."""
-        left = self._orl_left
-        resident = self._orl_streams()
-        wanted: dict[str, int] = {}
         first: list[Request] = []
         rest: list[Request] = []
-        for request in self.waiting:
-            user = request.output_rate_user
-            n = wanted.get(user)
-            if n is None:
-                n = left(user) - resident.get(user, 0)
-            wanted[user] = n - 1
+        for request, n, _ in beyond_resident(self.waiting, self._orl_left, self._orl_streams()):
             (first if n > 0 else rest).append(request)
         if first and rest and first[-1] is not self.waiting[len(first) - 1]:
             self.waiting.clear()
@@ -113,45 +92,43 @@ class ResidencyMixin:
         """A step begins at ``now``: the step period, a moving average over
         the steps that began with requests running (an idle engine's wait
         is no period), for how many streams a user's rate keeps busy."""
-        prev = self._orl_prev_now
+        st = self.output_rate
+        prev = st.prev_now
         if prev is not None and self.running and now > prev:
-            period = self._orl_period_ns
+            period = st.period_ns
             dt = now - prev
-            self._orl_period_ns = dt if period is None else (7 * period + dt) // 8
-        self._orl_prev_now = now
+            st.period_ns = dt if period is None else (7 * period + dt) // 8
+        st.prev_now = now
 
     def _orl_make_room(self) -> None:
         """A step begins: keep resident slots for the waiting requests of
         users with budget, preempting throttled ones when none are free."""
-        self._orl_resident_kept = 0
-        self._orl_kept_ids = frozenset()
-        self._orl_turns = frozenset()
-        self._orl_turn_ids = {}
+        st = self.output_rate
+        step = st.step
         waiting = self.waiting
         running = self.running
-        if waiting and self._orl_chunked and self._orl_lender is None and not self._orl_priority:
+        if waiting and st.chunked and st.lender is None and not st.priority:
             self._orl_budgeted_first()
         free = self.max_num_running_reqs - len(running)
         if not waiting:
             return
         left = self._orl_left
         resident = self._orl_streams()
+        turn_due = self._orl_turn_due
         if free >= len(waiting):  # every waiting request has a slot: nothing to keep
             if resident:  # but a user's first waiting one may take its turn
-                seen: set[str] = set()
                 turns = []
-                for request in waiting:
-                    user = request.output_rate_user
-                    if user not in seen:
-                        seen.add(user)
-                        if self._orl_turn_due(request, left(user), resident.get(user, 0)):
+                for request, n, first in beyond_resident(waiting, left, resident):
+                    if first:
+                        streams = resident.get(request.output_rate_user, 0)
+                        if turn_due(request, n + streams, streams):
                             turns.append(request)
                 if turns:
                     self._orl_give_turns(turns)
             return
         # the active slots left beside the resident requests with budget (a
         # request kept beyond them would wait for an active slot anyway)
-        most = self._orl_base_active
+        most = st.base_active
         budgets = self._orl_budgets()
         for user, n in resident.items():
             most -= min(n, max(budgets[user], 0))
@@ -161,22 +138,18 @@ class ResidencyMixin:
         # the users with requests), which a user who may borrow is kept
         # slots up to, and a user's first waiting request takes its turn
         # below it (``_orl_turn_due``)
-        lender = self._orl_lender
+        lender = st.lender
         share = None
         holds = dict(resident)
-        wanted: dict[str, int] = {}
         kept: list[Request] = []
         below_share: set[str] = set()
         turns: list[Request] = []
-        for request in waiting:
+        for request, n, first in beyond_resident(waiting, left, resident):
             user = request.output_rate_user
-            n = wanted.get(user)
             turn = False
-            if n is None:
-                n = left(user)
-                turn = self._orl_turn_due(request, n, resident.get(user, 0))
-                n -= resident.get(user, 0)
-            wanted[user] = n - 1
+            if first:
+                streams = resident.get(user, 0)
+                turn = turn_due(request, n + streams, streams)
             if n <= 0:
                 if not turn and (lender is None or not lender.may_borrow(user)):
                     continue
@@ -198,10 +171,10 @@ class ResidencyMixin:
             # the first kept ones (vLLM admits in queue order)
             freed = self._orl_evict(kept[:short], resident, share, below_share)
             short -= freed
-        self._orl_resident_kept = len(kept) - max(short, 0)
-        self._orl_kept_ids = {r.request_id for r in kept}
+        step.resident_kept = len(kept) - max(short, 0)
+        step.kept_ids = {r.request_id for r in kept}
         if turns:  # those with a resident slot now (the first kept ones have them)
-            slotted = {id(r) for r in kept[:self._orl_resident_kept]}
+            slotted = {id(r) for r in kept[:step.resident_kept]}
             self._orl_give_turns([r for r in turns if id(r) in slotted])
 
     def _orl_turn_due(self, request: Request, budget: int, resident: int) -> bool:
@@ -212,53 +185,50 @@ class ResidencyMixin:
         Without this a user's second stream, coming after the first took
         the budget, waits for the first to end whenever the resident or the
         active slots are full (2.9 s for 60 tokens at 20 tok/s)."""
+        # (only while the step cannot run out of KV blocks: a turn would
+        # otherwise preempt a stream, its user's own maybe, for its blocks)
         return 0 < budget <= resident and not request.output_rate_served_ns \
-            and request.num_output_tokens == 0 and self._orl_kv_at_ease()
-
-    def _orl_kv_at_ease(self) -> bool:
-        """Whether the step cannot run out of KV blocks (every resident
-        request a new block, the token budget's worth of prefill): only then
-        does a request take its turn, which would otherwise preempt a stream
-        (its user's own, throttled for it) for its blocks."""
-        return self._orl_free_blocks() >= (self._orl_groups * len(self.running)
-                                           + self._orl_step_blocks)
+            and request.num_output_tokens == 0 and self.output_rate.kv_fits(len(self.running))
 
     def _orl_give_turns(self, requests: list[Request]) -> None:
         """These waiting requests, each with a resident slot in this step,
         take their users' next token: their users' resident streams are
         a token short in the running order (``_orl_order_running``), and
         with borrowing the step keeps their room (``_orl_keep``)."""
-        self._orl_turns = {r.output_rate_user for r in requests}
-        if self._orl_lender is not None:
+        step = self.output_rate.step
+        step.turns = {r.output_rate_user for r in requests}
+        book = step.lending
+        if book is not None:
             # (the token set aside from the user's step budget, which its
             # resident streams would take first even as borrowers; the
             # running order reads the budgets from before, less the turn)
             self._orl_budgets()
-            self._orl_turn_ids = {}
+            turns = step.turn_ids = {}
             for request in requests:
                 self._orl_keep(request)
                 user = request.output_rate_user
                 self._orl_left(user)
-                self._orl_allow[user] -= 1
+                step.allow[user] -= 1
                 self._orl_ceiling_left(user)  # (a borrower of the user's takes it not either)
-                self._orl_ceil_left[user] -= 1
-                self._orl_turn_ids[request.request_id] = user
-            turns = self._orl_turn_ids  # (not among the waiting borrowers)
-            self._orl_waiting_borrowers = [r for r in self._orl_waiting_borrowers
-                                           if r.request_id not in turns]
+                book.ceil_left[user] -= 1
+                turns[request.request_id] = user
+            # (not among the waiting borrowers)
+            book.waiting_borrowers = [r for r in book.waiting_borrowers
+                                      if r.request_id not in turns]
 
     def _orl_turn_taken(self, req_id: str) -> None:
         """vLLM's waiting loop reaches a request taking its user's turn
         (with borrowing): the token set aside for it is its user's again."""
-        user = self._orl_turn_ids.pop(req_id, None)
+        step = self.output_rate.step
+        user = step.turn_ids.pop(req_id, None)
         if user is not None:
-            self._orl_allow[user] += 1
-            self._orl_ceil_left[user] += 1
+            step.allow[user] += 1
+            step.lending.ceil_left[user] += 1
 
     def _orl_return_turns(self) -> None:
         """The step ends: tokens set aside for turns vLLM's waiting loop
         never reached go back to their users, uncharged."""
-        for req_id in list(self._orl_turn_ids):
+        for req_id in list(self.output_rate.step.turn_ids):
             self._orl_turn_taken(req_id)
 
     def _orl_resident_shares(self, resident: dict[str, int]) -> dict[str, float]:
@@ -287,10 +257,11 @@ class ResidencyMixin:
         if not excess:
             return 0
         holds = dict(resident)
-        priority = self._orl_priority
-        in_flight = self._orl_async
+        st = self.output_rate
+        priority = st.priority
+        in_flight = st.is_async
         can_be_freed = self._request_blocks_can_be_freed
-        record = self._orl_record
+        record = st.step.report
         # those that may go for any request (in ``running``'s order; what
         # each test reads is the request's own, unchanged by another's
         # preemption): looked at once, not once per victim
@@ -339,26 +310,20 @@ class ResidencyMixin:
         this step: a stream throttled for a step or two between tokens is
         pacing, not piling up (preempted, it would be recomputed and
         preempt another in its turn)."""
-        period = self._orl_period_ns
+        period = self.output_rate.period_ns
         if period is None:
             return 1
         return max(1, math.ceil(float(self.output_rate_limiter.rate_of(user)) * period / 1e9))
 
-    def _orl_resident_room(self) -> bool:
-        """Whether a waiting request of a user without budget may be
-        admitted in this step beside the resident slots kept for requests
-        with budget."""
-        return (len(self.running) + self._orl_held + 1 + self._orl_resident_kept
-                <= self.max_num_running_reqs)
-
     def _orl_take_kept(self, request: Request, any_slot: bool = False) -> bool:
         """vLLM's waiting loop admits ``request``: the slot kept for it (or,
         ``any_slot``, one kept slot) is taken. Whether one was kept for it."""
-        mine = request.request_id in self._orl_kept_ids
+        step = self.output_rate.step
+        mine = request.request_id in step.kept_ids
         if mine:
-            self._orl_kept_ids.discard(request.request_id)
-        if (mine or any_slot) and self._orl_resident_kept:
-            self._orl_resident_kept -= 1
+            step.kept_ids.discard(request.request_id)
+        if (mine or any_slot) and step.resident_kept:
+            step.resident_kept -= 1
         return mine
 
     # -- admission (hook 3 of ``internals``) --------------------------------
@@ -366,28 +331,31 @@ class ResidencyMixin:
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         if not super()._handle_blocked_waiting_request(request):
             return False
-        if self._orl_block_admission:
+        st = self.output_rate
+        step = st.step
+        if step.block_admission:
             # We preempted a throttled request in this step; like vLLM after
             # its own preemptions, admit nothing new in this step.
             return False
         user = request.output_rate_user
-        if self._orl_turn_ids:
+        if step.turn_ids:
             self._orl_turn_taken(request.request_id)  # its turn: the token set aside for it
         if self._orl_left(user) > 0:
             self._orl_take_kept(request, any_slot=True)
             return True
         # out of budget: to borrow, or to compute its prefill ahead, in a
         # slot kept for it (to borrow), or beside the kept ones
-        if self._orl_take_kept(request) or self._orl_resident_room():
-            if self._orl_lender is not None and self._orl_admit_borrower(request):
+        # (beside the resident slots kept for requests with budget)
+        if self._orl_take_kept(request) or self._orl_resident_fits(step.resident_kept):
+            if st.lender is not None and self._orl_admit_borrower(request):
                 return True
-            self._orl_refused[user] = 0
-            if self._orl_chunked and self._can_hold_prefill(request) and (
-                    self._orl_lender is None or self._orl_admit_room(request)):
+            step.refused[user] = 0
+            if st.chunked and self._can_hold_prefill(request) and (
+                    st.lender is None or self._orl_admit_room(request)):
                 return True
         else:
-            self._orl_refused[user] = 0
-        self._orl_record.waiting_skipped += 1
+            step.refused[user] = 0
+        step.report.waiting_skipped += 1
         return False
 
     def _can_hold_prefill(self, request: Request) -> bool:
@@ -397,7 +365,7 @@ class ResidencyMixin:
         if request.num_tokens - 1 - request.num_computed_tokens <= 0:
             return False
         return not (
-            self._orl_prefix_caching
+            self.output_rate.prefix_caching
             and request.num_computed_tokens == 0
             and (request.num_tokens - 1) % self.block_size == 0
         )

@@ -33,7 +33,7 @@ itself there; this module imports none of it). The engine loop asks
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
@@ -52,6 +52,7 @@ from vllm_output_rate.lending import LendingMixin
 from vllm_output_rate.preemption import PriorityPreemptionMixin
 from vllm_output_rate.residency import ResidencyMixin
 from vllm_output_rate.internals import SchedulerView
+from vllm_output_rate.ledger import OutputRateState, StepLedger
 from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock, take_from
 from vllm_output_rate.ordering import (
     last_token_in_flight,
@@ -91,22 +92,12 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
     output_rate_watch_thread: bool = True
     #: The watcher of ``--output-rate-limits-file``, if limits come from one.
     output_rate_limits_watcher: Any = None
-
-    # Per-step counters read by the ``max_num_active_reqs`` property while
-    # vLLM's __init__ runs, before ours has set anything.
-    _orl_base_active = 0
-    _orl_throttled_running = 0
-    _orl_held = 0
-    _orl_capped = False
-    _orl_limiter_begin: Callable[[int], None] | None = None
-    _orl_lender: Lender | None = None
-    #: borrowers at the tail of ``running``, after the throttled requests
-    _orl_lent_tail = 0
-    #: vLLM's ``AsyncScheduler`` below: a request's last token may be in
-    #: flight when the next step is scheduled
-    _orl_async = False
+    #: Our state on vLLM's scheduler: one object (``ledger``), made before
+    #: vLLM's __init__ runs (it sets the active cap, which the state keeps).
+    output_rate: OutputRateState
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        st = self.output_rate = OutputRateState()
         super().__init__(*args, **kwargs)
         config = config_of(self.vllm_config)
         if config is None:
@@ -117,30 +108,29 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             )
         self.output_rate_config = config
         self.output_rate_limiter = self._orl_new_limiter(config)
-        #: borrowing's ceilings and counters, when a limit has a ceiling
-        self._orl_lender = Lender(config) if config.borrowing else None
-        self._orl_limiter_begin = getattr(self.output_rate_limiter, "begin_step", None)
+        st.lender = Lender(config) if config.borrowing else None
+        st.limiter_begin = getattr(self.output_rate_limiter, "begin_step", None)
         if config.limits_file is not None:
             from vllm_output_rate.limits_watch import LimitsWatcher
 
             # (a live watcher re-reads the file on SIGHUP too)
             self.output_rate_limits_watcher = LimitsWatcher(config, start_thread=self.output_rate_watch_thread)
-        self._orl_chunked = bool(self.scheduler_config.enable_chunked_prefill)
-        self._orl_prefix_caching = bool(self.cache_config.enable_prefix_caching)
-        self._orl_priority = self.policy == SchedulingPolicy.PRIORITY
-        self._orl_step_no = 0
+        st.chunked = bool(self.scheduler_config.enable_chunked_prefill)
+        st.prefix_caching = bool(self.cache_config.enable_prefix_caching)
+        st.priority = self.policy == SchedulingPolicy.PRIORITY
+        st.is_async = isinstance(self, AsyncScheduler)
         self._orl_begin(self.output_rate_clock())
-        self.output_rate_last_step = self._orl_record
+        self.output_rate_last_step = st.step.report
         # KV blocks a step can allocate beyond one a request (prefill chunks take the token
         # budget at most), per KV cache group: the room throttled ones may be held back within.
-        groups = max(len(self.kv_cache_config.kv_cache_groups), 1)
-        self._orl_step_blocks = groups * (-(-self.max_num_scheduled_tokens // self.block_size) + 1)
-        self._orl_groups = groups
-        self._orl_free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks
+        st.groups = max(len(self.kv_cache_config.kv_cache_groups), 1)
+        st.block_size = self.block_size
+        st.step_blocks = st.blocks_for(self.max_num_scheduled_tokens)
+        st.free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks
         # FCFS preempts the tail of ``running``, where throttled requests sit: no wrap. PRIORITY
         # picks by priority and arrival: a throttled one of the lowest priority first (wrapped).
-        self._orl_upstream_allocate = self.kv_cache_manager.allocate_slots
-        if self._orl_priority:
+        st.upstream_allocate = self.kv_cache_manager.allocate_slots
+        if st.priority:
             self.kv_cache_manager.allocate_slots = self._orl_allocate_slots
 
         from vllm_output_rate import engine_loop, orphan
@@ -169,14 +159,18 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         """Admission cap of the waiting loop: throttled requests don't count
         against the active cap; held-back ones (out of ``running`` while
         vLLM schedules) still count against the resident cap."""
+        st = self.output_rate
+        step = st.step
+        if step is None:  # (vLLM's __init__ runs)
+            return min(st.base_active, self.max_num_running_reqs)
         return min(
-            self._orl_base_active + self._orl_throttled_running,
-            self.max_num_running_reqs - self._orl_held,
+            st.base_active + step.throttled_running,
+            self.max_num_running_reqs - step.held,
         )
 
     @max_num_active_reqs.setter
     def max_num_active_reqs(self, value: int) -> None:
-        self._orl_base_active = value
+        self.output_rate.base_active = value
 
     # -- requests --------------------------------------------------------
 
@@ -213,17 +207,18 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             self._orl_apply_limits(watcher.current, now)
         # Reordering matters once some user ran short (a step refused
         # someone) or when more requests are resident than may run.
-        was_short = bool(self._orl_refused)
-        self._orl_begin(now)
-        if self._orl_lender is not None:
+        st = self.output_rate
+        was_short = bool(st.step.refused)
+        step = self._orl_begin(now)
+        if st.lender is not None:
             self._orl_begin_lending()
         self._orl_make_room()
         running = len(self.running)
         # Only when more are resident than may run can the active cap bind.
-        self._orl_capped = running > self._orl_base_active
+        step.capped = running > st.base_active
         throttled = None
-        if running > 1 and (was_short or self._orl_capped) or (
-                running and (self._orl_lender is not None or self._orl_turns)):
+        if running > 1 and (was_short or step.capped) or (
+                running and (st.lender is not None or step.turns)):
             # (with borrowing every step: who borrows is decided here)
             throttled = self._orl_order_running()
         held = self._orl_hold_back(throttled) if throttled else None
@@ -233,14 +228,14 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         finally:
             if held:
                 self.running.extend(held)
-                self._orl_held = 0
+                step.held = 0
         t2 = time.perf_counter()
         self._orl_finish(output.num_scheduled_tokens, output.preempted_req_ids)
         observer = self.output_rate_observer
         if observer is not None:
             t3 = time.perf_counter()
-            self._orl_record.limiter_share = ((t1 - t0) + (t3 - t2)) / (t3 - t0)
-            observer.on_step(self._orl_record)
+            step.report.limiter_share = ((t1 - t0) + (t3 - t2)) / (t3 - t0)
+            observer.on_step(step.report)
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
@@ -294,43 +289,29 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             close()
         super().shutdown()
 
-    def _orl_begin(self, now: int) -> None:
-        self._orl_step_no += 1
+    def _orl_begin(self, now: int) -> StepLedger:
+        """A step begins at ``now``: its ledger (``ledger.StepLedger``)."""
+        st = self.output_rate
+        st.step_no += 1
         self._orl_track_period(now)
-        self._orl_now = now
-        record = StepReport(self._orl_step_no, now)
-        self._orl_record = record
-        self._orl_charged = record.charged
-        self._orl_refused = record.refused
+        lender = st.lender
         # The plain limiter is charged token by token (``try_take``; a refund
         # gives one back): its state is the user's budget left in this step.
         # Any other limiter (shared budgets), and the plain one with
         # borrowing, is asked once per user and settled once per step with
-        # the net charges, through the two books below.
-        self._orl_direct = (type(self.output_rate_limiter) is OutputRateLimiter
-                            and self._orl_lender is None)
-        # user -> tokens it may still take in this step (asked once per user)
-        self._orl_allow: dict[str, int] = {}
-        # user -> tokens it could take at the start of this step
-        self._orl_allow_start: dict[str, int] = {}
-        self._orl_throttled = record.throttled
-        self._orl_throttled_new = record.throttled_new
-        self._orl_throttled_running = 0
-        self._orl_active = 0
-        self._orl_block_admission = False
-        #: user -> its requests in ``running``, and its budget, at the
-        #: step's start (``_orl_streams``, ``_orl_budgets``)
-        self._orl_step_streams: dict[str, int] | None = None
-        self._orl_step_budgets: dict[str, int] | None = None
-        begin = self._orl_limiter_begin
+        # the net charges (the ledger's ``allow`` and ``allow_start``).
+        direct = type(self.output_rate_limiter) is OutputRateLimiter and lender is None
+        step = st.step = StepLedger(st.step_no, now, StepReport(st.step_no, now), direct)
+        begin = st.limiter_begin
         if begin is not None:
             begin(now)
-        if self._orl_step_no % CLEANUP_EVERY_STEPS == 0:
+        if st.step_no % CLEANUP_EVERY_STEPS == 0:
             dropped = self.output_rate_limiter.cleanup_idle_users(now)
             if dropped:
                 self._orl_forget_states(set(dropped))
-            if self._orl_lender is not None:
-                self._orl_lender.cleanup_idle_users(now)
+            if lender is not None:
+                lender.cleanup_idle_users(now)
+        return step
 
     def _orl_forget_states(self, users: set[str] | None) -> None:
         """The limiter dropped (``users``) or replaced (None: any) some
@@ -345,19 +326,21 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         step, before vLLM's ``schedule()`` (lending's room, residency's and
         the running order read it; a request residency preempts is taken
         off)."""
-        streams = self._orl_step_streams
+        step = self.output_rate.step
+        streams = step.streams
         if streams is None:
-            streams = self._orl_step_streams = streams_by_user(self.running)
+            streams = step.streams = streams_by_user(self.running)
         return streams
 
     def _orl_budgets(self) -> dict[str, int]:
         """Each user of ``running``'s budget at the step's start, the
         limiter asked once per user (nothing is charged before vLLM's
         ``schedule()``); not to be changed (copy it)."""
-        budgets = self._orl_step_budgets
+        step = self.output_rate.step
+        budgets = step.budgets
         if budgets is None:
             left = self._orl_left
-            budgets = self._orl_step_budgets = {user: left(user) for user in self._orl_streams()}
+            budgets = step.budgets = {user: left(user) for user in self._orl_streams()}
         return budgets
 
     def _orl_order_running(self) -> list[Request] | None:
@@ -368,20 +351,21 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         Returns the throttled requests now at the tail of ``running`` (those
         of users without budget at the step's start, less a waiting request's
         turn: ``residency``), or None when no user is short of budget."""
+        st = self.output_rate
         running = self.running
         streams = self._orl_streams()
         budget = dict(self._orl_budgets())  # (taken from as requests are ordered)
-        for user in self._orl_turns:
+        for user in st.step.turns:
             budget[user] -= 1
         short = any(budget[user] < n for user, n in streams.items())
-        cap_binds = len(running) > self._orl_base_active
+        cap_binds = len(running) > st.base_active
         if not short and not cap_binds:
             return None
         if short:
             running = rotated(running)
         ready: list[Request] = []
         throttled: list[Request] = []
-        in_flight = self._orl_async
+        in_flight = st.is_async
         for request in running:
             user = request.output_rate_user
             if request.is_prefill_chunk:
@@ -393,9 +377,9 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
                 ready.append(request)
             else:
                 throttled.append(request)
-        if len(ready) > self._orl_base_active:
+        if len(ready) > st.base_active:
             ready = longest_waiting_first(ready, self.running)
-        if self._orl_lender is not None and self._orl_lending:
+        if st.lender is not None and st.step.lending.lends:
             ready, throttled = self._orl_lend_tail(ready, throttled, budget)
         else:
             self.running[:] = ready + throttled
@@ -414,20 +398,28 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         (vLLM counts the adapters of all of ``running``)."""
         if not self.output_rate_hold_back or self.lora_config:
             return None
+        st = self.output_rate
+        step = st.step
         running = self.running
-        lent = self._orl_lent_tail  # borrowers after them (borrowing only)
+        lent = step.lent_tail  # borrowers after them (borrowing only)
         keep = len(running) - len(throttled) - lent
-        need = self._orl_groups * (keep + lent) + self._orl_step_blocks
-        if self._orl_free_blocks() < need:
+        if not st.kv_fits(keep + lent):
             return None
         del running[keep:keep + len(throttled)]
-        self._orl_held = self._orl_record.held_back = len(throttled)
-        refused = self._orl_refused
+        step.held = step.report.held_back = len(throttled)
+        refused = step.refused
         mark = self._orl_mark_throttled
         for request in throttled:
             refused[request.output_rate_user] = 0  # ready time filled in at the end
             mark(request)
         return throttled
+
+    def _orl_resident_fits(self, kept: int) -> bool:
+        """Whether one more request fits in the resident set
+        (``--max-num-seqs``) beside those held back and ``kept`` resident
+        slots kept for waiting requests (residency's, or lending's)."""
+        return (len(self.running) + self.output_rate.step.held + 1 + kept
+                <= self.max_num_running_reqs)
 
     # -- the charge point ------------------------------------------------
 
@@ -442,10 +434,12 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             )
         if num_new_tokens <= 0:
             return 0
+        st = self.output_rate
+        step = st.step
         running = request.status == _RUNNING
-        capped = running and self._orl_capped
-        if capped and self._orl_active >= self._orl_base_active:
-            self._orl_record.cap_deferred += 1
+        capped = running and step.capped
+        if capped and step.active >= st.base_active:
+            step.report.cap_deferred += 1
             return 0
         # A step samples when it reaches the end of the known sequence. A
         # running request past its prefill always does (checked first: cheap).
@@ -453,42 +447,43 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             num_computed_tokens + num_new_tokens >= request.num_tokens
         ):
             # Charge one token, once per step.
-            charged = self._orl_charged
+            charged = step.charged
             req_id = request.request_id
             if req_id not in charged:
                 user = request.output_rate_user
-                if self._orl_direct:
+                if step.direct:
                     # the plain limiter's GCRA on the user's state kept on
                     # the request: no lookup by user (what costs here is
                     # memory the step has not touched yet; BENCHMARKS.md)
-                    st = request.output_rate_state
-                    if st is None:
-                        st = request.output_rate_state = self.output_rate_limiter.state_of(
-                            user, self._orl_now)
-                    taken = take_from(st, self._orl_now)
+                    state = request.output_rate_state
+                    if state is None:
+                        state = request.output_rate_state = self.output_rate_limiter.state_of(
+                            user, step.now)
+                    taken = take_from(state, step.now)
                 else:
                     taken = self._orl_take(user)
                 if taken:
                     charged[req_id] = user
                 elif self._orl_lend(request, user, num_new_tokens):
-                    self._orl_record.borrowed[req_id] = user
+                    step.report.borrowed[req_id] = user
                 else:
                     return self._orl_refuse(request, user, num_computed_tokens)
         if capped:
-            self._orl_active += 1
-        if self._orl_lender is not None:  # (the room of a lending step)
+            step.active += 1
+        if st.lender is not None:  # (the room of a lending step)
             self._orl_give(request, num_new_tokens)
         return num_new_tokens
 
     def _orl_left(self, user: str) -> int:
         """How many tokens ``user`` may still take in this step."""
-        if self._orl_direct:
-            return self.output_rate_limiter.available(user, self._orl_now)
-        left = self._orl_allow.get(user)
+        step = self.output_rate.step
+        if step.direct:
+            return self.output_rate_limiter.available(user, step.now)
+        left = step.allow.get(user)
         if left is None:  # first look at this user in this step
-            left = self.output_rate_limiter.available(user, self._orl_now)
-            self._orl_allow[user] = self._orl_allow_start[user] = left
-        if self._orl_lender is not None:
+            left = self.output_rate_limiter.available(user, step.now)
+            step.allow[user] = step.allow_start[user] = left
+        if self.output_rate.lender is not None:
             return min(left, self._orl_ceiling_left(user))
         return left
 
@@ -498,27 +493,30 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         charged at the charge point, on the state kept on the request)."""
         if self._orl_left(user) <= 0:
             return False
-        self._orl_allow[user] -= 1
-        if self._orl_lender is not None:
-            self._orl_ceil_left[user] -= 1
+        step = self.output_rate.step
+        step.allow[user] -= 1
+        if step.lending is not None:
+            step.lending.ceil_left[user] -= 1
         return True
 
     def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
-        self._orl_refused[user] = 0  # ready time filled in when the step ends
+        st = self.output_rate
+        step = st.step
+        step.refused[user] = 0  # ready time filled in when the step ends
         running = request.status == _RUNNING
-        if self._orl_chunked:
+        if st.chunked:
             # Advance the prefill to the second-to-last position; the first
             # token is sampled in a later step, when budget returns.
             held = request.num_tokens - 1 - num_computed_tokens
             if held > 0:
-                self._orl_record.prefill_held += 1
+                step.report.prefill_held += 1
                 if running:
-                    self._orl_active += 1
-                if self._orl_lender is not None:
+                    step.active += 1
+                if st.lender is not None:
                     self._orl_give(request, held)
                 return held
         if running:
-            self._orl_throttled_running += 1
+            step.throttled_running += 1
             self._orl_mark_throttled(request)
         return 0
 
@@ -527,20 +525,23 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         (at the charge point, or held back): in ``throttled``, and in
         ``throttled_new`` unless the step before throttled it too."""
         req_id = request.request_id
-        self._orl_throttled.append(req_id)
-        step = self._orl_step_no
+        report = self.output_rate.step.report
+        report.throttled.append(req_id)
+        step = report.step
         if request.output_rate_throttled_step != step - 1:
-            self._orl_throttled_new.append(req_id)
+            report.throttled_new.append(req_id)
         request.output_rate_throttled_step = step
 
     # -- the refund point and the step record -------------------------------
 
     def _orl_finish(self, scheduled: dict[str, int], preempted: set[str]) -> None:
-        record = self._orl_record
+        st = self.output_rate
+        step = st.step
+        record = step.report
         charged = record.charged
         limiter = self.output_rate_limiter
-        direct = self._orl_direct
-        allow = self._orl_allow
+        direct = step.direct
+        allow = step.allow
         for req_id in () if charged.keys() <= scheduled.keys() else charged.keys() - scheduled.keys():
             # The single refund point: charged but not dispatched.
             user = charged.pop(req_id)
@@ -550,23 +551,23 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
                 allow[user] += 1
             reason = "preempted" if req_id in preempted else "not_scheduled"
             record.refunded.append((req_id, user, reason))
-        if self._orl_lender is not None:
+        if st.lender is not None:
             self._orl_settle_ceilings(record, scheduled)
         if not direct:
             # Settle the step: the net charge of each user, taken at `now`
             # (the same as one try_take per charge and one refund per
             # give-back). The plain limiter was charged as the step went.
-            taken = {user: n for user, start in self._orl_allow_start.items()
+            taken = {user: n for user, start in step.allow_start.items()
                      if (n := start - allow[user]) > 0}
             record.charged_by_user = taken
-            limiter.settle(self._orl_now, taken)
+            limiter.settle(step.now, taken)
         refused = record.refused
         for user in refused:
             refused[user] = limiter.ready_at_ns(user)
-        if refused or len(self.running) > self._orl_base_active:
+        if refused or len(self.running) > st.base_active:
             # Served times feed the next step's rotation, which only runs
             # after a step that refused someone (see schedule()).
-            now, requests = self._orl_now, self.requests
+            now, requests = step.now, self.requests
             for req_id in (*charged, *record.borrowed):
                 requests[req_id].output_rate_served_ns = now
         self.output_rate_last_step = record
@@ -577,7 +578,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         ``min(50 ms, earliest ready_at among users refused in the last step
         - now)``; None when no user was refused (then vLLM's own behaviour).
         """
-        refused = self._orl_refused
+        refused = self.output_rate.step.refused
         if not refused:
             return None
         earliest = min(refused.values())
@@ -586,7 +587,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
 
     def output_rate_wake_target_ns(self) -> int | None:
         """The earliest ready_at among users refused in the last step."""
-        refused = self._orl_refused
+        refused = self.output_rate.step.refused
         return min(refused.values()) if refused else None
 
 
@@ -596,5 +597,3 @@ class OutputRateScheduler(OutputRateSchedulerMixin, Scheduler):
 
 class OutputRateAsyncScheduler(OutputRateSchedulerMixin, AsyncScheduler):
     """vLLM's ``AsyncScheduler`` with per-user output-rate limits."""
-
-    _orl_async = True

@@ -1,0 +1,161 @@
+"""The output-rate state the scheduler keeps: one object on vLLM's scheduler
+(``OutputRateState``, its ``output_rate`` attribute), and in it one ledger
+per step (``StepLedger``), made new when ``schedule()`` begins.
+
+The state holds what lives across steps: the lender (borrowing's ceilings,
+None without them), the settings read once at start-up (chunked prefill,
+prefix caching, the PRIORITY policy, async scheduling, the KV cache's
+groups), the step count and the engine's step period. The ledger holds what
+one step decides and spends: its clock reading and its report
+(``observers.StepReport``), each user's budget as the step found it and
+what is left of it, the requests charged, refused and throttled, the active
+slots given, the resident slots and turns kept for waiting requests, and,
+with borrowing, the room of the step (``LendingBook``). Nothing of a step
+outlives the next step's ledger; the scheduler's mixins (``scheduler``,
+``residency``, ``lending``, ``preemption``) read and write these objects,
+never attributes of their own on vLLM's scheduler.
+
+Pure data: imports nothing from vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from vllm_output_rate.borrowing import Lender
+    from vllm_output_rate.observers import StepReport
+
+Request = Any
+
+
+@dataclass(slots=True, eq=False)
+class LendingBook:
+    """A lending step's books (``lending``): the ceilings, the room given
+    and kept, the borrowers."""
+
+    #: user -> tokens its ceiling still allows in this step, and at its start
+    ceil_left: dict[str, int] = field(default_factory=dict)
+    ceil_start: dict[str, int] = field(default_factory=dict)
+    #: user -> tokens lent in this step
+    borrowed: dict[str, int] = field(default_factory=dict)
+    #: users whose ceiling refused them in this step
+    at_ceiling: set[str] = field(default_factory=set)
+    #: active slots and tokens given in this step (the charge point)
+    given_slots: int = 0
+    given_tokens: int = 0
+    #: request id -> (prompt tokens, KV blocks) kept for it; their sums
+    kept: dict[str, tuple[int, int]] = field(default_factory=dict)
+    kept_slots: int = 0
+    kept_tokens: int = 0
+    kept_blocks: int = 0
+    #: waiting requests that may borrow (a few per user, in queue order)
+    waiting_borrowers: list[Request] = field(default_factory=list)
+    #: whether this step chose among the borrowers (``_orl_lend_tail``)
+    chose: bool = False
+    #: whether this step lends at all (its kept room fits)
+    lends: bool = True
+
+
+@dataclass(slots=True, eq=False)
+class StepLedger:
+    """One step of the limiter, from ``schedule()``'s start to its end."""
+
+    #: the step's number and its clock reading (ns)
+    no: int
+    now: int
+    #: what the step did, reported to the observers
+    report: StepReport
+    #: the plain limiter charged token by token on the request's state
+    #: (no borrowing); otherwise asked once per user, settled once per step
+    direct: bool
+    #: the report's books, kept at hand for the charge point
+    charged: dict[str, str] = field(init=False)
+    refused: dict[str, int] = field(init=False)
+    #: user -> tokens it may still take in this step (asked once per user),
+    #: and what it could take at the step's start (settled limiters)
+    allow: dict[str, int] = field(default_factory=dict)
+    allow_start: dict[str, int] = field(default_factory=dict)
+    #: running requests refused at the charge point (the admission cap)
+    throttled_running: int = 0
+    #: active slots given at the charge point when the cap binds
+    active: int = 0
+    #: whether the active cap can bind (more resident than may run)
+    capped: bool = False
+    #: throttled requests held out of ``running`` while vLLM schedules
+    held: int = 0
+    #: borrowers at the tail of ``running``, after the throttled requests
+    lent_tail: int = 0
+    #: a throttled request was preempted: admit nothing new (PRIORITY)
+    block_admission: bool = False
+    #: user -> its requests in ``running``, and its budget, at the step's
+    #: start (counted once, when first asked)
+    streams: dict[str, int] | None = None
+    budgets: dict[str, int] | None = None
+    #: resident slots kept for waiting requests with budget (or, with
+    #: borrowing, below their user's share), and their ids
+    resident_kept: int = 0
+    kept_ids: set[str] = field(default_factory=frozenset)
+    #: users whose first waiting request takes their next token in this step
+    turns: set[str] = field(default_factory=frozenset)
+    #: with borrowing, those requests (id -> user): a token set aside each
+    turn_ids: dict[str, str] = field(default_factory=dict)
+    #: the lending step's books (None without borrowing)
+    lending: LendingBook | None = None
+
+    def __post_init__(self) -> None:
+        self.charged = self.report.charged
+        self.refused = self.report.refused
+
+
+@dataclass(slots=True, eq=False)
+class OutputRateState:
+    """What the output-rate scheduler keeps across steps (the module)."""
+
+    #: vLLM's active cap (``max_num_active_reqs`` as vLLM set it)
+    base_active: int = 0
+    #: borrowing's ceilings and counters, when a limit has a ceiling
+    lender: Lender | None = None
+    #: shared-budget mode: leases taken up at every step boundary
+    limiter_begin: Callable[[int], None] | None = None
+    #: vLLM's settings, read once
+    chunked: bool = False
+    prefix_caching: bool = False
+    priority: bool = False
+    #: vLLM's ``AsyncScheduler`` below: a request's last token may be in
+    #: flight when the next step is scheduled
+    is_async: bool = False
+    #: KV cache groups, the block size (tokens), and the blocks a step can
+    #: allocate beyond one a request (the token budget's worth of prefill)
+    groups: int = 1
+    block_size: int = 16
+    step_blocks: int = 0
+    #: the KV cache's free blocks now
+    free_blocks: Callable[[], int] | None = None
+    #: the KV cache manager's own ``allocate_slots`` (PRIORITY wraps it)
+    upstream_allocate: Callable[..., Any] | None = None
+    #: steps begun
+    step_no: int = 0
+    #: the engine's step period (ns; None before two busy steps) and when
+    #: the last step began
+    period_ns: int | None = None
+    prev_now: int | None = None
+    #: this step's ledger
+    step: StepLedger | None = None
+
+    def blocks_for(self, tokens: int) -> int:
+        """KV blocks ``tokens`` new tokens may need: one more than they
+        fill, per KV cache group."""
+        return self.groups * (-(-tokens // self.block_size) + 1)
+
+    def kv_fits(self, requests: int, tokens: int | None = None, kept_blocks: int = 0) -> bool:
+        """The one KV-room check: whether the KV cache's free blocks cover a
+        new block for each of ``requests`` resident requests, the blocks
+        ``tokens`` new tokens may need (None: the step's whole token budget
+        of prefill) and ``kept_blocks`` kept for waiting requests. Within
+        it nothing the step allocates makes vLLM preempt (a failed
+        allocation preempts the tail with FCFS and, with PRIORITY, by
+        priority and arrival, a request already scheduled maybe)."""
+        need = self.step_blocks if tokens is None else self.blocks_for(tokens)
+        return self.free_blocks() >= self.groups * requests + need + kept_blocks
