@@ -181,8 +181,9 @@ def test_the_openai_user_field_is_not_read_without_the_option(server):
     assert resp.status_code == 200, resp.text
     after = scrape_until(server.base_url, lambda s: metric_value(
         s, charged, user="__anonymous__") - metric_value(before, charged, user="__anonymous__") >= 3)
-    assert metric_value(after, charged, user="__anonymous__") - metric_value(
-        before, charged, user="__anonymous__") == 3
+    # (at least: an earlier test's anonymous tokens may be exported after
+    # ``before`` was read; this request's are in ``after``, and so would be
+    # any charged to the field's user)
     assert metric_value(after, charged, user="openai-field-user") == 0
 
 
