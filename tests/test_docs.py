@@ -19,7 +19,7 @@ from vllm_output_rate.tools import cli, gen_docs
 DOCS = REPO / "docs"
 README = REPO / "README.md"
 #: verbatim history: old figures, old paths, old names; not checked
-HISTORY = {"benchmark-history.md", "reliability-history.md", "test-history.md"}
+HISTORY = {"benchmark-history.md", "fairness-history.md", "reliability-history.md", "test-history.md"}
 README_MAX_BYTES = 20_000
 
 
@@ -130,7 +130,7 @@ def test_docs_pages_are_linked_from_the_readme():
 COMMIT = re.compile(r"(?<![\w.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])")
 #: the documents that state the current truth and cite no commit (history
 #: goes to the history pages)
-NO_COMMITS = ("README.md", "tests/README.md", "dashboards/README.md")
+NO_COMMITS = ("README.md", "tests/README.md", "dashboards/README.md", "FAIRNESS.md", "RELIABILITY.md")
 
 
 def commits_cited(text: str) -> list[str]:
