@@ -30,6 +30,8 @@ from vllm_output_rate.config import (
     DEFAULT_OPTION,
     DEFAULT_OPTION_ALIAS,
     LIMITS_FILE_OPTION,
+    PROMPT_OPTION,
+    PROMPT_OPTION_ALIAS,
     SHARED_STATE_OPTION,
     UNLISTED_MODES,
     UNLISTED_OPTION,
@@ -153,6 +155,17 @@ def add_output_rate_args(parser: Any) -> Any:
         type=str,
         help='Per-user overrides as a JSON object, e.g. \'{"user-a": 100, '
         '"user-b": 0.5}\'.',
+    )
+    group.add_argument(
+        PROMPT_OPTION, PROMPT_OPTION_ALIAS,
+        dest="default_user_prompt_tokens_per_second",
+        metavar="TOKENS_PER_S",
+        default=None,
+        type=str,
+        help="Prompt tokens computed per second for each user (prefix-cache hits "
+        "are free): a user's prefill chunks are shrunk to its budget, or wait, "
+        "never refused. Off by default; a limits file sets it per user as "
+        "{rate: R, prompt_rate: P}.",
     )
     group.add_argument(
         LIMITS_FILE_OPTION,
@@ -288,6 +301,7 @@ def _patch_engine_args() -> None:
             getattr(args, "output_rate_limits_file", None),
             getattr(args, "output_rate_unlisted_users", None),
             getattr(args, "output_rate_shared_state", None),
+            getattr(args, "default_user_prompt_tokens_per_second", None),
         )
         feature_on = config is not None or _inherited_config() is not None
         frontend.configure_frontend(frontend.settings_from_args(args), feature_on, args)
