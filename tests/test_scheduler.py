@@ -16,6 +16,7 @@ from harness import Driver, VirtualClock, make_request, make_scheduler, observe_
 from vllm_output_rate import config as orl_config
 from vllm_output_rate import request_fields
 from vllm_output_rate import scheduler as orl_scheduler
+from vllm_output_rate.charges import DirectCharges, SettledCharges
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 
@@ -57,7 +58,8 @@ def test_each_charge_path_is_the_one_that_runs(charge_path):
     held = sched.output_rate_last_step.held_back
     assert held == (1 if charge_path.startswith("held") else 0)
     assert len(sched.running) == 2  # held-back requests are back after the step
-    assert sched.output_rate.step.direct == (not charge_path.endswith("settled"))
+    assert type(sched.output_rate.step.charges) is (
+        SettledCharges if charge_path.endswith("settled") else DirectCharges)
     # vLLM's own hooks only: nothing of ours set on the instance per step
     assert "_reserve_prefill_lookahead" not in sched.__dict__
     assert "allocate_slots" not in sched.kv_cache_manager.__dict__

@@ -2,15 +2,17 @@
 (``OutputRateState``, its ``output_rate`` attribute), and in it one ledger
 per step (``StepLedger``), made new when ``schedule()`` begins.
 
-The state holds what lives across steps: the lender (borrowing's ceilings,
-None without them), the settings read once at start-up (chunked prefill,
-prefix caching, the PRIORITY policy, async scheduling, the KV cache's
-groups), the step count and the engine's step period. The ledger holds what
-one step decides and spends: its clock reading and its report
-(``observers.StepReport``), each user's budget as the step found it and
-what is left of it, the requests charged, refused and throttled, the active
-slots given, the resident slots and turns kept for waiting requests, and,
-with borrowing, the room of the step (``LendingBook``). Nothing of a step
+The state holds what lives across steps: the limiter, the lender
+(borrowing's ceilings, None without them) and the kind of charges they make
+(``charges``), the settings read once at start-up (chunked prefill, prefix
+caching, the PRIORITY policy, async scheduling, the KV cache's groups), the
+step count and the engine's step period. The ledger holds what one step
+decides and spends: its clock reading and its report
+(``observers.StepReport``), its charges (``charges.Charges``: each user's
+budget as the step found it and what is left of it), the requests charged,
+refused and throttled, the active slots given, the resident slots and turns
+kept for waiting requests, and, with borrowing, the room of the step
+(``LendingBook``). Nothing of a step
 outlives the next step's ledger; the scheduler's mixins (``scheduler``,
 ``residency``, ``lending``, ``preemption``) read and write these objects,
 never attributes of their own on vLLM's scheduler.
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
     from vllm_output_rate.borrowing import Lender
+    from vllm_output_rate.limiter import OutputRateLimiter
     from vllm_output_rate.observers import StepReport
 
 Request = Any
@@ -32,16 +35,15 @@ Request = Any
 
 @dataclass(slots=True, eq=False)
 class LendingBook:
-    """A lending step's books (``lending``): the ceilings, the room given
-    and kept, the borrowers."""
+    """A lending step's room (``lending``): what it gave and what it keeps
+    for waiting requests, against the step's capacity, and the borrowers.
+    (The ceilings' books are the step's ``charges.CeilingCharges``.)"""
 
-    #: user -> tokens its ceiling still allows in this step, and at its start
-    ceil_left: dict[str, int] = field(default_factory=dict)
-    ceil_start: dict[str, int] = field(default_factory=dict)
-    #: user -> tokens lent in this step
-    borrowed: dict[str, int] = field(default_factory=dict)
-    #: users whose ceiling refused them in this step
-    at_ceiling: set[str] = field(default_factory=set)
+    #: the step's capacity: active slots, tokens, and the KV-room check
+    #: (``OutputRateState.kv_fits``)
+    active_cap: int
+    token_budget: int
+    kv_fits: Callable[..., bool]
     #: active slots and tokens given in this step (the charge point)
     given_slots: int = 0
     given_tokens: int = 0
@@ -57,6 +59,30 @@ class LendingBook:
     #: whether this step lends at all (its kept room fits)
     lends: bool = True
 
+    def give(self, req_id: str, n: int) -> None:
+        """The charge point gave request ``req_id`` ``n`` tokens of this
+        step (one active slot): off the room, and off what was kept for it."""
+        self.given_slots += 1
+        self.given_tokens += n
+        kept = self.kept.pop(req_id, None)
+        if kept is not None:
+            self.kept_slots -= 1
+            self.kept_tokens -= kept[0]
+            self.kept_blocks -= kept[1]
+
+    def room(self, n: int, req_id: str) -> bool:
+        """Whether ``n`` more tokens of request ``req_id`` (one more active
+        slot, their KV blocks) fit in this step beside what it gave and what
+        it keeps for other waiting requests (with budget, or chosen to
+        borrow)."""
+        slots, tokens, blocks = self.kept_slots, self.kept_tokens, self.kept_blocks
+        own = self.kept.get(req_id)
+        if own is not None:  # (its own room, kept for it)
+            slots, tokens, blocks = slots - 1, tokens - own[0], blocks - own[1]
+        return (self.given_slots + 1 + slots <= self.active_cap
+                and self.given_tokens + n + tokens <= self.token_budget
+                and self.kv_fits(0, n, blocks))
+
 
 @dataclass(slots=True, eq=False)
 class StepLedger:
@@ -67,16 +93,12 @@ class StepLedger:
     now: int
     #: what the step did, reported to the observers
     report: StepReport
-    #: the plain limiter charged token by token on the request's state
-    #: (no borrowing); otherwise asked once per user, settled once per step
-    direct: bool
+    #: how the step charges its users (``charges``: made with the ledger)
+    #: (a ``charges.Charges``; this module imports none of it)
+    charges: Any = field(init=False)
     #: the report's books, kept at hand for the charge point
     charged: dict[str, str] = field(init=False)
     refused: dict[str, int] = field(init=False)
-    #: user -> tokens it may still take in this step (asked once per user),
-    #: and what it could take at the step's start (settled limiters)
-    allow: dict[str, int] = field(default_factory=dict)
-    allow_start: dict[str, int] = field(default_factory=dict)
     #: running requests refused at the charge point (the admission cap)
     throttled_running: int = 0
     #: active slots given at the charge point when the cap binds
@@ -100,8 +122,9 @@ class StepLedger:
     #: users whose first waiting request takes their next token in this step
     turns: set[str] = field(default_factory=frozenset)
     #: with borrowing, those requests (id -> user): a token set aside each
+    #: (``charges.CeilingCharges.set_aside``)
     turn_ids: dict[str, str] = field(default_factory=dict)
-    #: the lending step's books (None without borrowing)
+    #: the lending step's room (None without borrowing)
     lending: LendingBook | None = None
 
     def __post_init__(self) -> None:
@@ -113,10 +136,17 @@ class StepLedger:
 class OutputRateState:
     """What the output-rate scheduler keeps across steps (the module)."""
 
-    #: vLLM's active cap (``max_num_active_reqs`` as vLLM set it)
+    #: vLLM's active cap (``max_num_active_reqs`` as vLLM set it) and its
+    #: token budget of a step (``max_num_scheduled_tokens``)
     base_active: int = 0
-    #: borrowing's ceilings and counters, when a limit has a ceiling
+    token_budget: int = 0
+    #: the budgets (the plain limiter or the shared one), borrowing's
+    #: ceilings and counters when a limit has a ceiling, and the charges
+    #: they make (``charges.choose``: set together, at start-up and when
+    #: reloaded limits start or stop borrowing)
+    limiter: OutputRateLimiter | None = None
     lender: Lender | None = None
+    charges: Any = None
     #: shared-budget mode: leases taken up at every step boundary
     limiter_begin: Callable[[int], None] | None = None
     #: vLLM's settings, read once

@@ -1,9 +1,10 @@
 """The scheduler's side of borrowing (``borrowing``: the ceilings and the
-counters): who may borrow in a step, the ceilings' books of the step, and
-their settling when it ends. Mixed into ``scheduler.OutputRateSchedulerMixin``,
-whose attributes these methods read; none of it runs without a limit that
-has a ceiling (the state's ``lender`` is None then). A step's books are
-the ledger's ``lending`` (``ledger.LendingBook``).
+counters): who may borrow in a step and the room it lends. Mixed into
+``scheduler.OutputRateSchedulerMixin``, whose attributes these methods read;
+none of it runs without a limit that has a ceiling (the state's ``lender``
+is None then). A step's room is the ledger's ``lending``
+(``ledger.LendingBook``); the ceilings' books, the tokens lent and their
+settling are the step's charges (``charges.CeilingCharges``).
 
 A step lends what requests within their guaranteed rates leave of it. When
 it begins (``_orl_begin_lending``), it keeps, for the waiting requests of
@@ -19,11 +20,12 @@ guaranteed rates) and the first take the active slots left
 (``_orl_lend_tail``): the resident ones go after every other request in
 ``running``, where vLLM's FCFS preemption takes them first, a waiting one
 chosen is admitted in the step. The charge point lends each a token where
-its ceiling and the room of the step allow (``_orl_lend``, ``_orl_room``: the
-slots, tokens and KV blocks given and kept); a waiting request of a user out
-of budget, to borrow or to have its prefill computed ahead, is admitted
-only within that room and a free resident slot (``_orl_admit_room``). A
-token lent but not dispatched is given back when the step ends.
+its ceiling and the room of the step allow (``CeilingCharges.lend``,
+``LendingBook.room``: the slots, tokens and KV blocks given and kept); a
+waiting request of a user out of budget, to borrow or to have its prefill
+computed ahead, is admitted only within that room and a free resident slot
+(``_orl_admit_room``). A token lent but not dispatched is given back when
+the step ends.
 """
 
 from __future__ import annotations
@@ -32,11 +34,10 @@ from typing import Any
 
 from vllm.v1.request import RequestStatus
 
-from vllm_output_rate.borrowing import NO_CEILING, Lender
+from vllm_output_rate.borrowing import Lender
+from vllm_output_rate.charges import choose
 from vllm_output_rate.config import OutputRateConfig
-from vllm_output_rate.ledger import LendingBook
 from vllm_output_rate.ordering import beyond_resident
-from vllm_output_rate.observers import StepReport
 
 Request = Any
 _RUNNING = RequestStatus.RUNNING
@@ -53,18 +54,20 @@ class LendingMixin:
     def _orl_set_lender(self, config: OutputRateConfig, now: int) -> None:
         """Reloaded limits: borrowing starts, stops or takes new ceilings."""
         st = self.output_rate
+        lender = st.lender
         if not config.borrowing:
-            st.lender = None
-        elif st.lender is None:
-            st.lender = Lender(config)
+            lender = None
+        elif lender is None:
+            lender = Lender(config)
         else:
-            st.lender.set_limits(config, now)
+            lender.set_limits(config, now)
+        choose(st, st.limiter, lender)
 
     def _orl_begin_lending(self) -> None:
         """A step begins: its ceilings' books, and the room it keeps for the
         waiting requests of users with budget (the module)."""
         st = self.output_rate
-        book = st.step.lending = LendingBook()
+        book = st.step.lending  # (made with the step's charges)
         if not self.waiting:
             return
         room = min(self.max_num_running_reqs - len(self.running), st.base_active)
@@ -72,7 +75,8 @@ class LendingMixin:
         may, slots = st.lender.may_borrow, st.base_active
         candidates = book.waiting_borrowers
         not_lent: set[str] = set()  # (out of budget from the first, may not borrow)
-        for request, n, first in beyond_resident(self.waiting, self._orl_left, self._orl_streams()):
+        for request, n, first in beyond_resident(self.waiting, st.step.charges.left,
+                                                self._orl_streams()):
             if n > 0:
                 if len(kept) >= room:
                     # more of them than free slots: lending would keep one
@@ -110,39 +114,13 @@ class LendingMixin:
         book.kept_tokens += need
         book.kept_blocks += blocks
 
-    def _orl_give(self, request: Request, n: int) -> None:
-        """The charge point gave ``request`` ``n`` tokens of this step (one
-        active slot): off the room, and off what was kept for it."""
-        book = self.output_rate.step.lending
-        book.given_slots += 1
-        book.given_tokens += n
-        kept = book.kept.pop(request.request_id, None)
-        if kept is not None:
-            book.kept_slots -= 1
-            book.kept_tokens -= kept[0]
-            book.kept_blocks -= kept[1]
-
-    def _orl_room(self, n: int, request: Request) -> bool:
-        """Whether ``n`` more tokens of ``request`` (one more active slot,
-        their KV blocks) fit in this step beside what it gave and what it
-        keeps for other waiting requests (with budget, or chosen to borrow)."""
-        st = self.output_rate
-        book = st.step.lending
-        slots, tokens, blocks = book.kept_slots, book.kept_tokens, book.kept_blocks
-        own = book.kept.get(request.request_id)
-        if own is not None:  # (its own room, kept for it)
-            slots, tokens, blocks = slots - 1, tokens - own[0], blocks - own[1]
-        return (book.given_slots + 1 + slots <= st.base_active
-                and book.given_tokens + n + tokens <= self.max_num_scheduled_tokens
-                and st.kv_fits(0, n, blocks))
-
     def _orl_admit_room(self, request: Request) -> bool:
         """Whether a waiting request out of guaranteed budget may be
-        admitted in this step: ``_orl_room`` for its prompt, and a resident
-        slot beside those kept for other waiting requests."""
+        admitted in this step: room for its prompt (``LendingBook.room``),
+        and a resident slot beside those kept for other waiting requests."""
         book = self.output_rate.step.lending
         return (self._orl_resident_fits(book.kept_slots - (request.request_id in book.kept))
-                and self._orl_room(_prompt_left(request), request))
+                and book.room(_prompt_left(request), request.request_id))
 
     def _orl_lend_tail(self, ready: list[Request], throttled: list[Request],
                        budget: dict[str, int]) -> tuple[list[Request], list[Request]]:
@@ -199,17 +177,19 @@ class LendingMixin:
         """Whether a waiting request out of guaranteed budget is admitted to
         borrow in this step (then flagged for the charge point)."""
         st = self.output_rate
-        book = st.step.lending
+        step = st.step
+        book = step.lending
         user = request.output_rate_user
         if not (book.lends and st.lender.may_borrow(user)
                 and self._orl_admit_room(request)):
             return False
         if book.chose:  # chosen in lending order, or not in this step
             return self._orl_lent_now(request)
-        if self._orl_ceiling_left(user) > 0:
-            request.output_rate_borrow_step = st.step.no
+        charges = step.charges
+        if charges.ceiling_left(user) > 0:
+            request.output_rate_borrow_step = step.no
             return True
-        book.at_ceiling.add(user)
+        charges.at_ceiling.add(user)
         return False
 
     def _orl_borrowers(self, throttled: list[Request]) -> list[Request]:
@@ -218,67 +198,15 @@ class LendingMixin:
         st = self.output_rate
         lender = st.lender
         may = lender.may_borrow
-        ceil = self._orl_ceiling_left
+        charges = st.step.charges
+        ceil = charges.ceiling_left
         may_borrow = [r for r in throttled if may(r.output_rate_user)]
         borrowers = lender.order([r for r in may_borrow if ceil(r.output_rate_user) > 0])
         if len(borrowers) < len(may_borrow):  # the others' ceilings are spent
-            book = st.step.lending
-            book.at_ceiling.update(r.output_rate_user for r in may_borrow
-                                   if book.ceil_left[r.output_rate_user] <= 0)
+            charges.at_ceiling.update(r.output_rate_user for r in may_borrow
+                                      if charges.ceil_left[r.output_rate_user] <= 0)
         return borrowers
 
     def _orl_lent_now(self, request: Request) -> bool:
         """``request`` may borrow in this step (lent tokens, not charged)."""
         return request.output_rate_borrow_step == self.output_rate.step_no
-
-    def _orl_lend(self, request: Request, user: str, num_new_tokens: int) -> bool:
-        """The charge point, for a request out of guaranteed budget: lend it
-        this step's token if it may borrow in the step, the step has room
-        for it (``_orl_room``: slots, tokens, KV blocks) and its ceiling
-        allows (a waiting one was checked at admission the same way)."""
-        return (self._orl_lent_now(request)
-                and self._orl_room(num_new_tokens, request)
-                and self._orl_borrow(user))
-
-    def _orl_ceiling_left(self, user: str) -> int:
-        """How many tokens ``user``'s ceiling still allows in this step."""
-        st = self.output_rate
-        step = st.step
-        book = step.lending
-        left = book.ceil_left.get(user)
-        if left is None:
-            left = st.lender.available(user, step.now)
-            book.ceil_left[user] = book.ceil_start[user] = left
-        return left
-
-    def _orl_borrow(self, user: str) -> bool:
-        """Lend ``user`` one token of this step, if its ceiling allows."""
-        book = self.output_rate.step.lending
-        if self._orl_ceiling_left(user) <= 0:
-            book.at_ceiling.add(user)
-            return False
-        book.ceil_left[user] -= 1
-        book.borrowed[user] = book.borrowed.get(user, 0) + 1
-        return True
-
-    def _orl_settle_ceilings(self, record: StepReport, scheduled: dict[str, int]) -> None:
-        """Give back what was lent but not dispatched, and put the step's
-        tokens on the ceilings and the borrowing counters."""
-        st = self.output_rate
-        step = st.step
-        book = step.lending
-        if step.turn_ids:
-            self._orl_return_turns()
-        borrowed, ceil_left, lent = record.borrowed, book.ceil_left, book.borrowed
-        if book.at_ceiling:
-            record.at_ceiling = list(book.at_ceiling)
-        for req_id in [r for r in borrowed if r not in scheduled]:
-            user = borrowed.pop(req_id)
-            ceil_left[user] += 1
-            lent[user] -= 1
-        for req_id, user, _ in record.refunded:
-            if user in ceil_left:  # a guaranteed token given back
-                ceil_left[user] += 1
-        spent = {user: start - ceil_left[user] for user, start in book.ceil_start.items()
-                 if start < NO_CEILING and start > ceil_left[user]}
-        st.lender.settle(step.now, spent, lent)

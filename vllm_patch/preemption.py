@@ -34,7 +34,7 @@ class PriorityPreemptionMixin:
         step = self.output_rate.step
         while blocks is None:
             victim = throttled_victim(self.running, request, step.charged,
-                                      self._request_blocks_can_be_freed, self._orl_left,
+                                      self._request_blocks_can_be_freed, step.charges.left,
                                       self._orl_lent_now)
             if victim is None:
                 break

@@ -34,7 +34,7 @@ only while the KV cache is at ease. With borrowing the step also keeps its
 room and sets the token aside, of the guaranteed budget and of the
 ceiling, from the user's resident streams, which would take it even as
 borrowers: the request's when vLLM's waiting loop reaches it, its user's
-again, uncharged, if the loop never does (``_orl_return_turns``). A user's
+again, uncharged, if the loop never does (``charges.CeilingCharges.settle``). A user's
 second stream, coming after its first took the budget, so takes turns
 with it instead of waiting for it to end (2.9 s for 60 tokens at 20 tok/s
 in a full engine). The slots stay kept for those requests in the step: a
@@ -82,7 +82,8 @@ class ResidencyMixin:
         one of them waits behind another."""
         first: list[Request] = []
         rest: list[Request] = []
-        for request, n, _ in beyond_resident(self.waiting, self._orl_left, self._orl_streams()):
+        left = self.output_rate.step.charges.left
+        for request, n, _ in beyond_resident(self.waiting, left, self._orl_streams()):
             (first if n > 0 else rest).append(request)
         if first and rest and first[-1] is not self.waiting[len(first) - 1]:
             self.waiting.clear()
@@ -112,7 +113,7 @@ class ResidencyMixin:
         free = self.max_num_running_reqs - len(running)
         if not waiting:
             return
-        left = self._orl_left
+        left = step.charges.left
         resident = self._orl_streams()
         turn_due = self._orl_turn_due
         if free >= len(waiting):  # every waiting request has a slot: nothing to keep
@@ -194,42 +195,22 @@ class ResidencyMixin:
         """These waiting requests, each with a resident slot in this step,
         take their users' next token: their users' resident streams are
         a token short in the running order (``_orl_order_running``), and
-        with borrowing the step keeps their room (``_orl_keep``)."""
+        with borrowing the step keeps their room (``_orl_keep``) and sets
+        the token aside (``charges.CeilingCharges.set_aside``)."""
         step = self.output_rate.step
         step.turns = {r.output_rate_user for r in requests}
         book = step.lending
         if book is not None:
-            # (the token set aside from the user's step budget, which its
-            # resident streams would take first even as borrowers; the
-            # running order reads the budgets from before, less the turn)
+            # (the running order reads the budgets from before, less the turn)
             self._orl_budgets()
-            turns = step.turn_ids = {}
+            set_aside = step.charges.set_aside
             for request in requests:
                 self._orl_keep(request)
-                user = request.output_rate_user
-                self._orl_left(user)
-                step.allow[user] -= 1
-                self._orl_ceiling_left(user)  # (a borrower of the user's takes it not either)
-                book.ceil_left[user] -= 1
-                turns[request.request_id] = user
+                set_aside(request.request_id, request.output_rate_user)
+            turns = step.turn_ids
             # (not among the waiting borrowers)
             book.waiting_borrowers = [r for r in book.waiting_borrowers
                                       if r.request_id not in turns]
-
-    def _orl_turn_taken(self, req_id: str) -> None:
-        """vLLM's waiting loop reaches a request taking its user's turn
-        (with borrowing): the token set aside for it is its user's again."""
-        step = self.output_rate.step
-        user = step.turn_ids.pop(req_id, None)
-        if user is not None:
-            step.allow[user] += 1
-            step.lending.ceil_left[user] += 1
-
-    def _orl_return_turns(self) -> None:
-        """The step ends: tokens set aside for turns vLLM's waiting loop
-        never reached go back to their users, uncharged."""
-        for req_id in list(self.output_rate.step.turn_ids):
-            self._orl_turn_taken(req_id)
 
     def _orl_resident_shares(self, resident: dict[str, int]) -> dict[str, float]:
         """Each user's share of the resident slots, in proportion to its
@@ -338,9 +319,10 @@ class ResidencyMixin:
             # its own preemptions, admit nothing new in this step.
             return False
         user = request.output_rate_user
+        charges = step.charges
         if step.turn_ids:
-            self._orl_turn_taken(request.request_id)  # its turn: the token set aside for it
-        if self._orl_left(user) > 0:
+            charges.put_back(request.request_id)  # its turn: the token set aside for it
+        if charges.left(user) > 0:
             self._orl_take_kept(request, any_slot=True)
             return True
         # out of budget: to borrow, or to compute its prefill ahead, in a

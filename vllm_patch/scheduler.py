@@ -48,12 +48,13 @@ from vllm_output_rate.config import (
 )
 from vllm_output_rate.request_fields import resolve_user, trusted_source
 from vllm_output_rate.borrowing import Lender
+from vllm_output_rate.charges import choose
 from vllm_output_rate.lending import LendingMixin
 from vllm_output_rate.preemption import PriorityPreemptionMixin
 from vllm_output_rate.residency import ResidencyMixin
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.ledger import OutputRateState, StepLedger
-from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock, take_from
+from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock
 from vllm_output_rate.ordering import (
     last_token_in_flight,
     longest_waiting_first,
@@ -107,9 +108,8 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
                 f"vllm_output_rate.plugin.configure_output_rate()"
             )
         self.output_rate_config = config
-        self.output_rate_limiter = self._orl_new_limiter(config)
-        st.lender = Lender(config) if config.borrowing else None
-        st.limiter_begin = getattr(self.output_rate_limiter, "begin_step", None)
+        choose(st, self._orl_new_limiter(config), Lender(config) if config.borrowing else None)
+        st.limiter_begin = getattr(st.limiter, "begin_step", None)
         if config.limits_file is not None:
             from vllm_output_rate.limits_watch import LimitsWatcher
 
@@ -119,6 +119,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         st.prefix_caching = bool(self.cache_config.enable_prefix_caching)
         st.priority = self.policy == SchedulingPolicy.PRIORITY
         st.is_async = isinstance(self, AsyncScheduler)
+        st.token_budget = self.max_num_scheduled_tokens
         self._orl_begin(self.output_rate_clock())
         self.output_rate_last_step = st.step.report
         # KV blocks a step can allocate beyond one a request (prefill chunks take the token
@@ -136,7 +137,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         from vllm_output_rate import engine_loop, orphan
 
         engine_loop.install()
-        orphan.watch_parent(getattr(self.output_rate_limiter, "close", None))  # (API server gone)
+        orphan.watch_parent(getattr(st.limiter, "close", None))  # (API server gone)
         self.output_rate_observer = create_observer(SchedulerView(self))
 
     def _orl_new_limiter(self, config: OutputRateConfig) -> OutputRateLimiter:
@@ -151,6 +152,16 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             config.default_rate, config.user_rates, parse_shared_state(config.shared_state),
             clock=lambda: self.output_rate_clock(), engine_id=new_engine_id(rank),
             start_thread=self.output_rate_watch_thread)
+
+    @property
+    def output_rate_limiter(self) -> OutputRateLimiter:
+        """The budgets (``output_rate.limiter``); set, the step's charges
+        are chosen again (``charges.choose``)."""
+        return self.output_rate.limiter
+
+    @output_rate_limiter.setter
+    def output_rate_limiter(self, limiter: OutputRateLimiter) -> None:
+        choose(self.output_rate, limiter, self.output_rate.lender)
 
     # -- vLLM's admission cap -------------------------------------------
 
@@ -295,18 +306,13 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         st.step_no += 1
         self._orl_track_period(now)
         lender = st.lender
-        # The plain limiter is charged token by token (``try_take``; a refund
-        # gives one back): its state is the user's budget left in this step.
-        # Any other limiter (shared budgets), and the plain one with
-        # borrowing, is asked once per user and settled once per step with
-        # the net charges (the ledger's ``allow`` and ``allow_start``).
-        direct = type(self.output_rate_limiter) is OutputRateLimiter and lender is None
-        step = st.step = StepLedger(st.step_no, now, StepReport(st.step_no, now), direct)
+        step = st.step = StepLedger(st.step_no, now, StepReport(st.step_no, now))
+        step.charges = st.charges(st, step)  # (``charges``: chosen with the limiter)
         begin = st.limiter_begin
         if begin is not None:
             begin(now)
         if st.step_no % CLEANUP_EVERY_STEPS == 0:
-            dropped = self.output_rate_limiter.cleanup_idle_users(now)
+            dropped = st.limiter.cleanup_idle_users(now)
             if dropped:
                 self._orl_forget_states(set(dropped))
             if lender is not None:
@@ -339,7 +345,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         step = self.output_rate.step
         budgets = step.budgets
         if budgets is None:
-            left = self._orl_left
+            left = step.charges.left
             budgets = step.budgets = {user: left(user) for user in self._orl_streams()}
         return budgets
 
@@ -446,58 +452,22 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         if (running and not request.is_prefill_chunk) or (
             num_computed_tokens + num_new_tokens >= request.num_tokens
         ):
-            # Charge one token, once per step.
+            # Charge one token, once per step (``charges``), or lend one.
             charged = step.charged
             req_id = request.request_id
             if req_id not in charged:
                 user = request.output_rate_user
-                if step.direct:
-                    # the plain limiter's GCRA on the user's state kept on
-                    # the request: no lookup by user (what costs here is
-                    # memory the step has not touched yet; BENCHMARKS.md)
-                    state = request.output_rate_state
-                    if state is None:
-                        state = request.output_rate_state = self.output_rate_limiter.state_of(
-                            user, step.now)
-                    taken = take_from(state, step.now)
-                else:
-                    taken = self._orl_take(user)
-                if taken:
+                charges = step.charges
+                if charges.take(request, user):
                     charged[req_id] = user
-                elif self._orl_lend(request, user, num_new_tokens):
+                elif charges.lend(request, user, num_new_tokens):
                     step.report.borrowed[req_id] = user
                 else:
                     return self._orl_refuse(request, user, num_computed_tokens)
         if capped:
             step.active += 1
-        if st.lender is not None:  # (the room of a lending step)
-            self._orl_give(request, num_new_tokens)
+        step.charges.give(request, num_new_tokens)  # (the room of a lending step)
         return num_new_tokens
-
-    def _orl_left(self, user: str) -> int:
-        """How many tokens ``user`` may still take in this step."""
-        step = self.output_rate.step
-        if step.direct:
-            return self.output_rate_limiter.available(user, step.now)
-        left = step.allow.get(user)
-        if left is None:  # first look at this user in this step
-            left = self.output_rate_limiter.available(user, step.now)
-            step.allow[user] = step.allow_start[user] = left
-        if self.output_rate.lender is not None:
-            return min(left, self._orl_ceiling_left(user))
-        return left
-
-    def _orl_take(self, user: str) -> bool:
-        """Charge ``user`` one token now, if it has one left in this step
-        (limiters settled once per step; the plain one without borrowing is
-        charged at the charge point, on the state kept on the request)."""
-        if self._orl_left(user) <= 0:
-            return False
-        step = self.output_rate.step
-        step.allow[user] -= 1
-        if step.lending is not None:
-            step.lending.ceil_left[user] -= 1
-        return True
 
     def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
         st = self.output_rate
@@ -512,8 +482,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
                 step.report.prefill_held += 1
                 if running:
                     step.active += 1
-                if st.lender is not None:
-                    self._orl_give(request, held)
+                step.charges.give(request, held)
                 return held
         if running:
             step.throttled_running += 1
@@ -539,28 +508,15 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         step = st.step
         record = step.report
         charged = record.charged
-        limiter = self.output_rate_limiter
-        direct = step.direct
-        allow = step.allow
+        charges = step.charges
         for req_id in () if charged.keys() <= scheduled.keys() else charged.keys() - scheduled.keys():
             # The single refund point: charged but not dispatched.
             user = charged.pop(req_id)
-            if direct:
-                limiter.refund(user)
-            else:
-                allow[user] += 1
+            charges.refund(user)
             reason = "preempted" if req_id in preempted else "not_scheduled"
             record.refunded.append((req_id, user, reason))
-        if st.lender is not None:
-            self._orl_settle_ceilings(record, scheduled)
-        if not direct:
-            # Settle the step: the net charge of each user, taken at `now`
-            # (the same as one try_take per charge and one refund per
-            # give-back). The plain limiter was charged as the step went.
-            taken = {user: n for user, start in step.allow_start.items()
-                     if (n := start - allow[user]) > 0}
-            record.charged_by_user = taken
-            limiter.settle(step.now, taken)
+        charges.settle(record, scheduled)  # (settled limiters: the step's net charges)
+        limiter = st.limiter
         refused = record.refused
         for user in refused:
             refused[user] = limiter.ready_at_ns(user)
