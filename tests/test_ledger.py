@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from vllm_output_rate.borrowing import Lender
 from vllm_output_rate.charges import CeilingCharges, DirectCharges, SettledCharges, choose
 from vllm_output_rate.config import OutputRateConfig
-from vllm_output_rate.ledger import OutputRateState, StepLedger
+from vllm_output_rate.ledger import LendingBook, OutputRateState, StepLedger
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.observers import StepReport
 from vllm_output_rate.ordering import beyond_resident
@@ -102,6 +102,8 @@ def begin(st_, now):
     st_.step_no += 1
     step = st_.step = StepLedger(st_.step_no, now, StepReport(st_.step_no, now))
     step.charges = st_.charges(st_, step)
+    if st_.lender is not None:  # (the step's room, as ``lending.plan_lending`` makes it)
+        step.lending = LendingBook(st_.base_active, st_.token_budget, st_.kv_fits)
     return step
 
 
@@ -165,7 +167,6 @@ def test_ceiling_charges_take_lend_set_aside_and_settle():
     st_ = charging(limiter, lender)
     step = begin(st_, 0)
     charges = step.charges
-    assert step.lending is charges.book  # (the step's room, made with its charges)
     # a's budget (2 tokens in the burst at 10 tok/s) under its ceiling (5 at 40 tok/s)
     assert charges.left("a") == min(limiter.available("a", 0), lender.available("a", 0)) == 2
     request = SimpleNamespace(request_id="r1", output_rate_borrow_step=-1)

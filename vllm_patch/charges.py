@@ -33,7 +33,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vllm_output_rate.borrowing import NO_CEILING
-from vllm_output_rate.ledger import LendingBook
 from vllm_output_rate.limiter import OutputRateLimiter, take_from
 
 if TYPE_CHECKING:
@@ -161,14 +160,14 @@ class CeilingCharges(SettledCharges):
     """Guaranteed budgets settled once per step, under each user's ceiling,
     and tokens lent within the step's room (see the module)."""
 
-    __slots__ = ("lender", "step", "book", "ceil_left", "ceil_start", "lent", "at_ceiling")
+    __slots__ = ("lender", "step", "ceil_left", "ceil_start", "lent", "at_ceiling")
 
     def __init__(self, st: OutputRateState, step: StepLedger) -> None:
         super().__init__(st, step)
         self.lender = st.lender
+        #: (its ``lending``: the step's room, ``lending.plan_lending``; the
+        #: charge point gives from it and lends within it)
         self.step = step
-        #: the step's room (the charge point gives from it, lends within it)
-        self.book = step.lending = LendingBook(st.base_active, st.token_budget, st.kv_fits)
         #: user -> tokens its ceiling still allows in this step, and at its start
         self.ceil_left: dict[str, int] = {}
         self.ceil_start: dict[str, int] = {}
@@ -200,8 +199,8 @@ class CeilingCharges(SettledCharges):
         borrow in the step (``lending``), the step has room for it (slots,
         tokens, KV blocks) and its ceiling allows (a waiting one was checked
         at admission the same way)."""
-        return (request.output_rate_borrow_step == self.step.no
-                and self.book.room(n, request.request_id)
+        return (self.step.lent_now(request)
+                and self.step.lending.room(n, request.request_id)
                 and self.borrow(user))
 
     def borrow(self, user: str) -> bool:
@@ -214,7 +213,7 @@ class CeilingCharges(SettledCharges):
         return True
 
     def give(self, request: Request, n: int) -> None:
-        self.book.give(request.request_id, n)
+        self.step.lending.give(request.request_id, n)
 
     def refund(self, user: str) -> None:
         self.allow[user] += 1

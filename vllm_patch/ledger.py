@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from vllm_output_rate.ordering import streams_by_user
+
 if TYPE_CHECKING:
     from vllm_output_rate.borrowing import Lender
     from vllm_output_rate.limiter import OutputRateLimiter
@@ -54,10 +56,20 @@ class LendingBook:
     kept_blocks: int = 0
     #: waiting requests that may borrow (a few per user, in queue order)
     waiting_borrowers: list[Request] = field(default_factory=list)
-    #: whether this step chose among the borrowers (``_orl_lend_tail``)
+    #: whether this step chose among the borrowers (``lending.plan_lend_tail``)
     chose: bool = False
     #: whether this step lends at all (its kept room fits)
     lends: bool = True
+
+    def keep(self, req_id: str, tokens: int, blocks: int) -> None:
+        """Keep room for waiting request ``req_id``: an active slot, its
+        prompt's ``tokens`` and their KV ``blocks`` (once)."""
+        if req_id in self.kept:
+            return
+        self.kept[req_id] = (tokens, blocks)
+        self.kept_slots += 1
+        self.kept_tokens += tokens
+        self.kept_blocks += blocks
 
     def give(self, req_id: str, n: int) -> None:
         """The charge point gave request ``req_id`` ``n`` tokens of this
@@ -131,14 +143,39 @@ class StepLedger:
         self.charged = self.report.charged
         self.refused = self.report.refused
 
+    def lent_now(self, request: Request) -> bool:
+        """``request`` may borrow in this step (lent tokens, not charged)."""
+        return request.output_rate_borrow_step == self.no
+
+    def streams_of(self, running: list[Request]) -> dict[str, int]:
+        """How many requests of ``running`` each user has, counted once in a
+        step, before vLLM's ``schedule()`` (a request residency preempts is
+        taken off)."""
+        streams = self.streams
+        if streams is None:
+            streams = self.streams = streams_by_user(running)
+        return streams
+
+    def budgets_of(self, running: list[Request]) -> dict[str, int]:
+        """Each user of ``running``'s budget at the step's start, asked once
+        per user (nothing is charged before vLLM's ``schedule()``); not to
+        be changed (copy it)."""
+        budgets = self.budgets
+        if budgets is None:
+            left = self.charges.left
+            budgets = self.budgets = {user: left(user) for user in self.streams_of(running)}
+        return budgets
+
 
 @dataclass(slots=True, eq=False)
 class OutputRateState:
     """What the output-rate scheduler keeps across steps (the module)."""
 
-    #: vLLM's active cap (``max_num_active_reqs`` as vLLM set it) and its
-    #: token budget of a step (``max_num_scheduled_tokens``)
+    #: vLLM's active cap (``max_num_active_reqs`` as vLLM set it), its
+    #: resident cap (``max_num_running_reqs``) and its token budget of a
+    #: step (``max_num_scheduled_tokens``)
     base_active: int = 0
+    max_running: int = 0
     token_budget: int = 0
     #: the budgets (the plain limiter or the shared one), borrowing's
     #: ceilings and counters when a limit has a ceiling, and the charges
@@ -178,6 +215,13 @@ class OutputRateState:
         """KV blocks ``tokens`` new tokens may need: one more than they
         fill, per KV cache group."""
         return self.groups * (-(-tokens // self.block_size) + 1)
+
+    def resident_fits(self, n_running: int, kept: int) -> bool:
+        """The one resident-slot check: whether one more request fits in the
+        resident set (``--max-num-seqs``) beside ``n_running`` requests in
+        ``running``, those held back and ``kept`` resident slots kept for
+        waiting requests (residency's, or the lending room's)."""
+        return n_running + self.step.held + 1 + kept <= self.max_running
 
     def kv_fits(self, requests: int, tokens: int | None = None, kept_blocks: int = 0) -> bool:
         """The one KV-room check: whether the KV cache's free blocks cover a

@@ -35,7 +35,7 @@ class PriorityPreemptionMixin:
         while blocks is None:
             victim = throttled_victim(self.running, request, step.charged,
                                       self._request_blocks_can_be_freed, step.charges.left,
-                                      self._orl_lent_now)
+                                      step.lent_now)
             if victim is None:
                 break
             self.running.remove(victim)

@@ -47,20 +47,15 @@ from vllm_output_rate.config import (
     config_of,
 )
 from vllm_output_rate.request_fields import resolve_user, trusted_source
-from vllm_output_rate.borrowing import Lender
+from vllm_output_rate import lending
+from vllm_output_rate.borrowing import Lender, lender_for
 from vllm_output_rate.charges import choose
-from vllm_output_rate.lending import LendingMixin
+from vllm_output_rate.planners import plan_residency, plan_running_order
 from vllm_output_rate.preemption import PriorityPreemptionMixin
 from vllm_output_rate.residency import ResidencyMixin
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.ledger import OutputRateState, StepLedger
 from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock
-from vllm_output_rate.ordering import (
-    last_token_in_flight,
-    longest_waiting_first,
-    rotated,
-    streams_by_user,
-)
 from vllm_output_rate.observers import (
     LimitsChange,
     OutputRateObserver,
@@ -77,7 +72,7 @@ MAX_IDLE_WAIT_S = 0.05
 _RUNNING = RequestStatus.RUNNING
 
 
-class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionMixin):
+class OutputRateSchedulerMixin(ResidencyMixin, PriorityPreemptionMixin):
     """Per-user output-token rate limit over vLLM's V1 scheduler."""
 
     #: Monotonic ns clock; tests replace it on the instance.
@@ -120,6 +115,7 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         st.priority = self.policy == SchedulingPolicy.PRIORITY
         st.is_async = isinstance(self, AsyncScheduler)
         st.token_budget = self.max_num_scheduled_tokens
+        st.max_running = self.max_num_running_reqs
         self._orl_begin(self.output_rate_clock())
         self.output_rate_last_step = st.step.report
         # KV blocks a step can allocate beyond one a request (prefill chunks take the token
@@ -221,9 +217,12 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         st = self.output_rate
         was_short = bool(st.step.refused)
         step = self._orl_begin(now)
+        # the step's plans, applied before vLLM schedules (``planners``, ``lending``)
         if st.lender is not None:
-            self._orl_begin_lending()
-        self._orl_make_room()
+            step.lending = lending.plan_lending(self.waiting, self.running, st, step)
+        self._orl_apply_residency(plan_residency(
+            self.running, self.waiting, st, step, st.limiter.rate_of,
+            self._request_blocks_can_be_freed))
         running = len(self.running)
         # Only when more are resident than may run can the active cap bind.
         step.capped = running > st.base_active
@@ -274,7 +273,8 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
         old = self.output_rate_config
         self.output_rate_limiter.set_limits(config.default_rate, config.user_rates, now)
         self.output_rate_config = config
-        self._orl_set_lender(config, now)
+        st = self.output_rate
+        choose(st, st.limiter, lender_for(config, st.lender, now))
         if "shared" in (old.unlisted_users, config.unlisted_users):
             charged_user = config.charged_user
             for request in self.requests.values():
@@ -327,69 +327,36 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             if users is None or request.output_rate_user in users:
                 request.output_rate_state = None
 
-    def _orl_streams(self) -> dict[str, int]:
-        """How many requests of ``running`` each user has, counted once in a
-        step, before vLLM's ``schedule()`` (lending's room, residency's and
-        the running order read it; a request residency preempts is taken
-        off)."""
-        step = self.output_rate.step
-        streams = step.streams
-        if streams is None:
-            streams = step.streams = streams_by_user(self.running)
-        return streams
-
-    def _orl_budgets(self) -> dict[str, int]:
-        """Each user of ``running``'s budget at the step's start, the
-        limiter asked once per user (nothing is charged before vLLM's
-        ``schedule()``); not to be changed (copy it)."""
-        step = self.output_rate.step
-        budgets = step.budgets
-        if budgets is None:
-            left = step.charges.left
-            budgets = step.budgets = {user: left(user) for user in self._orl_streams()}
-        return budgets
-
     def _orl_order_running(self) -> list[Request] | None:
-        """Rotate, move users without budget back, longest-waiting user first.
-
-        Only reorders when it matters: when some user has fewer tokens than
-        running streams, or when more requests could run than the active cap.
-        Returns the throttled requests now at the tail of ``running`` (those
-        of users without budget at the step's start, less a waiting request's
-        turn: ``residency``), or None when no user is short of budget."""
+        """``running`` in the step's order (``planners.plan_running_order``;
+        with borrowing, the borrowers after the throttled requests,
+        ``lending.plan_lend_tail``). Returns the throttled requests now at
+        the tail of ``running`` (those of users without budget at the
+        step's start, less a waiting request's turn), or None when no user
+        is short of budget."""
         st = self.output_rate
-        running = self.running
-        streams = self._orl_streams()
-        budget = dict(self._orl_budgets())  # (taken from as requests are ordered)
-        for user in st.step.turns:
-            budget[user] -= 1
-        short = any(budget[user] < n for user, n in streams.items())
-        cap_binds = len(running) > st.base_active
-        if not short and not cap_binds:
+        step = st.step
+        order = plan_running_order(self.running, st, step)
+        if order is None:
             return None
-        if short:
-            running = rotated(running)
-        ready: list[Request] = []
-        throttled: list[Request] = []
-        in_flight = st.is_async
-        for request in running:
-            user = request.output_rate_user
-            if request.is_prefill_chunk:
-                ready.append(request)
-            elif in_flight and last_token_in_flight(request):
-                ready.append(request)  # takes no budget, is not throttled
-            elif budget[user] > 0:
-                budget[user] -= 1
-                ready.append(request)
-            else:
-                throttled.append(request)
-        if len(ready) > st.base_active:
-            ready = longest_waiting_first(ready, self.running)
-        if st.lender is not None and st.step.lending.lends:
-            ready, throttled = self._orl_lend_tail(ready, throttled, budget)
-        else:
-            self.running[:] = ready + throttled
-        return throttled if short else None
+        book = step.lending
+        if book is None or not book.lends:
+            self.running[:] = order.ready + order.throttled
+            return order.throttled if order.short else None
+        tail = lending.plan_lend_tail(order, st, step)
+        step.charges.at_ceiling.update(tail.at_ceiling)
+        for request in tail.chosen:
+            if request.status != _RUNNING:
+                # a waiting one chosen: its room kept as for a waiting
+                # request with budget (else one admitted before it to
+                # compute its prefill ahead could take its active slot)
+                lending.keep(book, request, st)
+        book.chose = True
+        for request in tail.chosen:  # the charge point may lend to these
+            request.output_rate_borrow_step = step.no
+        self.running[:] = tail.ready + tail.throttled + tail.borrowers
+        step.lent_tail = len(tail.borrowers)
+        return tail.throttled if order.short else None
 
     def _orl_hold_back(self, throttled: list[Request]) -> list[Request] | None:
         """Take the throttled tail out of ``running`` while vLLM schedules,
@@ -419,13 +386,6 @@ class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionM
             refused[request.output_rate_user] = 0  # ready time filled in at the end
             mark(request)
         return throttled
-
-    def _orl_resident_fits(self, kept: int) -> bool:
-        """Whether one more request fits in the resident set
-        (``--max-num-seqs``) beside those held back and ``kept`` resident
-        slots kept for waiting requests (residency's, or lending's)."""
-        return (len(self.running) + self.output_rate.step.held + 1 + kept
-                <= self.max_num_running_reqs)
 
     # -- the charge point ------------------------------------------------
 
