@@ -380,7 +380,7 @@ def check_no_displacement(users, active, is_async, kv=None, priorities=(0, 0, 0,
     budget_at = {}
 
     def before_step():
-        limiter, now = sched.output_rate_limiter, clock()
+        limiter, now = sched.output_rate.limiter, clock()
         budget_at[len(steps)] = {u: min(limiter.available(u, now),
                                         sched.output_rate.lender.available(u, now) if sched.output_rate.lender else 10**9)
                                  for u in rates}
@@ -635,9 +635,9 @@ def test_a_pair_changed_live_is_in_force_at_the_next_step(tmp_path, monkeypatch,
 
     from vllm_output_rate.charges import CeilingCharges, DirectCharges
     from vllm_output_rate.config import load_limits_file
-    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+    from vllm_output_rate.ledger import OutputRateState
 
-    monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
+    monkeypatch.setattr(OutputRateState, "watch_thread", False)
     path = tmp_path / "limits.yaml"
 
     def write(text):
@@ -654,7 +654,7 @@ def test_a_pair_changed_live_is_in_force_at_the_next_step(tmp_path, monkeypatch,
     observe_steps(sched, steps.append)
     drv = Driver(sched, clock, step_ms=10.0, is_async=is_async)
     drv.add(*[make_request("a", max_tokens=5000) for _ in range(4)])
-    watcher = sched.output_rate_limits_watcher
+    watcher = sched.output_rate.watcher
 
     def phase(text, n=300):
         if text is not None:

@@ -23,16 +23,22 @@ Pure data: imports nothing from vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+from vllm_output_rate.limiter import monotonic_clock
 from vllm_output_rate.ordering import streams_by_user
 
 if TYPE_CHECKING:
     from vllm_output_rate.borrowing import Lender
+    from vllm_output_rate.config import OutputRateConfig
     from vllm_output_rate.limiter import OutputRateLimiter
-    from vllm_output_rate.observers import StepReport
+    from vllm_output_rate.observers import OutputRateObserver, StepReport
 
 Request = Any
+
+#: Longest idle wait of the engine loop, so that work that becomes ready
+#: without a message (a compiled grammar, say) is seen soon enough.
+MAX_IDLE_WAIT_S = 0.05
 
 
 @dataclass(slots=True, eq=False)
@@ -169,8 +175,28 @@ class StepLedger:
 
 @dataclass(slots=True, eq=False)
 class OutputRateState:
-    """What the output-rate scheduler keeps across steps (the module)."""
+    """What the output-rate scheduler keeps across steps (the module): the
+    one attribute of ours on vLLM's scheduler (``output_rate``)."""
 
+    #: Hold throttled running requests back from vLLM's ``schedule()`` when
+    #: the KV cache has room for the step (``core``); tests set False to run
+    #: every step with them left at the tail of ``running``.
+    hold_back: ClassVar[bool] = True
+    #: Watch the limits file (and, in shared-budget mode, the store) from a
+    #: thread; tests set False and call ``check()``.
+    watch_thread: ClassVar[bool] = True
+
+    #: the monotonic ns clock (tests and the twin replace it)
+    clock: Callable[[], int] = monotonic_clock
+    #: the limits in force (``config.OutputRateConfig``), the watcher of
+    #: ``--output-rate-limits-file`` (None without one), the registered
+    #: observers as one (``observers.create_observer``; None: none), told of
+    #: every step, the outputs, aborts and idle waits, and the last finished
+    #: step's report (``observers.StepReport``)
+    config: OutputRateConfig | None = None
+    watcher: Any = None
+    observer: OutputRateObserver | None = None
+    last_step: StepReport | None = None
     #: vLLM's active cap (``max_num_active_reqs`` as vLLM set it), its
     #: resident cap (``max_num_running_reqs``) and its token budget of a
     #: step (``max_num_scheduled_tokens``)
@@ -210,6 +236,44 @@ class OutputRateState:
     prev_now: int | None = None
     #: this step's ledger
     step: StepLedger | None = None
+
+    def active_cap(self, max_running: int) -> int:
+        """vLLM's admission cap of the waiting loop (``max_num_active_reqs``)
+        under the resident cap ``max_running``: throttled requests don't
+        count against the active cap; held-back ones (out of ``running``
+        while vLLM schedules) still count against the resident cap."""
+        step = self.step
+        if step is None:  # (vLLM's __init__ runs)
+            return min(self.base_active, max_running)
+        return min(self.base_active + step.throttled_running, max_running - step.held)
+
+    def idle_wait_s(self) -> float | None:
+        """How long the engine loop may wait after a step that ran nothing:
+        ``min(50 ms, earliest ready_at among users refused in the last step
+        - now)``; None when no user was refused (then vLLM's own behaviour)."""
+        refused = self.step.refused
+        if not refused:
+            return None
+        wait = (min(refused.values()) - self.clock()) / 1e9
+        return min(MAX_IDLE_WAIT_S, wait) if wait > 0 else 0.0
+
+    def wake_target_ns(self) -> int | None:
+        """The earliest ready_at among users refused in the last step."""
+        refused = self.step.refused
+        return min(refused.values()) if refused else None
+
+    def close(self) -> None:
+        """The scheduler shuts down: the watcher, the observers and the
+        limiter (shared-budget mode: its lease thread) stop."""
+        if self.watcher is not None:
+            self.watcher.close()
+        observer = self.observer
+        if observer is not None:
+            self.observer = None
+            observer.close()
+        close = getattr(self.limiter, "close", None)
+        if close is not None:
+            close()
 
     def blocks_for(self, tokens: int) -> int:
         """KV blocks ``tokens`` new tokens may need: one more than they

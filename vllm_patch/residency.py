@@ -1,15 +1,16 @@
 """Residency in the scheduler: the residency plan applied (``planners``:
 resident slots kept for waiting requests with budget, the preemptions that
-free them, the turns of waiting requests) and the admission hook
-(``_handle_blocked_waiting_request``, hook 3 of ``internals``): a waiting
-request of a user with budget passes; one of a user without budget is
-admitted to borrow (``lending.admit_borrower``) or to compute its prefill
+free them, the turns of waiting requests) and admission (``_orl_admit``,
+behind hook 3 of ``internals``, ``_handle_blocked_waiting_request``): a
+waiting request of a user with budget passes; one of a user without budget
+is admitted to borrow (``lending.admit_borrower``) or to compute its prefill
 short of its last position (chunked prefill) beside the resident slots kept
 for others, else skipped for the step. vLLM's waiting loop then admits the
 requests with budget in its own order.
 
-Mixed into ``scheduler.OutputRateSchedulerMixin``, whose attributes these
-methods read.
+``ResidencyMixin`` is mixed by ``scheduler`` over vLLM's ``Scheduler``; it
+reads and calls what ``host.SchedulerHost`` declares, and keeps its state in
+the host's ``output_rate``.
 """
 
 from __future__ import annotations
@@ -18,25 +19,14 @@ import time
 from typing import Any
 
 from vllm_output_rate import lending
+from vllm_output_rate.host import SchedulerHost
 from vllm_output_rate.planners import ResidencyPlan
 
 Request = Any
 
 
-class ResidencyMixin:
-    """The residency plan applied, and the admission hook (see the module)."""
-
-    def _orl_track_period(self, now: int) -> None:
-        """A step begins at ``now``: the step period, a moving average over
-        the steps that began with requests running (an idle engine's wait
-        is no period), for how many streams a user's rate keeps busy."""
-        st = self.output_rate
-        prev = st.prev_now
-        if prev is not None and self.running and now > prev:
-            period = st.period_ns
-            dt = now - prev
-            st.period_ns = dt if period is None else (7 * period + dt) // 8
-        st.prev_now = now
+class ResidencyMixin(SchedulerHost):
+    """The residency plan applied, and admission (see the module)."""
 
     def _orl_apply_residency(self, plan: ResidencyPlan) -> None:
         """Before vLLM schedules: ``waiting`` reordered, the resident
@@ -97,9 +87,9 @@ class ResidencyMixin:
 
     # -- admission (hook 3 of ``internals``) --------------------------------
 
-    def _handle_blocked_waiting_request(self, request: Request) -> bool:
-        if not super()._handle_blocked_waiting_request(request):
-            return False
+    def _orl_admit(self, request: Request) -> bool:
+        """Whether vLLM's waiting loop may admit ``request`` in this step
+        (vLLM's own checks passed: see the module)."""
         st = self.output_rate
         step = st.step
         if step.block_admission:
@@ -121,7 +111,7 @@ class ResidencyMixin:
             if st.lender is not None and lending.admit_borrower(request, n_running, st, step):
                 return True
             step.refused[user] = 0
-            if st.chunked and self._can_hold_prefill(request) and (
+            if st.chunked and self._orl_can_hold_prefill(request) and (
                     st.lender is None or lending.admit_room(request, n_running, st, step)):
                 return True
         else:
@@ -129,7 +119,7 @@ class ResidencyMixin:
         step.report.waiting_skipped += 1
         return False
 
-    def _can_hold_prefill(self, request: Request) -> bool:
+    def _orl_can_hold_prefill(self, request: Request) -> bool:
         """Whether this waiting request's prefill surely has a position to
         compute short of its last one, whatever its prefix-cache hit (hits
         are whole blocks of at most ``num_tokens - 1`` tokens)."""
