@@ -128,7 +128,7 @@ class StepTap(OutputRateObserver):
 
 def observe_steps(sched, fn) -> None:
     """``fn(step report)`` after every ``schedule()`` of ``sched``."""
-    sched.output_rate_observer = StepTap(fn, sched.output_rate_observer)
+    sched.output_rate.observer = StepTap(fn, sched.output_rate.observer)
 
 
 class OtlpHttpReceiver:

@@ -380,7 +380,7 @@ def check_no_displacement(users, active, is_async, kv=None, priorities=(0, 0, 0,
     budget_at = {}
 
     def before_step():
-        limiter, now = sched.output_rate_limiter, clock()
+        limiter, now = sched.output_rate.limiter, clock()
         budget_at[len(steps)] = {u: min(limiter.available(u, now),
                                         sched.output_rate.lender.available(u, now) if sched.output_rate.lender else 10**9)
                                  for u in rates}
@@ -620,7 +620,10 @@ def test_without_ceilings_no_borrowing_series(tmp_path):
     sched = make_scheduler(limits(1000, {"a": 5}), clock=VirtualClock())
     tel = attach_telemetry(sched, str(tmp_path), start_thread=False)
     assert not any(name.endswith("borrowed") for name, _ in tel.counters)
-    assert sched.output_rate.lender is None and sched.output_rate.step.direct
+    from vllm_output_rate.charges import DirectCharges
+
+    assert sched.output_rate.lender is None
+    assert type(sched.output_rate.step.charges) is DirectCharges
 
 
 # -- a live change ----------------------------------------------------------------
@@ -630,10 +633,11 @@ def test_without_ceilings_no_borrowing_series(tmp_path):
 def test_a_pair_changed_live_is_in_force_at_the_next_step(tmp_path, monkeypatch, is_async):
     import os
 
+    from vllm_output_rate.charges import CeilingCharges, DirectCharges
     from vllm_output_rate.config import load_limits_file
-    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+    from vllm_output_rate.ledger import OutputRateState
 
-    monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
+    monkeypatch.setattr(OutputRateState, "watch_thread", False)
     path = tmp_path / "limits.yaml"
 
     def write(text):
@@ -650,7 +654,7 @@ def test_a_pair_changed_live_is_in_force_at_the_next_step(tmp_path, monkeypatch,
     observe_steps(sched, steps.append)
     drv = Driver(sched, clock, step_ms=10.0, is_async=is_async)
     drv.add(*[make_request("a", max_tokens=5000) for _ in range(4)])
-    watcher = sched.output_rate_limits_watcher
+    watcher = sched.output_rate.watcher
 
     def phase(text, n=300):
         if text is not None:
@@ -668,11 +672,14 @@ def test_a_pair_changed_live_is_in_force_at_the_next_step(tmp_path, monkeypatch,
     assert not tokens(steps, "a", ("borrowed",), since=plain[0][0])
     check_bound(plain, 5)
     assert sched.output_rate.lender is None
+    # the charges chosen again: borrowing stopped, the plain limiter charges directly
+    assert type(sched.output_rate.step.charges) is DirectCharges
     # the plain steps held the throttled streams back and put each back once
     assert sorted(map(id, sched.running)) == sorted(set(map(id, sched.running)))
     assert len(sched.running) == 4
     again = phase("default: 1000\nusers: {a: {rate: 5, ceiling: unlimited}}\n")
     assert rate(again) == pytest.approx(400, rel=0.02)
+    assert type(sched.output_rate.step.charges) is CeilingCharges
     # straight from every stream borrowing to none: the throttled streams
     # are held back and put back once each
     check_bound(phase("default: 1000\nusers: {a: 5}\n", 100), 5)

@@ -31,14 +31,14 @@ from vllm_output_rate.config import (
     load_limits_file,
 )
 from vllm_output_rate.limiter import BURST_NS, NS_PER_S
-from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+from vllm_output_rate.ledger import OutputRateState
 
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
 
 @pytest.fixture(autouse=True)
 def no_watch_thread(monkeypatch):
-    monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
+    monkeypatch.setattr(OutputRateState, "watch_thread", False)
 
 
 def write(path, text):
@@ -88,7 +88,7 @@ def test_a_changed_file_is_in_force_at_the_next_step(tmp_path, is_async):
     path = tmp_path / "limits.yaml"
     write(path, "default: 1000\nusers: {user-a: 20}\n")
     sched, drv, clock, charges = setup(path, is_async)
-    watcher = sched.output_rate_limits_watcher
+    watcher = sched.output_rate.watcher
     assert watcher is not None and watcher.results["loaded"] == 0
     drv.add(*[make_request("user-a", max_tokens=2000) for _ in range(4)])
     drv.add(make_request("user-b", max_tokens=2000))
@@ -112,7 +112,7 @@ def test_a_changed_file_is_in_force_at_the_next_step(tmp_path, is_async):
 
     phase(20, None)
     phase(40, "default: 1000\nusers: {user-a: 40}\n")
-    assert sched.output_rate_config.rate_of("user-a") == 40
+    assert sched.output_rate.config.rate_of("user-a") == 40
     # a broken file changes nothing, is counted once, and logged once
     write(path, "default: 1000\nusers: {user-a: -5}\n")
     assert watcher.check() == "invalid"
@@ -120,9 +120,9 @@ def test_a_changed_file_is_in_force_at_the_next_step(tmp_path, is_async):
     assert "users.user-a" in watcher.last_error and str(path) in watcher.last_error
     phase(40, None, seconds=1)
     phase(10, "default: 1000\ntiers: {slow: 10}\nusers: {user-a: slow}\n")
-    assert sched.output_rate_config.tier_of("user-a") == "slow"
+    assert sched.output_rate.config.tier_of("user-a") == "slow"
     assert watcher.results == {"loaded": 2, "unchanged": 0, "invalid": 1, "unreadable": 0}
-    tap = sched.output_rate_observer
+    tap = sched.output_rate.observer
     assert [c.changed for c in tap.limit_changes] == [("user-a",), ("user-a",)]
     # user-b (the default, 1000 tok/s) was never held back
     assert tokens_of(charges, "user-b", 0, clock()) >= 0.95 * drv.steps
@@ -180,7 +180,7 @@ def test_the_bound_holds_on_the_engine_event_log_across_live_changes(tmp_path, m
     # a synchronous step's tokens are stamped when its output is processed,
     # a step later than their charge (as in the engine)
     drv = Driver(sched, clock, step_ms=10.0, is_async=is_async, stamp_at_end=True)
-    watcher = sched.output_rate_limits_watcher
+    watcher = sched.output_rate.watcher
     drv.add(*[make_request("user-a", max_tokens=5000) for _ in range(4)])
     t_start = clock()
 
@@ -236,7 +236,7 @@ def test_sighup_reads_the_file_even_when_its_stat_is_unchanged(tmp_path):
     path = tmp_path / "limits.json"
     write(path, '{"default": 5}')
     sched, drv, clock, charges = setup(path)
-    watcher = sched.output_rate_limits_watcher
+    watcher = sched.output_rate.watcher
     st = os.stat(path)
     with open(path, "r+") as f:  # same size, same mtime: polling cannot see it
         f.write('{"default": 7}')
@@ -247,7 +247,7 @@ def test_sighup_reads_the_file_even_when_its_stat_is_unchanged(tmp_path):
     time.sleep(0.05)
     assert watcher.check() == "loaded"
     drv.step()
-    assert sched.output_rate_limiter.rate_of("anyone") == 7
+    assert sched.output_rate.limiter.rate_of("anyone") == 7
     os.kill(os.getpid(), signal.SIGHUP)  # nothing changed: counted as such
     assert watcher.check() == "unchanged"
     sched.shutdown()
@@ -257,17 +257,17 @@ def test_an_unreadable_file_keeps_the_limits_and_recovers(tmp_path):
     path = tmp_path / "limits.yaml"
     write(path, "default: 5\n")
     sched, drv, _, _ = setup(path)
-    watcher = sched.output_rate_limits_watcher
+    watcher = sched.output_rate.watcher
     os.remove(path)
     assert watcher.check() == "unreadable"
     assert watcher.check() is None  # one episode, counted once
     drv.step()
-    assert sched.output_rate_limiter.default_rate == 5
+    assert sched.output_rate.limiter.default_rate == 5
     write(path, "default: 6\n")
     assert watcher.check() == "loaded"
     drv.step()
-    assert sched.output_rate_limiter.default_rate == 6
-    status = sched.output_rate_limits_watcher.status()
+    assert sched.output_rate.limiter.default_rate == 6
+    status = sched.output_rate.watcher.status()
     assert status.results["unreadable"] == 1 and status.last_error is None
     assert status.source == str(path)
 
@@ -291,7 +291,7 @@ def test_shared_unlisted_users_spend_one_budget(tmp_path):
     assert drv.count(vip.request_id) >= 190
     # listing one of them in the file gives it its own budget from then on
     write(path, "default: 10\nusers: {vip: 1000, rotating-0: 1000}\n")
-    assert sched.output_rate_limits_watcher.check() == "loaded"
+    assert sched.output_rate.watcher.check() == "loaded"
     before = drv.count(requests[0].request_id)
     drv.run(100)
     assert requests[0].output_rate_user == "rotating-0"
@@ -304,9 +304,9 @@ def test_a_file_changed_before_the_engine_started_is_read_at_once(tmp_path):
     carried = load_limits_file(str(path)).to_dict()
     write(path, "default: 9\n")
     sched = make_scheduler(carried, clock=VirtualClock())
-    assert sched.output_rate_limits_watcher.results["loaded"] == 1
+    assert sched.output_rate.watcher.results["loaded"] == 1
     Driver(sched, VirtualClock()).step()
-    assert sched.output_rate_limiter.default_rate == 9
+    assert sched.output_rate.limiter.default_rate == 9
 
 
 @pytest.mark.parametrize("text, where", [
@@ -370,15 +370,15 @@ def test_telemetry_follows_a_reload(tmp_path):
 
     counters, gauges = snap()
     assert gauges[("user_limit_tokens_per_second", ("user-a",))] == 20
-    assert gauges[("limits_info", (sched.output_rate_config.digest, str(path)))] == 1
-    old_digest = sched.output_rate_config.digest
+    assert gauges[("limits_info", (sched.output_rate.config.digest, str(path)))] == 1
+    old_digest = sched.output_rate.config.digest
     write(path, "default: 100\nusers: {user-a: 40, fresh: 7}\n")
-    assert sched.output_rate_limits_watcher.check() == "loaded"
+    assert sched.output_rate.watcher.check() == "loaded"
     write(path, "default: 100\nusers: {user-a: nope}\n")
-    assert sched.output_rate_limits_watcher.check() == "invalid"
+    assert sched.output_rate.watcher.check() == "invalid"
     drv.run(50)
     counters, gauges = snap()
-    new_digest = sched.output_rate_config.digest
+    new_digest = sched.output_rate.config.digest
     assert new_digest != old_digest
     assert gauges[("user_limit_tokens_per_second", ("user-a",))] == 40
     assert gauges[("user_limit_tokens_per_second", ("fresh",))] == 7

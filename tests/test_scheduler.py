@@ -14,8 +14,11 @@ from vllm.v1.request import RequestStatus
 
 from harness import Driver, VirtualClock, make_request, make_scheduler, observe_steps, scheduled_ids
 from vllm_output_rate import config as orl_config
+from vllm_output_rate import core as orl_core
 from vllm_output_rate import request_fields
 from vllm_output_rate import scheduler as orl_scheduler
+from vllm_output_rate.charges import DirectCharges, SettledCharges
+from vllm_output_rate.ledger import OutputRateState
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 
@@ -37,7 +40,7 @@ def charge_path(request, monkeypatch):
     pressure); each with the plain limiter charged token by token and with a
     limiter settled once per step. One set of charge rules."""
     if request.param.startswith("tail"):
-        monkeypatch.setattr(orl_scheduler.OutputRateSchedulerMixin, "output_rate_hold_back", False)
+        monkeypatch.setattr(OutputRateState, "hold_back", False)
     if request.param.endswith("settled"):
         monkeypatch.setattr(
             orl_scheduler.OutputRateSchedulerMixin, "_orl_new_limiter",
@@ -52,12 +55,13 @@ def test_each_charge_path_is_the_one_that_runs(charge_path):
     drv.step()
     # a's first request decodes without budget; its second is one short of
     # its first token (refused at the charge point, as a prefill)
-    throttled = sched.output_rate_last_step.throttled
+    throttled = sched.output_rate.last_step.throttled
     assert len(throttled) == 2
-    held = sched.output_rate_last_step.held_back
+    held = sched.output_rate.last_step.held_back
     assert held == (1 if charge_path.startswith("held") else 0)
     assert len(sched.running) == 2  # held-back requests are back after the step
-    assert sched.output_rate.step.direct == (not charge_path.endswith("settled"))
+    assert type(sched.output_rate.step.charges) is (
+        SettledCharges if charge_path.endswith("settled") else DirectCharges)
     # vLLM's own hooks only: nothing of ours set on the instance per step
     assert "_reserve_prefill_lookahead" not in sched.__dict__
     assert "allocate_slots" not in sched.kv_cache_manager.__dict__
@@ -127,11 +131,11 @@ def test_charge_only_on_sampling_steps(is_async):
     for _ in range(4):  # 32 + 32 + 32 + 4 prompt tokens
         out = drv.step()
         charges.append((out.num_scheduled_tokens[req.request_id],
-                        sched.output_rate_last_step.charged))
+                        sched.output_rate.last_step.charged))
     assert [c[1] for c in charges[:3]] == [{}, {}, {}]
     assert charges[3] == (4, {req.request_id: "a"})  # final chunk samples: 1
     out = drv.step()
-    assert sched.output_rate_last_step.charged == {req.request_id: "a"}  # decode: 1
+    assert sched.output_rate.last_step.charged == {req.request_id: "a"}  # decode: 1
 
 
 @pytest.mark.parametrize("is_async", MODES)
@@ -186,7 +190,7 @@ def test_throttled_user_never_delays_another(is_async):
     for _ in range(58):
         out = drv.step()
         assert {r.request_id for r in b} <= scheduled_ids(out)
-    assert sched.output_rate_last_step.throttled  # a was being throttled
+    assert sched.output_rate.last_step.throttled  # a was being throttled
 
 
 @pytest.mark.parametrize("is_async", MODES)
@@ -195,18 +199,18 @@ def test_refused_user_is_asked_once_per_step(is_async, monkeypatch):
     drv.add(*[make_request("a", max_tokens=10) for _ in range(8)])
     drv.run(3)
     calls = []
-    real = sched.output_rate_limiter.available
-    monkeypatch.setattr(sched.output_rate_limiter, "available",
+    real = sched.output_rate.limiter.available
+    monkeypatch.setattr(sched.output_rate.limiter, "available",
                         lambda u, now: calls.append(u) or real(u, now))
     drv.step()
-    assert len(sched.output_rate_last_step.throttled) == 8
+    assert len(sched.output_rate.last_step.throttled) == 8
     assert calls == ["a"]
 
 
 def test_user_is_resolved_once_per_request(monkeypatch):
     calls = []
     real = request_fields.resolve_user
-    monkeypatch.setattr(orl_scheduler, "resolve_user", lambda x: calls.append(x) or real(x))
+    monkeypatch.setattr(orl_core, "resolve_user", lambda x: calls.append(x) or real(x))
     sched, drv, _ = setup(limits(50))
     reqs = [make_request("a", max_tokens=30), make_request(None, max_tokens=30)]
     drv.add(*reqs)
@@ -220,8 +224,8 @@ def test_user_is_resolved_once_per_request(monkeypatch):
 
 def _exhaust(sched, drv, user="a"):
     """Take the user's whole budget now, through a running request."""
-    sched.output_rate_limiter.try_take(user, sched.output_rate_clock())
-    while sched.output_rate_limiter.try_take(user, sched.output_rate_clock()):
+    sched.output_rate.limiter.try_take(user, sched.output_rate.clock())
+    while sched.output_rate.limiter.try_take(user, sched.output_rate.clock()):
         pass
 
 
@@ -233,7 +237,7 @@ def test_chunked_prefill_stops_one_short_without_budget(is_async):
     drv.add(req)
     out = drv.step()
     assert out.num_scheduled_tokens == {req.request_id: 49}
-    assert sched.output_rate_last_step.charged == {}
+    assert sched.output_rate.last_step.charged == {}
     assert req.status == RequestStatus.RUNNING
     for _ in range(10):
         out = drv.step()
@@ -321,7 +325,7 @@ def test_cache_aware_admission_never_admits_a_user_past_its_budget(is_async, chu
     # the premise: vLLM put a's cached requests ahead of b's cold one
     assert orders and orders[0][-1] == cold.request_id, orders
     assert cold.request_id in out.num_scheduled_tokens
-    assert set(sched.output_rate_last_step.charged.values()) == {"b"}
+    assert set(sched.output_rate.last_step.charged.values()) == {"b"}
     for request in hot:
         scheduled = out.num_scheduled_tokens.get(request.request_id, 0)
         if chunked:  # held one short of the first token
@@ -428,12 +432,12 @@ def test_failed_kv_allocation_is_refunded():
     drv.step()
     a = make_request("a", prompt_len=20, max_tokens=5, block_size=16)
     drv.add(a)
-    avail_before = sched.output_rate_limiter.available("a", clock())
+    avail_before = sched.output_rate.limiter.available("a", clock())
     out = drv.step()
     assert a.request_id not in out.num_scheduled_tokens
-    refunded = sched.output_rate_last_step.refunded
+    refunded = sched.output_rate.last_step.refunded
     assert (a.request_id, "a", "not_scheduled") in refunded
-    assert sched.output_rate_limiter.available("a", clock()) == avail_before
+    assert sched.output_rate.limiter.available("a", clock()) == avail_before
 
 
 @pytest.mark.parametrize("is_async", [False, True])
@@ -508,7 +512,7 @@ def test_abort_mid_throttle_frees_everything(is_async):
     reqs = [make_request("a", prompt_len=40, max_tokens=50) for _ in range(3)]
     drv.add(*reqs)
     drv.run(5)
-    assert sched.output_rate_last_step.throttled
+    assert sched.output_rate.last_step.throttled
     free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
     sched.finish_requests([r.request_id for r in reqs], RequestStatus.FINISHED_ABORTED)
     drv.flush()
@@ -547,9 +551,9 @@ def test_a_requests_kept_state_is_always_its_users_state_in_the_limiter(monkeypa
     # drops idle users (here every 3 steps: the never-binding users are
     # idle at every cleanup) and a request that arrives later must not
     # start a second state beside the kept one.
-    monkeypatch.setattr(orl_scheduler, "CLEANUP_EVERY_STEPS", 3)
+    monkeypatch.setattr(orl_core, "CLEANUP_EVERY_STEPS", 3)
     sched, drv, _ = setup(limits(10**6, b=30))
-    limiter = sched.output_rate_limiter
+    limiter = sched.output_rate.limiter
     reqs = [make_request(u, max_tokens=60) for u in "aab"]
     drv.add(*reqs)
     dropped = []
@@ -578,15 +582,15 @@ def test_a_requests_kept_state_is_always_its_users_state_in_the_limiter(monkeypa
 
 def test_cleanup_every_256_steps_changes_nothing():
     def run(every):
-        orl_scheduler.CLEANUP_EVERY_STEPS = every
+        orl_core.CLEANUP_EVERY_STEPS = every
         try:
             sched, drv, _ = setup(limits(7, b=3))
             reqs = [make_request(u, max_tokens=40) for u in "ababc"]
             drv.add(*reqs)
             drv.run_until_done()
-            return {r.request_id[-1]: drv.tokens[r.request_id] for r in reqs}, len(sched.output_rate_limiter)
+            return {r.request_id[-1]: drv.tokens[r.request_id] for r in reqs}, len(sched.output_rate.limiter)
         finally:
-            orl_scheduler.CLEANUP_EVERY_STEPS = 256
+            orl_core.CLEANUP_EVERY_STEPS = 256
 
     with_cleanup, users_left = run(3)
     without, _ = run(10**9)
@@ -684,7 +688,7 @@ def test_a_flood_of_prompts_computed_ahead_does_not_hold_back_a_user_with_budget
     drv.add(*flood, b)
     out = drv.step()
     assert out.num_scheduled_tokens[b.request_id] == 64
-    assert sched.output_rate_last_step.charged == {b.request_id: "b"}
+    assert sched.output_rate.last_step.charged == {b.request_id: "b"}
     # the token budget's rest to the flood's prompts, one position short
     assert sum(out.num_scheduled_tokens.values()) == 256
     assert all(n <= 63 for r, n in out.num_scheduled_tokens.items() if r != b.request_id)

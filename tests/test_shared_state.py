@@ -476,9 +476,9 @@ def test_two_real_schedulers_share_one_users_budget(store_url, is_async, monkeyp
     them on one fake clock, sharing user-a's budget through the real store;
     the lease threads' rounds run between steps (their threads off)."""
     from harness import Driver, VirtualClock, make_request, make_scheduler
-    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+    from vllm_output_rate.ledger import OutputRateState
 
-    monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
+    monkeypatch.setattr(OutputRateState, "watch_thread", False)
     clock = VirtualClock()
     limits = {"default_user_output_tokens_per_second": 20,
               "user_output_tokens_per_second": {"user-b": 1000},
@@ -497,11 +497,11 @@ def test_two_real_schedulers_share_one_users_budget(store_url, is_async, monkeyp
     for i in range(steps):
         now = clock()
         for drv in drivers:
-            thread = drv.scheduler.output_rate_limiter.thread
-            if i % 5 == 0 or drv.scheduler.output_rate_limiter.starved:
+            thread = drv.scheduler.output_rate.limiter.thread
+            if i % 5 == 0 or drv.scheduler.output_rate.limiter.starved:
                 thread.tick(now_us=now / 1000)
             drv.step()
-            n = sum(1 for u in drv.scheduler.output_rate_last_step.charged.values() if u == "user-a")
+            n = sum(1 for u in drv.scheduler.output_rate.last_step.charged.values() if u == "user-a")
             if n:
                 charged.append((now, n))
         clock.advance_ms(10)
@@ -513,7 +513,7 @@ def test_two_real_schedulers_share_one_users_budget(store_url, is_async, monkeyp
     assert excess <= 0, (excess, window)
     # both schedulers served user-a, and user-b beside it ran at full speed
     for drv, b in zip(drivers, user_b):
-        assert drv.scheduler.output_rate_limiter.book.spent > 0.25 * total
+        assert drv.scheduler.output_rate.limiter.book.spent > 0.25 * total
         # one token per step from its first lease on: done within 420 steps
         assert drv.finished.get(b.request_id) is not None
         assert drv.tokens[b.request_id][-1][0] <= 420
@@ -574,12 +574,12 @@ def test_two_real_schedulers_through_a_store_outage_on_one_clock(redis_server, i
     import redis
 
     from harness import Driver, VirtualClock, make_request, make_scheduler
-    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+    from vllm_output_rate.ledger import OutputRateState
 
     if redis_server.proc is None:
         redis_server.start()
     redis.Redis.from_url(redis_server.url).flushdb()
-    monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
+    monkeypatch.setattr(OutputRateState, "watch_thread", False)
     clock = VirtualClock()
     limits = {"default_user_output_tokens_per_second": 20,
               # 5 s: a call timing out on a loaded machine would be a second
@@ -605,11 +605,11 @@ def test_two_real_schedulers_through_a_store_outage_on_one_clock(redis_server, i
             redis_server.start()  # back, and empty: a store that lost its data
             marks["up"] = now
         for k, drv in enumerate(drivers):
-            limiter = drv.scheduler.output_rate_limiter
+            limiter = drv.scheduler.output_rate.limiter
             if i % 5 == 0 or limiter.starved:
                 limiter.thread.tick(now_us=now / 1000)
             drv.step()
-            n = sum(1 for u in drv.scheduler.output_rate_last_step.charged.values() if u == "user-a")
+            n = sum(1 for u in drv.scheduler.output_rate.last_step.charged.values() if u == "user-a")
             if n:
                 spends[k].append((now, n))
         clock.advance_ms(10)
@@ -636,8 +636,8 @@ def test_two_real_schedulers_through_a_store_outage_on_one_clock(redis_server, i
     excess, window = worst_window_excess(fleet, Fraction(20), 0.5, 0.25)
     assert excess <= 0, (excess, window)
     for drv in drivers:
-        stats = drv.scheduler.output_rate_limiter.stats()
+        stats = drv.scheduler.output_rate.limiter.stats()
         assert stats["fallback_episodes"] == 1 and stats["fallback"] == 0.0, stats
         assert stats["failed_calls"] >= 2 and stats["unleased"] > 0, stats
-        assert drv.scheduler.output_rate_limiter.book.spent > 0
+        assert drv.scheduler.output_rate.limiter.book.spent > 0
         drv.scheduler.shutdown()

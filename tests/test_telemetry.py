@@ -905,11 +905,11 @@ def test_every_throttled_request_has_an_episode_open_after_its_step(tmp_path_fac
     for _ in range(150):
         unseen = rng.random() < 0.05
         if unseen:
-            sched.output_rate_observer = None
+            sched.output_rate.observer = None
         seen_before = tel._last_step
         drv.step()
-        sched.output_rate_observer = tel
-        record = sched.output_rate_last_step
+        sched.output_rate.observer = tel
+        record = sched.output_rate.last_step
         if unseen:
             continue
         if record.step - 1 == seen_before:

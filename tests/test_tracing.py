@@ -1160,20 +1160,20 @@ def test_offline_traces_are_an_otlp_json_file(tmp_path, monkeypatch, writable):
 @pytest.mark.usefixtures("telemetry_mode")
 def test_a_limits_reload_is_a_span(tmp_path, exporter, monkeypatch):
     from vllm_output_rate.config import load_limits_file
-    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
+    from vllm_output_rate.ledger import OutputRateState
 
-    monkeypatch.setattr(OutputRateSchedulerMixin, "output_rate_watch_thread", False)
+    monkeypatch.setattr(OutputRateState, "watch_thread", False)
     path = tmp_path / "limits.yaml"
     path.write_text("default: 10\nusers: {a: 5, gone: 1}\n")
     sched, drv, tel, rec = setup(tmp_path, exporter, load_limits_file(str(path)).to_dict())
-    old = sched.output_rate_config.digest
+    old = sched.output_rate.config.digest
     path.write_text("default: 20\nusers: {a: 7, new: 3}\n")
-    assert sched.output_rate_limits_watcher.check() == "loaded"
+    assert sched.output_rate.watcher.check() == "loaded"
     drv.step()
     (span,) = spans(exporter, "output_rate.limits_reload")
     a = span.attributes
     assert a["output_rate.limits.previous_sha256"] == old
-    assert a["output_rate.limits.sha256"] == sched.output_rate_config.digest != old
+    assert a["output_rate.limits.sha256"] == sched.output_rate.config.digest != old
     assert a["output_rate.limits.default_tokens_per_second"] == 20
     assert a["output_rate.limits.previous_default_tokens_per_second"] == 10
     assert (a["output_rate.limits.users_added"], a["output_rate.limits.users_removed"],

@@ -105,6 +105,17 @@ class Lender:
             self.served = {u: v for u, v in self.served.items() if v > floor}
 
 
+def lender_for(config: OutputRateConfig, lender: Lender | None, now_ns: int) -> Lender | None:
+    """The lender of reloaded limits: borrowing starts (a new one), stops
+    (None) or takes new ceilings (``lender``, changed at ``now_ns``)."""
+    if not config.borrowing:
+        return None
+    if lender is None:
+        return Lender(config)
+    lender.set_limits(config, now_ns)
+    return lender
+
+
 def _ceiling_rates(config: OutputRateConfig) -> tuple[Fraction, dict[str, Fraction]]:
     """The ceilings' limiter: finite ceilings of listed users, and of
     unlisted ones (any positive default when theirs is not finite: then

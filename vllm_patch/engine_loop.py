@@ -44,7 +44,8 @@ def idle_wait(engine: Any) -> IdleWait | None:
     timeout = wait_for()
     if timeout is None or _in_flight(engine):
         return None
-    clock = scheduler.output_rate_clock
+    state = scheduler.output_rate  # (``ledger.OutputRateState``)
+    clock = state.clock
     started = clock()
     try:
         request_type, payload = engine.input_queue.get(timeout=timeout)
@@ -53,9 +54,9 @@ def idle_wait(engine: Any) -> IdleWait | None:
     else:
         reason = getattr(request_type, "name", str(request_type))
         engine._handle_client_request(request_type, payload)
-    wait = IdleWait(timeout, scheduler.output_rate_wake_target_ns(), started, clock(), reason)
+    wait = IdleWait(timeout, state.wake_target_ns(), started, clock(), reason)
     last_idle_wait = wait
-    observer = scheduler.output_rate_observer
+    observer = state.observer
     if observer is not None:
         observer.on_idle_wait(wait)
     return wait

@@ -285,9 +285,9 @@ class SchedulerView(EngineView):
     def __init__(self, scheduler: Any) -> None:
         self._scheduler = scheduler
         self._get = scheduler.requests.get
-        self._limiter = scheduler.output_rate_limiter
+        self._state = state = scheduler.output_rate  # (``ledger.OutputRateState``)
         vllm_config = scheduler.vllm_config
-        config = scheduler.output_rate_config
+        config = state.config
         self.engine_index = str(vllm_config.parallel_config.data_parallel_index)
         names = vllm_config.model_config.served_model_name
         self.model_name = names[0] if isinstance(names, (list, tuple)) else str(names)
@@ -303,8 +303,8 @@ class SchedulerView(EngineView):
     def limits(self) -> Any:
         # What the watcher loaded: in force from the next step boundary, before
         # any further token (an idle engine runs no step until a request comes).
-        watcher = self._scheduler.output_rate_limits_watcher
-        return self._scheduler.output_rate_config if watcher is None else watcher.current
+        state = self._state
+        return state.config if state.watcher is None else state.watcher.current
 
     def requests_by_user(self) -> Mapping[str, tuple[int, int]]:
         from vllm.v1.request import RequestStatus
@@ -322,18 +322,19 @@ class SchedulerView(EngineView):
         return {u: (r, w) for u, (r, w) in out.items()}
 
     def ready_at_ns(self, user: str) -> int:
-        return self._limiter.ready_at_ns(user)
+        return self._state.limiter.ready_at_ns(user)
 
     def limiter_stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"users": len(self._limiter)}
-        stats = getattr(self._limiter, "stats", None)
+        limiter = self._state.limiter
+        out: dict[str, Any] = {"users": len(limiter)}
+        stats = getattr(limiter, "stats", None)
         if stats is not None:
             shared = out["shared"] = stats()
-            shared["call_seconds"] = self._limiter.thread.drain_latencies()
+            shared["call_seconds"] = limiter.thread.drain_latencies()
         return out
 
     def limits_status(self) -> LimitsStatus:
-        watcher = self._scheduler.output_rate_limits_watcher
+        watcher = self._state.watcher
         return self._options_status if watcher is None else watcher.status()
 
     def user_of(self, request_id: str) -> str | None:

@@ -1,13 +1,15 @@
-"""The scheduler's side of borrowing (``borrowing``: the ceilings and the
-counters): who may borrow in a step, the ceilings' books of the step, and
-their settling when it ends. Mixed into ``scheduler.OutputRateSchedulerMixin``,
-whose attributes these methods read; none of it runs without a limit that
-has a ceiling (the state's ``lender`` is None then). A step's books are
-the ledger's ``lending`` (``ledger.LendingBook``).
+"""Borrowing's planners (``borrowing``: the ceilings and the counters): the
+room a step keeps and lends, who may borrow in it, and the admission of a
+waiting borrower. Functions of the running and waiting requests, the step's
+ledger and the engine's capacity (``ledger.OutputRateState``); none of it
+runs without a limit that has a ceiling (the state's ``lender`` is None
+then). A step's room is the ledger's ``lending`` (``ledger.LendingBook``,
+the plan ``plan_lending`` returns); the ceilings' books, the tokens lent
+and their settling are the step's charges (``charges.CeilingCharges``).
 
 A step lends what requests within their guaranteed rates leave of it. When
-it begins (``_orl_begin_lending``), it keeps, for the waiting requests of
-users with budget beyond what their resident requests take (as many of each
+it begins (``plan_lending``), it keeps, for the waiting requests of users
+with budget beyond what their resident requests take (as many of each
 user's as that budget has tokens, in queue order), an active slot each,
 their prompt's tokens of the token budget and their KV blocks; it lends
 nothing when those do not fit (more of them than free resident or active
@@ -16,269 +18,173 @@ of users out of guaranteed budget: throttled decodes, prefill chunks whose
 final chunk would sample, and the first few waiting requests of each such
 user; they are ordered together by ``Lender.order`` (weighted by the
 guaranteed rates) and the first take the active slots left
-(``_orl_lend_tail``): the resident ones go after every other request in
+(``plan_lend_tail``): the resident ones go after every other request in
 ``running``, where vLLM's FCFS preemption takes them first, a waiting one
 chosen is admitted in the step. The charge point lends each a token where
-its ceiling and the room of the step allow (``_orl_lend``, ``_orl_room``: the
-slots, tokens and KV blocks given and kept); a waiting request of a user out
-of budget, to borrow or to have its prefill computed ahead, is admitted
-only within that room and a free resident slot (``_orl_admit_room``). A
-token lent but not dispatched is given back when the step ends.
+its ceiling and the room of the step allow (``CeilingCharges.lend``,
+``LendingBook.room``: the slots, tokens and KV blocks given and kept); a
+waiting request of a user out of budget, to borrow or to have its prefill
+computed ahead, is admitted only within that room and a free resident slot
+(``admit_room``). A token lent but not dispatched is given back when the
+step ends.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
-from vllm_output_rate.borrowing import NO_CEILING, Lender
-from vllm_output_rate.config import OutputRateConfig
 from vllm_output_rate.ledger import LendingBook
 from vllm_output_rate.ordering import beyond_resident
-from vllm_output_rate.observers import StepReport
+
+if TYPE_CHECKING:
+    from vllm_output_rate.ledger import OutputRateState, StepLedger
+    from vllm_output_rate.planners import RunningOrder
 
 Request = Any
 _RUNNING = RequestStatus.RUNNING
 
 
-def _prompt_left(request: Request) -> int:
+def prompt_left(request: Request) -> int:
     """The tokens a waiting request's prefill has still to compute (1 at least)."""
     return max(1, request.num_tokens - request.num_computed_tokens)
 
 
-class LendingMixin:
-    """Borrowing in the output-rate scheduler (see the module)."""
+def keep(book: LendingBook, request: Request, st: OutputRateState) -> None:
+    """Keep room in this step for a waiting request (with budget, taking its
+    user's turn, or chosen to borrow): borrowers are not given its active
+    slot, its prompt's tokens or their KV blocks."""
+    need = prompt_left(request)
+    book.keep(request.request_id, need, st.blocks_for(need))
 
-    def _orl_set_lender(self, config: OutputRateConfig, now: int) -> None:
-        """Reloaded limits: borrowing starts, stops or takes new ceilings."""
-        st = self.output_rate
-        if not config.borrowing:
-            st.lender = None
-        elif st.lender is None:
-            st.lender = Lender(config)
-        else:
-            st.lender.set_limits(config, now)
 
-    def _orl_begin_lending(self) -> None:
-        """A step begins: its ceilings' books, and the room it keeps for the
-        waiting requests of users with budget (the module)."""
-        st = self.output_rate
-        book = st.step.lending = LendingBook()
-        if not self.waiting:
-            return
-        room = min(self.max_num_running_reqs - len(self.running), st.base_active)
-        kept = book.kept
-        may, slots = st.lender.may_borrow, st.base_active
-        candidates = book.waiting_borrowers
-        not_lent: set[str] = set()  # (out of budget from the first, may not borrow)
-        for request, n, first in beyond_resident(self.waiting, self._orl_left, self._orl_streams()):
-            if n > 0:
-                if len(kept) >= room:
-                    # more of them than free slots: lending would keep one
-                    # waiting (borrowers resident or active in its place)
-                    book.lends = False
-                    break
-                need = _prompt_left(request)
-                blocks = st.blocks_for(need)
-                kept[request.request_id] = (need, blocks)
-                book.kept_tokens += need
-                book.kept_blocks += blocks
-                continue
-            user = request.output_rate_user
-            if first and not may(user):
-                not_lent.add(user)  # neither kept nor lent to
-            elif n > -slots and len(candidates) < room and user not in not_lent:
-                candidates.append(request)  # (its first few only)
-        book.kept_slots = len(kept)
-        if book.kept_blocks > st.free_blocks():
-            # the KV cache cannot take them all: lent tokens (more blocks
-            # held by borrowers) would keep them waiting longer
-            book.lends = False
-
-    def _orl_keep(self, request: Request) -> None:
-        """Keep room in this step for a waiting request taking its user's
-        turn (``residency``), as for one with budget: borrowers are not
-        given its active slot, tokens or KV blocks."""
-        book = self.output_rate.step.lending
-        if request.request_id in book.kept:
-            return
-        need = _prompt_left(request)
-        blocks = self.output_rate.blocks_for(need)
-        book.kept[request.request_id] = (need, blocks)
-        book.kept_slots += 1
-        book.kept_tokens += need
-        book.kept_blocks += blocks
-
-    def _orl_give(self, request: Request, n: int) -> None:
-        """The charge point gave ``request`` ``n`` tokens of this step (one
-        active slot): off the room, and off what was kept for it."""
-        book = self.output_rate.step.lending
-        book.given_slots += 1
-        book.given_tokens += n
-        kept = book.kept.pop(request.request_id, None)
-        if kept is not None:
-            book.kept_slots -= 1
-            book.kept_tokens -= kept[0]
-            book.kept_blocks -= kept[1]
-
-    def _orl_room(self, n: int, request: Request) -> bool:
-        """Whether ``n`` more tokens of ``request`` (one more active slot,
-        their KV blocks) fit in this step beside what it gave and what it
-        keeps for other waiting requests (with budget, or chosen to borrow)."""
-        st = self.output_rate
-        book = st.step.lending
-        slots, tokens, blocks = book.kept_slots, book.kept_tokens, book.kept_blocks
-        own = book.kept.get(request.request_id)
-        if own is not None:  # (its own room, kept for it)
-            slots, tokens, blocks = slots - 1, tokens - own[0], blocks - own[1]
-        return (book.given_slots + 1 + slots <= st.base_active
-                and book.given_tokens + n + tokens <= self.max_num_scheduled_tokens
-                and st.kv_fits(0, n, blocks))
-
-    def _orl_admit_room(self, request: Request) -> bool:
-        """Whether a waiting request out of guaranteed budget may be
-        admitted in this step: ``_orl_room`` for its prompt, and a resident
-        slot beside those kept for other waiting requests."""
-        book = self.output_rate.step.lending
-        return (self._orl_resident_fits(book.kept_slots - (request.request_id in book.kept))
-                and self._orl_room(_prompt_left(request), request))
-
-    def _orl_lend_tail(self, ready: list[Request], throttled: list[Request],
-                       budget: dict[str, int]) -> tuple[list[Request], list[Request]]:
-        """``running`` ordered for a lending step: ``ready``, ``throttled``,
-        then the borrowers (throttled requests, and prefill chunks out of
-        budget whose final chunk may borrow the first token); the two lists
-        without the borrowers."""
-        prefilling = [r for r in ready if r.is_prefill_chunk and budget[r.output_rate_user] <= 0]
-        # those with positions to compute short of the last take an active
-        # slot lent or not (the charge point computes their prefill ahead)
-        ahead = {id(r) for r in prefilling if r.num_tokens - 1 - r.num_computed_tokens > 0}
-        # the slots and tokens left beside the guaranteed requests, those
-        # computing ahead and those kept for waiting ones, to the first
-        # borrowers in lending order, resident or waiting (a waiting one
-        # chosen is admitted in this step, its prompt's tokens and its
-        # active slot kept for it; one computing ahead takes no other slot)
-        st = self.output_rate
-        step = st.step
-        book = step.lending
-        slots = (st.base_active - (len(ready) - len(prefilling)) - len(ahead)
-                 - book.kept_slots)
-        tokens = self.max_num_scheduled_tokens - book.kept_tokens - sum(
-            r.num_tokens - r.num_computed_tokens if r.is_prefill_chunk else 1 for r in ready)
-        chosen = []
-        for request in self._orl_borrowers(throttled + prefilling + book.waiting_borrowers):
-            if id(request) in ahead:
-                chosen.append(request)
-                continue
-            need = 1 if request.status == _RUNNING else _prompt_left(request)
-            if slots > 0 and tokens >= need:
-                chosen.append(request)
-                slots -= 1
-                tokens -= need
-                if request.status != _RUNNING:
-                    # its room kept as for a waiting request with budget (a
-                    # waiting request admitted before it to compute its
-                    # prefill ahead took its active slot, and it waited a
-                    # step: the flood's victims at GPU scale, 1.44x their
-                    # no-flood TTFT p99)
-                    self._orl_keep(request)
-        book.chose = True
-        for request in chosen:  # the charge point may lend to these
-            request.output_rate_borrow_step = step.no
-        borrowers = [r for r in chosen if r.status == _RUNNING]
-        if borrowers:
-            ids = {id(r) for r in borrowers}
-            ready = [r for r in ready if id(r) not in ids]
-            throttled = [r for r in throttled if id(r) not in ids]
-        self.running[:] = ready + throttled + borrowers
-        step.lent_tail = len(borrowers)
-        return ready, throttled
-
-    def _orl_admit_borrower(self, request: Request) -> bool:
-        """Whether a waiting request out of guaranteed budget is admitted to
-        borrow in this step (then flagged for the charge point)."""
-        st = self.output_rate
-        book = st.step.lending
+def plan_lending(waiting: Any, running: list[Request], st: OutputRateState,
+                 step: StepLedger) -> LendingBook:
+    """A step begins: its room, kept for the waiting requests of users with
+    budget, and the waiting requests that may borrow (the module)."""
+    book = LendingBook(st.base_active, st.token_budget, st.kv_fits)
+    if not waiting:
+        return book
+    room = min(st.max_running - len(running), st.base_active)
+    may, slots = st.lender.may_borrow, st.base_active
+    candidates = book.waiting_borrowers
+    not_lent: set[str] = set()  # (out of budget from the first, may not borrow)
+    for request, n, first in beyond_resident(waiting, step.charges.left,
+                                             step.streams_of(running)):
+        if n > 0:
+            if book.kept_slots >= room:
+                # more of them than free slots: lending would keep one
+                # waiting (borrowers resident or active in its place)
+                book.lends = False
+                break
+            keep(book, request, st)
+            continue
         user = request.output_rate_user
-        if not (book.lends and st.lender.may_borrow(user)
-                and self._orl_admit_room(request)):
-            return False
-        if book.chose:  # chosen in lending order, or not in this step
-            return self._orl_lent_now(request)
-        if self._orl_ceiling_left(user) > 0:
-            request.output_rate_borrow_step = st.step.no
-            return True
-        book.at_ceiling.add(user)
+        if first and not may(user):
+            not_lent.add(user)  # neither kept nor lent to
+        elif n > -slots and len(candidates) < room and user not in not_lent:
+            candidates.append(request)  # (its first few only)
+    if book.kept_blocks > st.free_blocks():
+        # the KV cache cannot take them all: lent tokens (more blocks held
+        # by borrowers) would keep them waiting longer
+        book.lends = False
+    return book
+
+
+@dataclass(slots=True, eq=False)
+class LendTail:
+    """``running`` ordered for a lending step (``plan_lend_tail``)."""
+
+    #: the running order's two parts without the borrowers, then the resident borrowers
+    ready: list[Request]
+    throttled: list[Request]
+    borrowers: list[Request]
+    #: every borrower chosen, resident or waiting (the charge point may lend to these)
+    chosen: list[Request]
+    #: users found at their ceiling, in the order found
+    at_ceiling: list[str]
+
+
+def plan_lend_tail(order: RunningOrder, st: OutputRateState, step: StepLedger) -> LendTail:
+    """The borrowers of a lending step (throttled requests, prefill chunks
+    out of budget whose final chunk may borrow the first token, and the
+    waiting ones) that take the active slots and tokens left: ``ready``,
+    ``throttled``, then the resident borrowers."""
+    ready, throttled, budget = order.ready, order.throttled, order.budget
+    prefilling = [r for r in ready if r.is_prefill_chunk and budget[r.output_rate_user] <= 0]
+    # those with positions to compute short of the last take an active
+    # slot lent or not (the charge point computes their prefill ahead)
+    ahead = {id(r) for r in prefilling if r.num_tokens - 1 - r.num_computed_tokens > 0}
+    # the slots and tokens left beside the guaranteed requests, those
+    # computing ahead and those kept for waiting ones, to the first
+    # borrowers in lending order, resident or waiting (a waiting one chosen
+    # is admitted in this step, its prompt's tokens and its active slot
+    # kept for it; one computing ahead takes no other slot)
+    book = step.lending
+    slots = st.base_active - (len(ready) - len(prefilling)) - len(ahead) - book.kept_slots
+    tokens = st.token_budget - book.kept_tokens - sum(
+        r.num_tokens - r.num_computed_tokens if r.is_prefill_chunk else 1 for r in ready)
+    at_ceiling: list[str] = []
+    chosen = []
+    for request in borrowers_of(throttled + prefilling + book.waiting_borrowers, st, step,
+                                at_ceiling):
+        if id(request) in ahead:
+            chosen.append(request)
+            continue
+        need = 1 if request.status == _RUNNING else prompt_left(request)
+        if slots > 0 and tokens >= need:
+            chosen.append(request)
+            slots -= 1
+            tokens -= need
+    borrowers = [r for r in chosen if r.status == _RUNNING]
+    if borrowers:
+        ids = {id(r) for r in borrowers}
+        ready = [r for r in ready if id(r) not in ids]
+        throttled = [r for r in throttled if id(r) not in ids]
+    return LendTail(ready, throttled, borrowers, chosen, at_ceiling)
+
+
+def borrowers_of(requests: list[Request], st: OutputRateState, step: StepLedger,
+                 at_ceiling: list[str]) -> list[Request]:
+    """Those of ``requests`` that may borrow in this step (their ceilings
+    allow), in lending order (``borrowing.Lender.order``); the users of the
+    others whose ceilings are spent are added to ``at_ceiling``."""
+    lender = st.lender
+    may = lender.may_borrow
+    ceil = step.charges.ceiling_left
+    may_borrow = [r for r in requests if may(r.output_rate_user)]
+    borrowers = lender.order([r for r in may_borrow if ceil(r.output_rate_user) > 0])
+    if len(borrowers) < len(may_borrow):  # the others' ceilings are spent
+        at_ceiling.extend(r.output_rate_user for r in may_borrow
+                          if ceil(r.output_rate_user) <= 0)
+    return borrowers
+
+
+def admit_room(request: Request, n_running: int, st: OutputRateState, step: StepLedger) -> bool:
+    """Whether a waiting request out of guaranteed budget may be admitted in
+    this step: room for its prompt (``LendingBook.room``), and a resident
+    slot beside those kept for other waiting requests (of ``n_running``)."""
+    book = step.lending
+    return (st.resident_fits(n_running, book.kept_slots - (request.request_id in book.kept))
+            and book.room(prompt_left(request), request.request_id))
+
+
+def admit_borrower(request: Request, n_running: int, st: OutputRateState,
+                   step: StepLedger) -> bool:
+    """Whether a waiting request out of guaranteed budget is admitted to
+    borrow in this step (then flagged for the charge point)."""
+    book = step.lending
+    user = request.output_rate_user
+    if not (book.lends and st.lender.may_borrow(user)
+            and admit_room(request, n_running, st, step)):
         return False
-
-    def _orl_borrowers(self, throttled: list[Request]) -> list[Request]:
-        """Those of ``throttled`` that may borrow in this step (their
-        ceilings allow), in lending order (``borrowing.Lender.order``)."""
-        st = self.output_rate
-        lender = st.lender
-        may = lender.may_borrow
-        ceil = self._orl_ceiling_left
-        may_borrow = [r for r in throttled if may(r.output_rate_user)]
-        borrowers = lender.order([r for r in may_borrow if ceil(r.output_rate_user) > 0])
-        if len(borrowers) < len(may_borrow):  # the others' ceilings are spent
-            book = st.step.lending
-            book.at_ceiling.update(r.output_rate_user for r in may_borrow
-                                   if book.ceil_left[r.output_rate_user] <= 0)
-        return borrowers
-
-    def _orl_lent_now(self, request: Request) -> bool:
-        """``request`` may borrow in this step (lent tokens, not charged)."""
-        return request.output_rate_borrow_step == self.output_rate.step_no
-
-    def _orl_lend(self, request: Request, user: str, num_new_tokens: int) -> bool:
-        """The charge point, for a request out of guaranteed budget: lend it
-        this step's token if it may borrow in the step, the step has room
-        for it (``_orl_room``: slots, tokens, KV blocks) and its ceiling
-        allows (a waiting one was checked at admission the same way)."""
-        return (self._orl_lent_now(request)
-                and self._orl_room(num_new_tokens, request)
-                and self._orl_borrow(user))
-
-    def _orl_ceiling_left(self, user: str) -> int:
-        """How many tokens ``user``'s ceiling still allows in this step."""
-        st = self.output_rate
-        step = st.step
-        book = step.lending
-        left = book.ceil_left.get(user)
-        if left is None:
-            left = st.lender.available(user, step.now)
-            book.ceil_left[user] = book.ceil_start[user] = left
-        return left
-
-    def _orl_borrow(self, user: str) -> bool:
-        """Lend ``user`` one token of this step, if its ceiling allows."""
-        book = self.output_rate.step.lending
-        if self._orl_ceiling_left(user) <= 0:
-            book.at_ceiling.add(user)
-            return False
-        book.ceil_left[user] -= 1
-        book.borrowed[user] = book.borrowed.get(user, 0) + 1
+    if book.chose:  # chosen in lending order, or not in this step
+        return step.lent_now(request)
+    charges = step.charges
+    if charges.ceiling_left(user) > 0:
+        request.output_rate_borrow_step = step.no
         return True
-
-    def _orl_settle_ceilings(self, record: StepReport, scheduled: dict[str, int]) -> None:
-        """Give back what was lent but not dispatched, and put the step's
-        tokens on the ceilings and the borrowing counters."""
-        st = self.output_rate
-        step = st.step
-        book = step.lending
-        if step.turn_ids:
-            self._orl_return_turns()
-        borrowed, ceil_left, lent = record.borrowed, book.ceil_left, book.borrowed
-        if book.at_ceiling:
-            record.at_ceiling = list(book.at_ceiling)
-        for req_id in [r for r in borrowed if r not in scheduled]:
-            user = borrowed.pop(req_id)
-            ceil_left[user] += 1
-            lent[user] -= 1
-        for req_id, user, _ in record.refunded:
-            if user in ceil_left:  # a guaranteed token given back
-                ceil_left[user] += 1
-        spent = {user: start - ceil_left[user] for user, start in book.ceil_start.items()
-                 if start < NO_CEILING and start > ceil_left[user]}
-        st.lender.settle(step.now, spent, lent)
+    charges.at_ceiling.add(user)
+    return False

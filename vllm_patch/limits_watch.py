@@ -7,7 +7,7 @@ symlink, which changes the inode seen through it) every ``POLL_S`` and, on
 SIGHUP, reads it at once. A changed file is read, hashed (SHA-256 of its
 bytes) and checked with the same rules as at start-up; a valid one becomes
 ``current``, which the scheduler puts in force at its next step boundary
-(``OutputRateSchedulerMixin._orl_apply_limits``). A file that fails the
+(``core.OutputRateCore._orl_apply_limits``). A file that fails the
 checks changes nothing: it is logged once per content and counted. An
 empty file is looked at once more at the next poll before it counts: a
 file rewritten in place (truncated, then written) reads empty in between,

@@ -1,30 +1,18 @@
-"""The output-rate limit inside vLLM's V1 scheduler.
+"""The output-rate limit inside vLLM's V1 scheduler: vLLM's hook points.
 
-One mixin holds the behaviour; ``OutputRateScheduler`` and
-``OutputRateAsyncScheduler`` put it over vLLM's ``Scheduler`` and
+``OutputRateScheduler`` and ``OutputRateAsyncScheduler`` put
+``OutputRateSchedulerMixin`` over vLLM's ``Scheduler`` and
 ``AsyncScheduler``. vLLM's own ``schedule()`` does the scheduling; the mixin
-works at the hook points listed in ``vllm_output_rate.internals``:
-
-* before ``schedule()``: read the clock once, rotate each user's streams so
-  the one after the last served goes first, move requests whose user has no
-  budget behind the others, and, when the active cap binds, put the users
-  who waited longest first; then hold those without budget back from
-  ``running`` for vLLM's ``schedule()`` (vllm-spyre's way) when the KV cache
-  has room for the step, or leave them at the tail, where vLLM's own
-  preemption looks first;
-* at ``_reserve_prefill_lookahead`` (per request, right before KV
-  allocation): charge one token when the step samples, shrink a final
-  prefill chunk to stop one position short when the budget is gone (chunked
-  prefill), or skip the request (it stays in ``running`` with its KV);
-* at ``_handle_blocked_waiting_request`` (``residency``): skip waiting
-  requests of users without budget whose prefill cannot advance, and keep
-  resident slots for requests with budget (preempting throttled ones for
-  them when every slot is taken);
-* after ``schedule()``: the single refund point, for every request charged in
-  this step that is not in ``num_scheduled_tokens``.
+overrides only vLLM's hook points (the register: ``internals``), each
+delegating in a few lines to the limiter's step (``core``), residency's
+admission (``residency``) and the PRIORITY policy's victim
+(``preemption``); the state is one attribute, ``output_rate``
+(``ledger.OutputRateState``). Where a token is charged: ``core._orl_charge``
+(with ``charges``); where a step's room is decided: the planners
+(``planners``, ``lending``), applied by ``core._orl_before_schedule``.
 
 What the limiter did in a step is kept as plain data
-(``output_rate_last_step``, an ``observers.StepReport``) and reported to the
+(``output_rate.last_step``, an ``observers.StepReport``) and reported to the
 registered observers (``vllm_output_rate.observers``: telemetry registers
 itself there; this module imports none of it). The engine loop asks
 ``output_rate_idle_wait_s()`` how long it may wait when no model ran.
@@ -36,559 +24,196 @@ import time
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.request import Request, RequestStatus
+from vllm.v1.request import Request
 
-from vllm_output_rate.config import (
-    ADDITIONAL_CONFIG_KEY,
-    OutputRateConfig,
-    OutputRateConfigError,
-    config_of,
-)
-from vllm_output_rate.request_fields import resolve_user, trusted_source
-from vllm_output_rate.borrowing import Lender
-from vllm_output_rate.lending import LendingMixin
+from vllm_output_rate.charges import choose
+from vllm_output_rate.core import OutputRateCore
+from vllm_output_rate.ledger import OutputRateState
+from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.preemption import PriorityPreemptionMixin
 from vllm_output_rate.residency import ResidencyMixin
-from vllm_output_rate.internals import SchedulerView
-from vllm_output_rate.ledger import OutputRateState, StepLedger
-from vllm_output_rate.limiter import Clock, OutputRateLimiter, monotonic_clock, take_from
-from vllm_output_rate.ordering import (
-    last_token_in_flight,
-    longest_waiting_first,
-    rotated,
-    streams_by_user,
-)
-from vllm_output_rate.observers import (
-    LimitsChange,
-    OutputRateObserver,
-    StepReport,
-    create_observer,
-)
-
-#: Idle users are dropped from the limiter every this many steps.
-CLEANUP_EVERY_STEPS = 256
-#: Longest idle wait of the engine loop, so that work that becomes ready
-#: without a message (a compiled grammar, say) is seen soon enough.
-MAX_IDLE_WAIT_S = 0.05
-
-_RUNNING = RequestStatus.RUNNING
 
 
-class OutputRateSchedulerMixin(LendingMixin, ResidencyMixin, PriorityPreemptionMixin):
-    """Per-user output-token rate limit over vLLM's V1 scheduler."""
+class OutputRateSchedulerMixin(OutputRateCore, ResidencyMixin, PriorityPreemptionMixin):
+    """Per-user output-token rate limit over vLLM's V1 scheduler.
 
-    #: Monotonic ns clock; tests replace it on the instance.
-    output_rate_clock: Clock = staticmethod(monotonic_clock)
-    #: The registered observers as one (``observers.create_observer``), or
-    #: None: told of every step, the outputs, aborts and idle waits.
-    output_rate_observer: OutputRateObserver | None = None
-    #: Hold throttled running requests back from vLLM's ``schedule()`` when
-    #: the KV cache has room for the step (see ``_orl_hold_back``); tests set
-    #: False to run every step with them left at the tail of ``running``.
-    output_rate_hold_back: bool = True
-    #: Watch the limits file from a thread (tests: False, and call ``check()``).
-    output_rate_watch_thread: bool = True
-    #: The watcher of ``--output-rate-limits-file``, if limits come from one.
-    output_rate_limits_watcher: Any = None
-    #: Our state on vLLM's scheduler: one object (``ledger``), made before
-    #: vLLM's __init__ runs (it sets the active cap, which the state keeps).
+    The policy, at vLLM's hook points (``internals``: at most five that
+    change what vLLM does):
+
+    - ``schedule()`` (hook 1), before vLLM's: read the clock once and begin
+      the step's ledger; put reloaded limits in force; keep resident slots
+      for waiting requests with budget, preempting throttled ones for them
+      when every slot is taken, and give a user's first waiting request its
+      turn; with borrowing, keep the room of waiting requests with budget
+      and choose the borrowers; rotate each user's streams, move requests
+      whose user has no budget behind the others, longest-waiting user
+      first when the active cap binds; then hold the throttled tail out of
+      ``running`` while vLLM schedules (vllm-spyre's way) when the KV cache
+      has room for the step, else leave it at the tail, where vLLM's own
+      preemption looks first.
+    - ``schedule()``, after vLLM's: the single refund point (charged, not
+      dispatched), the step's charges settled, the step reported.
+    - ``_reserve_prefill_lookahead`` (hook 2, per request, right before KV
+      allocation): charge one token when the step samples, lend one (a
+      borrower, within its ceiling and the step's room), shrink a final
+      prefill chunk one position short (chunked prefill), or skip the
+      request (it stays in ``running`` with its KV).
+    - ``_handle_blocked_waiting_request`` (hook 3): skip waiting requests
+      of users without budget whose prefill cannot advance or who may not
+      borrow, beside the resident slots kept for others.
+    - ``max_num_active_reqs`` (hook 4): throttled requests do not count
+      against the active cap; held-back ones still count against the
+      resident cap.
+    - With ``--scheduling-policy priority``, the KV cache manager's
+      ``allocate_slots`` is wrapped once: a borrower, else a throttled
+      request of the lowest priority, is preempted first.
+    - The engine loop (hook 5, ``engine_loop``) waits on its input queue for
+      the next budget when a step ran no model.
+    - With the feature off none of this is installed: vLLM is upstream.
+    """
+
     output_rate: OutputRateState
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        st = self.output_rate = OutputRateState()
+        # (made before vLLM's __init__ runs: it sets the active cap, which the state keeps)
+        self.output_rate = OutputRateState()
         super().__init__(*args, **kwargs)
-        config = config_of(self.vllm_config)
-        if config is None:
-            raise OutputRateConfigError(
-                f"{type(self).__name__} needs additional_config"
-                f"[{ADDITIONAL_CONFIG_KEY!r}]; install it with "
-                f"vllm_output_rate.plugin.configure_output_rate()"
-            )
-        self.output_rate_config = config
-        self.output_rate_limiter = self._orl_new_limiter(config)
-        st.lender = Lender(config) if config.borrowing else None
-        st.limiter_begin = getattr(self.output_rate_limiter, "begin_step", None)
-        if config.limits_file is not None:
-            from vllm_output_rate.limits_watch import LimitsWatcher
+        self._orl_start()
 
-            # (a live watcher re-reads the file on SIGHUP too)
-            self.output_rate_limits_watcher = LimitsWatcher(config, start_thread=self.output_rate_watch_thread)
-        st.chunked = bool(self.scheduler_config.enable_chunked_prefill)
-        st.prefix_caching = bool(self.cache_config.enable_prefix_caching)
-        st.priority = self.policy == SchedulingPolicy.PRIORITY
-        st.is_async = isinstance(self, AsyncScheduler)
-        self._orl_begin(self.output_rate_clock())
-        self.output_rate_last_step = st.step.report
-        # KV blocks a step can allocate beyond one a request (prefill chunks take the token
-        # budget at most), per KV cache group: the room throttled ones may be held back within.
-        st.groups = max(len(self.kv_cache_config.kv_cache_groups), 1)
-        st.block_size = self.block_size
-        st.step_blocks = st.blocks_for(self.max_num_scheduled_tokens)
-        st.free_blocks = self.kv_cache_manager.block_pool.get_num_free_blocks
-        # FCFS preempts the tail of ``running``, where throttled requests sit: no wrap. PRIORITY
-        # picks by priority and arrival: a throttled one of the lowest priority first (wrapped).
-        st.upstream_allocate = self.kv_cache_manager.allocate_slots
-        if st.priority:
-            self.kv_cache_manager.allocate_slots = self._orl_allocate_slots
-
-        from vllm_output_rate import engine_loop, orphan
-
-        engine_loop.install()
-        orphan.watch_parent(getattr(self.output_rate_limiter, "close", None))  # (API server gone)
-        self.output_rate_observer = create_observer(SchedulerView(self))
-
-    def _orl_new_limiter(self, config: OutputRateConfig) -> OutputRateLimiter:
-        if config.shared_state is None:
-            return OutputRateLimiter(config.default_rate, config.user_rates)
-        from vllm_output_rate.lease_store import new_engine_id
-        from vllm_output_rate.shared_limiter import SharedBudgetLimiter
-        from vllm_output_rate.shared_settings import parse_shared_state
-
-        rank = self.vllm_config.parallel_config.data_parallel_index
-        return SharedBudgetLimiter(
-            config.default_rate, config.user_rates, parse_shared_state(config.shared_state),
-            clock=lambda: self.output_rate_clock(), engine_id=new_engine_id(rank),
-            start_thread=self.output_rate_watch_thread)
-
-    # -- vLLM's admission cap -------------------------------------------
+    # -- hook 4: the admission cap ----------------------------------------------
 
     @property
     def max_num_active_reqs(self) -> int:
-        """Admission cap of the waiting loop: throttled requests don't count
-        against the active cap; held-back ones (out of ``running`` while
-        vLLM schedules) still count against the resident cap."""
-        st = self.output_rate
-        step = st.step
-        if step is None:  # (vLLM's __init__ runs)
-            return min(st.base_active, self.max_num_running_reqs)
-        return min(
-            st.base_active + step.throttled_running,
-            self.max_num_running_reqs - step.held,
-        )
+        return self.output_rate.active_cap(self.max_num_running_reqs)
 
     @max_num_active_reqs.setter
     def max_num_active_reqs(self, value: int) -> None:
         self.output_rate.base_active = value
 
-    # -- requests --------------------------------------------------------
-
-    def add_request(self, request: Request) -> None:
-        # Resolved once per request, read by attribute on every step after.
-        # The identity: who the request says it is; the user: whose budget
-        # it spends (the same, or __unlisted__ in "shared" mode).
-        extra_args = request.sampling_params.extra_args if request.sampling_params else None
-        identity = request.output_rate_identity = resolve_user(extra_args)
-        #: "header" / "api_key" when the API server vouches for the user
-        request.output_rate_trusted = trusted_source(extra_args)
-        request.output_rate_user = self.output_rate_config.charged_user(identity)
-        # The user's limiter state, once first charged (the plain limiter
-        # only; forgotten when the limiter drops or replaces it).
-        request.output_rate_state = None
-        # The last step that throttled it (StepReport.throttled_new).
-        request.output_rate_throttled_step = -1
-        # When a token was last dispatched for it (rotation, cross-user order).
-        request.output_rate_served_ns = 0
-        # The step it may borrow in (set when the scheduler lends to it).
-        request.output_rate_borrow_step = -1
-        super().add_request(request)
-        observer = self.output_rate_observer
-        if observer is not None:
-            observer.on_request(request.request_id)
-
-    # -- the step --------------------------------------------------------
+    # -- hook 1: the step -----------------------------------------------------------
 
     def schedule(self, *args: Any, **kwargs: Any):
         t0 = time.perf_counter()
-        now = self.output_rate_clock()
-        watcher = self.output_rate_limits_watcher
-        if watcher is not None and watcher.current is not self.output_rate_config:
-            self._orl_apply_limits(watcher.current, now)
-        # Reordering matters once some user ran short (a step refused
-        # someone) or when more requests are resident than may run.
-        st = self.output_rate
-        was_short = bool(st.step.refused)
-        step = self._orl_begin(now)
-        if st.lender is not None:
-            self._orl_begin_lending()
-        self._orl_make_room()
-        running = len(self.running)
-        # Only when more are resident than may run can the active cap bind.
-        step.capped = running > st.base_active
-        throttled = None
-        if running > 1 and (was_short or step.capped) or (
-                running and (st.lender is not None or step.turns)):
-            # (with borrowing every step: who borrows is decided here)
-            throttled = self._orl_order_running()
-        held = self._orl_hold_back(throttled) if throttled else None
+        held = self._orl_before_schedule()
         t1 = time.perf_counter()
         try:
             output = super().schedule(*args, **kwargs)
         finally:
-            if held:
+            if held:  # (back in ``running``, after the others)
                 self.running.extend(held)
-                step.held = 0
-        t2 = time.perf_counter()
-        self._orl_finish(output.num_scheduled_tokens, output.preempted_req_ids)
-        observer = self.output_rate_observer
-        if observer is not None:
-            t3 = time.perf_counter()
-            step.report.limiter_share = ((t1 - t0) + (t3 - t2)) / (t3 - t0)
-            observer.on_step(step.report)
+                self.output_rate.step.held = 0
+        self._orl_after_schedule(output, t0, t1)
         return output
 
-    def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
-        outputs = super().update_from_output(scheduler_output, model_runner_output)
-        observer = self.output_rate_observer
-        if observer is not None:
-            observer.on_outputs(outputs)
-        return outputs
-
-    def finish_requests(self, request_ids: Any, finished_status: Any) -> list[Request]:
-        finished = super().finish_requests(request_ids, finished_status)
-        observer = self.output_rate_observer
-        if observer is not None and finished:
-            observer.on_aborted([(r.request_id, r.output_rate_user) for r in finished],
-                                self.output_rate_clock())
-        return finished
-
-    def _orl_apply_limits(self, config: OutputRateConfig, now: int) -> None:
-        """Put reloaded limits in force at this step boundary: the limiter
-        converts live users' state (``OutputRateLimiter.set_limits``), the
-        requests' budgets are re-resolved when unlisted users share one,
-        and the observers are told."""
-        from vllm_output_rate.limits_watch import diff_limits
-
-        old = self.output_rate_config
-        self.output_rate_limiter.set_limits(config.default_rate, config.user_rates, now)
-        self.output_rate_config = config
-        self._orl_set_lender(config, now)
-        if "shared" in (old.unlisted_users, config.unlisted_users):
-            charged_user = config.charged_user
-            for request in self.requests.values():
-                request.output_rate_user = charged_user(request.output_rate_identity)
-        self._orl_forget_states(None)
-        added, removed, changed = diff_limits(old, config)
-        observer = self.output_rate_observer
-        if observer is not None:
-            observer.on_limits(LimitsChange(
-                now, old.digest, config.digest, config.default_rate, old.default_rate,
-                dict(config.user_rates), tuple(added), tuple(removed), tuple(changed)))
-
-    def shutdown(self) -> None:
-        watcher = self.output_rate_limits_watcher
-        if watcher is not None:
-            watcher.close()
-        observer = self.output_rate_observer
-        if observer is not None:
-            self.output_rate_observer = None
-            observer.close()
-        close = getattr(self.output_rate_limiter, "close", None)
-        if close is not None:
-            close()
-        super().shutdown()
-
-    def _orl_begin(self, now: int) -> StepLedger:
-        """A step begins at ``now``: its ledger (``ledger.StepLedger``)."""
-        st = self.output_rate
-        st.step_no += 1
-        self._orl_track_period(now)
-        lender = st.lender
-        # The plain limiter is charged token by token (``try_take``; a refund
-        # gives one back): its state is the user's budget left in this step.
-        # Any other limiter (shared budgets), and the plain one with
-        # borrowing, is asked once per user and settled once per step with
-        # the net charges (the ledger's ``allow`` and ``allow_start``).
-        direct = type(self.output_rate_limiter) is OutputRateLimiter and lender is None
-        step = st.step = StepLedger(st.step_no, now, StepReport(st.step_no, now), direct)
-        begin = st.limiter_begin
-        if begin is not None:
-            begin(now)
-        if st.step_no % CLEANUP_EVERY_STEPS == 0:
-            dropped = self.output_rate_limiter.cleanup_idle_users(now)
-            if dropped:
-                self._orl_forget_states(set(dropped))
-            if lender is not None:
-                lender.cleanup_idle_users(now)
-        return step
-
-    def _orl_forget_states(self, users: set[str] | None) -> None:
-        """The limiter dropped (``users``) or replaced (None: any) some
-        users' states: their requests look theirs up again when next
-        charged."""
-        for request in self.requests.values():
-            if users is None or request.output_rate_user in users:
-                request.output_rate_state = None
-
-    def _orl_streams(self) -> dict[str, int]:
-        """How many requests of ``running`` each user has, counted once in a
-        step, before vLLM's ``schedule()`` (lending's room, residency's and
-        the running order read it; a request residency preempts is taken
-        off)."""
-        step = self.output_rate.step
-        streams = step.streams
-        if streams is None:
-            streams = step.streams = streams_by_user(self.running)
-        return streams
-
-    def _orl_budgets(self) -> dict[str, int]:
-        """Each user of ``running``'s budget at the step's start, the
-        limiter asked once per user (nothing is charged before vLLM's
-        ``schedule()``); not to be changed (copy it)."""
-        step = self.output_rate.step
-        budgets = step.budgets
-        if budgets is None:
-            left = self._orl_left
-            budgets = step.budgets = {user: left(user) for user in self._orl_streams()}
-        return budgets
-
-    def _orl_order_running(self) -> list[Request] | None:
-        """Rotate, move users without budget back, longest-waiting user first.
-
-        Only reorders when it matters: when some user has fewer tokens than
-        running streams, or when more requests could run than the active cap.
-        Returns the throttled requests now at the tail of ``running`` (those
-        of users without budget at the step's start, less a waiting request's
-        turn: ``residency``), or None when no user is short of budget."""
-        st = self.output_rate
-        running = self.running
-        streams = self._orl_streams()
-        budget = dict(self._orl_budgets())  # (taken from as requests are ordered)
-        for user in st.step.turns:
-            budget[user] -= 1
-        short = any(budget[user] < n for user, n in streams.items())
-        cap_binds = len(running) > st.base_active
-        if not short and not cap_binds:
-            return None
-        if short:
-            running = rotated(running)
-        ready: list[Request] = []
-        throttled: list[Request] = []
-        in_flight = st.is_async
-        for request in running:
-            user = request.output_rate_user
-            if request.is_prefill_chunk:
-                ready.append(request)
-            elif in_flight and last_token_in_flight(request):
-                ready.append(request)  # takes no budget, is not throttled
-            elif budget[user] > 0:
-                budget[user] -= 1
-                ready.append(request)
-            else:
-                throttled.append(request)
-        if len(ready) > st.base_active:
-            ready = longest_waiting_first(ready, self.running)
-        if st.lender is not None and st.step.lending.lends:
-            ready, throttled = self._orl_lend_tail(ready, throttled, budget)
-        else:
-            self.running[:] = ready + throttled
-        return throttled if short else None
-
-    def _orl_hold_back(self, throttled: list[Request]) -> list[Request] | None:
-        """Take the throttled tail out of ``running`` while vLLM schedules,
-        as vllm-spyre holds requests back: they cost vLLM's loop nothing and
-        keep their KV blocks and worker slot. They are refused here, once
-        each, as the charge point would have refused them.
-
-        Only when the step cannot run out of KV blocks (every request left
-        one new block, the token budget's worth of prefill, per KV cache
-        group): under pressure they stay at the tail, where vLLM's own FCFS
-        preemption (or ours, with PRIORITY) takes them first. Not with LoRA
-        (vLLM counts the adapters of all of ``running``)."""
-        if not self.output_rate_hold_back or self.lora_config:
-            return None
-        st = self.output_rate
-        step = st.step
-        running = self.running
-        lent = step.lent_tail  # borrowers after them (borrowing only)
-        keep = len(running) - len(throttled) - lent
-        if not st.kv_fits(keep + lent):
-            return None
-        del running[keep:keep + len(throttled)]
-        step.held = step.report.held_back = len(throttled)
-        refused = step.refused
-        mark = self._orl_mark_throttled
-        for request in throttled:
-            refused[request.output_rate_user] = 0  # ready time filled in at the end
-            mark(request)
-        return throttled
-
-    def _orl_resident_fits(self, kept: int) -> bool:
-        """Whether one more request fits in the resident set
-        (``--max-num-seqs``) beside those held back and ``kept`` resident
-        slots kept for waiting requests (residency's, or lending's)."""
-        return (len(self.running) + self.output_rate.step.held + 1 + kept
-                <= self.max_num_running_reqs)
-
-    # -- the charge point ------------------------------------------------
+    # -- hook 2: the charge point ---------------------------------------------------
 
     def _reserve_prefill_lookahead(
         self, request: Request, num_computed_tokens: int, num_new_tokens: int
     ) -> int:
-        # The charge point: vLLM calls this for every running and waiting
-        # request it is about to give tokens to, right before KV allocation.
         if self.num_prefill_lookahead:  # 0 unless multi-module MTP drafting
             num_new_tokens = super()._reserve_prefill_lookahead(
                 request, num_computed_tokens, num_new_tokens
             )
         if num_new_tokens <= 0:
             return 0
+        return self._orl_charge(request, num_computed_tokens, num_new_tokens)
+
+    # -- hook 3: admission ------------------------------------------------------------
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        return super()._handle_blocked_waiting_request(request) and self._orl_admit(request)
+
+    # -- observed only (nothing vLLM decides changes) ------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self._orl_add(request)
+        super().add_request(request)
+        observer = self.output_rate.observer
+        if observer is not None:
+            observer.on_request(request.request_id)
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        observer = self.output_rate.observer
+        if observer is not None:
+            observer.on_outputs(outputs)
+        return outputs
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> list[Request]:
+        finished = super().finish_requests(request_ids, finished_status)
         st = self.output_rate
-        step = st.step
-        running = request.status == _RUNNING
-        capped = running and step.capped
-        if capped and step.active >= st.base_active:
-            step.report.cap_deferred += 1
-            return 0
-        # A step samples when it reaches the end of the known sequence. A
-        # running request past its prefill always does (checked first: cheap).
-        if (running and not request.is_prefill_chunk) or (
-            num_computed_tokens + num_new_tokens >= request.num_tokens
-        ):
-            # Charge one token, once per step.
-            charged = step.charged
-            req_id = request.request_id
-            if req_id not in charged:
-                user = request.output_rate_user
-                if step.direct:
-                    # the plain limiter's GCRA on the user's state kept on
-                    # the request: no lookup by user (what costs here is
-                    # memory the step has not touched yet; BENCHMARKS.md)
-                    state = request.output_rate_state
-                    if state is None:
-                        state = request.output_rate_state = self.output_rate_limiter.state_of(
-                            user, step.now)
-                    taken = take_from(state, step.now)
-                else:
-                    taken = self._orl_take(user)
-                if taken:
-                    charged[req_id] = user
-                elif self._orl_lend(request, user, num_new_tokens):
-                    step.report.borrowed[req_id] = user
-                else:
-                    return self._orl_refuse(request, user, num_computed_tokens)
-        if capped:
-            step.active += 1
-        if st.lender is not None:  # (the room of a lending step)
-            self._orl_give(request, num_new_tokens)
-        return num_new_tokens
+        if st.observer is not None and finished:
+            st.observer.on_aborted([(r.request_id, r.output_rate_user) for r in finished],
+                                   st.clock())
+        return finished
 
-    def _orl_left(self, user: str) -> int:
-        """How many tokens ``user`` may still take in this step."""
-        step = self.output_rate.step
-        if step.direct:
-            return self.output_rate_limiter.available(user, step.now)
-        left = step.allow.get(user)
-        if left is None:  # first look at this user in this step
-            left = self.output_rate_limiter.available(user, step.now)
-            step.allow[user] = step.allow_start[user] = left
-        if self.output_rate.lender is not None:
-            return min(left, self._orl_ceiling_left(user))
-        return left
+    def shutdown(self) -> None:
+        self.output_rate.close()
+        super().shutdown()
 
-    def _orl_take(self, user: str) -> bool:
-        """Charge ``user`` one token now, if it has one left in this step
-        (limiters settled once per step; the plain one without borrowing is
-        charged at the charge point, on the state kept on the request)."""
-        if self._orl_left(user) <= 0:
-            return False
-        step = self.output_rate.step
-        step.allow[user] -= 1
-        if step.lending is not None:
-            step.lending.ceil_left[user] -= 1
-        return True
-
-    def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
-        st = self.output_rate
-        step = st.step
-        step.refused[user] = 0  # ready time filled in when the step ends
-        running = request.status == _RUNNING
-        if st.chunked:
-            # Advance the prefill to the second-to-last position; the first
-            # token is sampled in a later step, when budget returns.
-            held = request.num_tokens - 1 - num_computed_tokens
-            if held > 0:
-                step.report.prefill_held += 1
-                if running:
-                    step.active += 1
-                if st.lender is not None:
-                    self._orl_give(request, held)
-                return held
-        if running:
-            step.throttled_running += 1
-            self._orl_mark_throttled(request)
-        return 0
-
-    def _orl_mark_throttled(self, request: Request) -> None:
-        """Record a running request skipped in this step for lack of budget
-        (at the charge point, or held back): in ``throttled``, and in
-        ``throttled_new`` unless the step before throttled it too."""
-        req_id = request.request_id
-        report = self.output_rate.step.report
-        report.throttled.append(req_id)
-        step = report.step
-        if request.output_rate_throttled_step != step - 1:
-            report.throttled_new.append(req_id)
-        request.output_rate_throttled_step = step
-
-    # -- the refund point and the step record -------------------------------
-
-    def _orl_finish(self, scheduled: dict[str, int], preempted: set[str]) -> None:
-        st = self.output_rate
-        step = st.step
-        record = step.report
-        charged = record.charged
-        limiter = self.output_rate_limiter
-        direct = step.direct
-        allow = step.allow
-        for req_id in () if charged.keys() <= scheduled.keys() else charged.keys() - scheduled.keys():
-            # The single refund point: charged but not dispatched.
-            user = charged.pop(req_id)
-            if direct:
-                limiter.refund(user)
-            else:
-                allow[user] += 1
-            reason = "preempted" if req_id in preempted else "not_scheduled"
-            record.refunded.append((req_id, user, reason))
-        if st.lender is not None:
-            self._orl_settle_ceilings(record, scheduled)
-        if not direct:
-            # Settle the step: the net charge of each user, taken at `now`
-            # (the same as one try_take per charge and one refund per
-            # give-back). The plain limiter was charged as the step went.
-            taken = {user: n for user, start in step.allow_start.items()
-                     if (n := start - allow[user]) > 0}
-            record.charged_by_user = taken
-            limiter.settle(step.now, taken)
-        refused = record.refused
-        for user in refused:
-            refused[user] = limiter.ready_at_ns(user)
-        if refused or len(self.running) > st.base_active:
-            # Served times feed the next step's rotation, which only runs
-            # after a step that refused someone (see schedule()).
-            now, requests = step.now, self.requests
-            for req_id in (*charged, *record.borrowed):
-                requests[req_id].output_rate_served_ns = now
-        self.output_rate_last_step = record
+    # -- the engine loop's questions (``engine_loop``) -------------------------------
 
     def output_rate_idle_wait_s(self) -> float | None:
-        """How long the engine loop may wait after a step that ran nothing.
-
-        ``min(50 ms, earliest ready_at among users refused in the last step
-        - now)``; None when no user was refused (then vLLM's own behaviour).
-        """
-        refused = self.output_rate.step.refused
-        if not refused:
-            return None
-        earliest = min(refused.values())
-        wait = (earliest - self.output_rate_clock()) / 1e9
-        return min(MAX_IDLE_WAIT_S, wait) if wait > 0 else 0.0
+        """How long the engine loop may wait after a step that ran nothing
+        (``OutputRateState.idle_wait_s``)."""
+        return self.output_rate.idle_wait_s()
 
     def output_rate_wake_target_ns(self) -> int | None:
         """The earliest ready_at among users refused in the last step."""
-        refused = self.output_rate.step.refused
-        return min(refused.values()) if refused else None
+        return self.output_rate.wake_target_ns()
+
+    # -- names the tools under scripts/ still read: the state's, no data of their own --
+
+    @property
+    def output_rate_limiter(self) -> OutputRateLimiter:
+        """``output_rate.limiter``; set, the charges are chosen again."""
+        return self.output_rate.limiter
+
+    @output_rate_limiter.setter
+    def output_rate_limiter(self, limiter: OutputRateLimiter) -> None:
+        choose(self.output_rate, limiter, self.output_rate.lender)
+
+    @property
+    def output_rate_clock(self) -> Any:
+        """``output_rate.clock``."""
+        return self.output_rate.clock
+
+    @output_rate_clock.setter
+    def output_rate_clock(self, clock: Any) -> None:
+        self.output_rate.clock = clock
+
+    @property
+    def output_rate_observer(self) -> Any:
+        """``output_rate.observer``."""
+        return self.output_rate.observer
+
+    @output_rate_observer.setter
+    def output_rate_observer(self, observer: Any) -> None:
+        self.output_rate.observer = observer
+
+    @property
+    def output_rate_config(self) -> Any:
+        """``output_rate.config``."""
+        return self.output_rate.config
+
+    @property
+    def output_rate_limits_watcher(self) -> Any:
+        """``output_rate.watcher``."""
+        return self.output_rate.watcher
+
+    @property
+    def output_rate_last_step(self) -> Any:
+        """``output_rate.last_step``."""
+        return self.output_rate.last_step
+
+    @property
+    def output_rate_watch_thread(self) -> bool:
+        """``OutputRateState.watch_thread`` (the twin sets this on the class)."""
+        return self.output_rate.watch_thread
+
+    def _orl_watch_thread(self) -> bool:
+        return self.output_rate_watch_thread
 
 
 class OutputRateScheduler(OutputRateSchedulerMixin, Scheduler):
