@@ -34,6 +34,7 @@ PROMPT_OPTION = "--output-rate-default-prompt-tokens-per-second"
 #: The spelling issue 48 and the older options use, still accepted.
 PROMPT_OPTION_ALIAS = "--default-user-prompt-tokens-per-second"
 LIMITS_FILE_OPTION = "--output-rate-limits-file"
+PREFILL_AHEAD_OPTION = "--output-rate-prefill-ahead"
 UNLISTED_OPTION = "--output-rate-unlisted-users"
 
 #: Key under ``VllmConfig.additional_config`` that carries the limits from
@@ -113,6 +114,7 @@ _CONFIG_KEYS = {
     "prompt_rates",
     "tier_prompt_rates",
     "default_prompt_rate",
+    "prefill_ahead",
 }
 
 @dataclass(frozen=True)
@@ -150,6 +152,9 @@ class OutputRateConfig:
     prompt_rates: dict[str, Fraction | str] = field(default_factory=dict)
     tier_prompt_rates: dict[str, Fraction | str] = field(default_factory=dict)
     default_prompt_rate: Fraction | str | None = None
+    #: compute the prompts of users out of budget ahead of their budget
+    #: (off: just in time, ``PREFILL_AHEAD_OPTION``)
+    prefill_ahead: bool = False
 
     def __post_init__(self) -> None:
         if not self.digest:
@@ -204,6 +209,7 @@ class OutputRateConfig:
     def from_options(
         cls, default: Any, users: Any = None, limits_file: Any = None,
         unlisted_users: Any = None, shared_state: Any = None, default_prompt: Any = None,
+        prefill_ahead: bool = False,
     ) -> OutputRateConfig | None:
         """From the CLI options; None (feature off) without a default limit
         or a limits file."""
@@ -213,6 +219,12 @@ class OutputRateConfig:
                 f"{PROMPT_OPTION} cannot be combined with {LIMITS_FILE_OPTION}: the "
                 f"file's 'default' holds it ({{rate: R, prompt_rate: P}})")
         config = cls._from_limit_options(default, users, limits_file, unlisted_users)
+        if prefill_ahead:
+            if config is None:
+                raise OutputRateConfigError(
+                    f"{PREFILL_AHEAD_OPTION} needs {DEFAULT_OPTION} or {LIMITS_FILE_OPTION}: "
+                    f"without limits the feature is off")
+            config = replace(config, prefill_ahead=True)
         if prompt:
             if config is None:
                 raise OutputRateConfigError(
@@ -294,6 +306,8 @@ class OutputRateConfig:
             data["unlisted_users"] = self.unlisted_users
         if self.shared_state is not None:
             data["shared_state"] = self.shared_state
+        if self.prefill_ahead:
+            data["prefill_ahead"] = True
         return data
 
     @classmethod
@@ -326,6 +340,7 @@ class OutputRateConfig:
             digest=str(data.get("digest") or ""),
             unlisted_users=_unlisted_mode(data.get("unlisted_users") or "own"),
             shared_state=data.get("shared_state"),
+            prefill_ahead=bool(data.get("prefill_ahead", False)),
             ceilings={str(u): parse_ceiling(c, f"{where} (ceiling of {u!r})")
                       for u, c in (data.get("ceilings") or {}).items()},
             tier_ceilings={str(t): parse_ceiling(c, f"{where} (ceiling of tier {t!r})")
