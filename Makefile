@@ -78,7 +78,7 @@ bench: venv
 # (a few minutes on a 2-core CPU)
 pictures: venv tools
 	$(PY) -m vllm_output_rate.tools.verify --no-progress --report .cache/pictures \
-	    --model "$$($(PY) -m vllm_output_rate.tools.tiny_model)" --pictures docs/img
+	    --model "$$($(PY) -m vllm_output_rate.tools.common.tiny_model)" --pictures docs/img
 
 # The reference pages generated from the code's tables (docs/metrics.md, ...)
 docs: venv

@@ -23,8 +23,8 @@ import statistics
 import sys
 import time
 
-from vllm_output_rate.tools.help_text import PlainHelpFormatter
-from vllm_output_rate.tools.scheduler_driver import (
+from vllm_output_rate.tools.common.help_text import PlainHelpFormatter
+from vllm_output_rate.tools.common.scheduler_driver import (
     VirtualClock,
     attach_telemetry,
     make_request,

@@ -96,7 +96,7 @@ def serve_parser(make_arg_parser, parser_cls):
     from vllm.utils.argparse_utils import SortedHelpFormatter
 
     from vllm_output_rate.plugin import GROUP_TITLE
-    from vllm_output_rate.tools.help_text import plain_formatter
+    from vllm_output_rate.tools.common.help_text import plain_formatter
 
     return make_arg_parser(parser_cls(
         prog="vllm-output-rate serve", usage="vllm-output-rate serve [model_tag] [options]",

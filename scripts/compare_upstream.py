@@ -45,9 +45,9 @@ from typing import Any
 import psutil
 from vllm_output_rate import settings
 from vllm_output_rate.config import USER_FIELD
-from vllm_output_rate.tools.help_text import PlainHelpFormatter
+from vllm_output_rate.tools.common.help_text import PlainHelpFormatter
 from vllm_output_rate.telemetry.metrics import metric, series_name
-from vllm_output_rate.tools.client import (
+from vllm_output_rate.tools.common.client import (
     Samples,
     Server,
     StreamResult,
@@ -56,7 +56,7 @@ from vllm_output_rate.tools.client import (
     scrape_metrics,
     summarize,
 )
-from vllm_output_rate.tools.stats import quantile
+from vllm_output_rate.tools.common.stats import quantile
 
 SERVE_ARGS = ["--max-num-seqs", "64", "--max-num-active-seqs", "16", "--max-model-len", "1024"]
 UNLIMITED = 100_000
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
                         "alternating (the first round also does everything else)")
     args = parser.parse_args(argv)
 
-    from vllm_output_rate.tools.tiny_model import ensure_tiny_model
+    from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
 
     model = str(ensure_tiny_model())
     logs = Path(".cache") / "logs"

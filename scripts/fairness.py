@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_output_rate.tools import fairness_engine as fe
-from vllm_output_rate.tools.help_text import PlainHelpFormatter, description_and_epilog
-from vllm_output_rate.tools.stats import quantile
+from vllm_output_rate.tools.common.help_text import PlainHelpFormatter, description_and_epilog
+from vllm_output_rate.tools.common.stats import quantile
 from vllm_output_rate.tools.workload import _poisson, gen_clients
 
 ARMS = ("fcfs", "priority", "gateway", "capped", "borrowing")
@@ -707,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.scenario or list(SCENARIOS):
         runner = None
         if args.engine == "cpu":
-            from vllm_output_rate.tools.tiny_model import ensure_tiny_model
+            from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
 
             litellm = fe.find_litellm(args.litellm)
             if "gateway" in arms and litellm is None:

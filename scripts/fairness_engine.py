@@ -351,7 +351,7 @@ def run_arm(lines: list[dict[str, Any]], arm: str, work: Path, *, model: str, vo
     result in the twin's shape (``result_of``) and the errors counted."""
     import httpx
 
-    from vllm_output_rate.tools.client import Server
+    from vllm_output_rate.tools.common.client import Server
 
     work.mkdir(parents=True, exist_ok=True)
     limits = None

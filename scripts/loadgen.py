@@ -42,7 +42,7 @@ from vllm_output_rate.config import (
     USERS_OPTION,
     USERS_OPTION_ALIAS,
 )
-from vllm_output_rate.tools.client import chat_body, stream_into
+from vllm_output_rate.tools.common.client import chat_body, stream_into
 
 SCENARIO_DIR = Path(__file__).resolve().parent / "scenarios"
 DEFAULT_SCENARIO = SCENARIO_DIR / "default.yaml"

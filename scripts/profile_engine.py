@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from vllm_output_rate import settings
-from vllm_output_rate.tools.help_text import PlainHelpFormatter
+from vllm_output_rate.tools.common.help_text import PlainHelpFormatter
 
 #: categories in report order
 CATEGORIES = (
@@ -478,7 +478,7 @@ async def _record_under_load(base_url: str, model: str, plan: list[tuple[str, in
     py-spy records; returns the tokens streamed during the recording."""
     import httpx
 
-    from vllm_output_rate.tools.client import stream_chat
+    from vllm_output_rate.tools.common.client import stream_chat
 
     counting = False
     tokens: Counter = Counter()
@@ -562,7 +562,7 @@ def serve_args(limited: bool, limits: dict[str, float], default_limit: float) ->
 
 def _profile_new_server(model: str, limited: bool, args: argparse.Namespace, out_dir: Path,
                         plan: list[tuple[str, int, int]], extra_env: dict[str, str]) -> Report:
-    from vllm_output_rate.tools.client import Server
+    from vllm_output_rate.tools.common.client import Server
 
     name = "on" if limited else "off"
     log = out_dir / f"{name}-server.log"
@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             py_spy_path(args.py_spy)  # fail before a minute of server start-up
             if args.model is None:
-                from vllm_output_rate.tools.tiny_model import ensure_tiny_model
+                from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
 
                 args.model = str(ensure_tiny_model(Path(".cache") / "tiny-llama"))
             env = settings.child_env(FORCE_ASYNC_SCHEDULING=True) if args.async_scheduling else {}

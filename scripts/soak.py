@@ -59,7 +59,7 @@ from typing import Any
 import httpx
 
 from vllm_output_rate.config import DEFAULT_OPTION, USERS_OPTION
-from vllm_output_rate.tools.stats import quantile
+from vllm_output_rate.tools.common.stats import quantile
 from vllm_output_rate.tools.stress import model_and_logs, progress_line, write_report
 
 MODEL_NAME = "tiny"
@@ -131,7 +131,7 @@ def limits() -> dict[str, Fraction]:
 
 
 async def sample(client: httpx.AsyncClient, base_url: str, procs: tuple[Any, Any], t0: float) -> Sample:
-    from vllm_output_rate.tools.client import rss_mib
+    from vllm_output_rate.tools.common.client import rss_mib
     from vllm_output_rate.tools.stress import Live, state_entries
 
     api, engine = procs
@@ -184,7 +184,7 @@ class Load:
 
     async def one(self, kind: str, user: str, max_tokens: int, prompt: str = "Tell me a story.",
                   cancel: bool = False) -> None:
-        from vllm_output_rate.tools.client import StreamResult, chat_body, stream_into
+        from vllm_output_rate.tools.common.client import StreamResult, chat_body, stream_into
 
         req = Request(kind, user, max_tokens, t_s=time.monotonic() - self.t0)
         self.requests.append(req)
@@ -443,7 +443,7 @@ def run(model: str, minutes: float, sample_s: float, churn_s: float, out_dir: Pa
     limits (no limits, no event log, no state of ours: the requests, quiet
     and RSS checks only)."""
     from vllm_output_rate import settings
-    from vllm_output_rate.tools.client import Server
+    from vllm_output_rate.tools.common.client import Server
 
     out_dir.mkdir(parents=True, exist_ok=True)
     events = out_dir / "events.jsonl"
@@ -465,7 +465,7 @@ def run(model: str, minutes: float, sample_s: float, churn_s: float, out_dir: Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_output_rate.tools.help_text import PlainHelpFormatter  # the docstring, no markup
+    from vllm_output_rate.tools.common.help_text import PlainHelpFormatter  # the docstring, no markup
 
     parser = argparse.ArgumentParser(prog="vllm-output-rate soak", description=__doc__,
                                      formatter_class=PlainHelpFormatter)

@@ -352,7 +352,7 @@ class Live:
             return resp.status_code, resp.text
 
     async def stream(self, body: dict[str, Any], **kw: Any) -> Any:
-        from vllm_output_rate.tools.client import StreamResult, stream_into
+        from vllm_output_rate.tools.common.client import StreamResult, stream_into
 
         rec = StreamResult(str(body.get("vllm_xargs", {}).get(USER_FIELD)), body.get("max_tokens", 0),
                            started=time.monotonic())
@@ -383,7 +383,7 @@ _ABSENT = object()
 
 def body_for(user: Any = _ABSENT, max_tokens: int = 8, stream: bool = True, prompt: str = "Say hello.",
              **options: Any) -> dict[str, Any]:
-    from vllm_output_rate.tools.client import chat_body
+    from vllm_output_rate.tools.common.client import chat_body
 
     body = chat_body(MODEL_NAME, prompt, max_tokens, None, **options)
     if not stream:
@@ -725,7 +725,7 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
 
     from vllm_output_rate.scheduler import CLEANUP_EVERY_STEPS
     from vllm_output_rate.telemetry.books import USER_STATES_CAP
-    from vllm_output_rate.tools.scheduler_driver import (
+    from vllm_output_rate.tools.common.scheduler_driver import (
         VirtualClock,
         attach_telemetry,
         make_request,
@@ -837,7 +837,7 @@ async def http_churn_case(live: Live, n_users: int, server_pid: int) -> CaseResu
     from vllm_output_rate import settings
     from vllm_output_rate.scheduler import CLEANUP_EVERY_STEPS
     from vllm_output_rate.telemetry.books import USER_STATES_CAP
-    from vllm_output_rate.tools.client import rss_mib
+    from vllm_output_rate.tools.common.client import rss_mib
     from vllm_output_rate.tools.profile_engine import find_engine_core
 
     top_k = int(settings.get_or_default("TOP_K_USERS"))
@@ -958,7 +958,7 @@ class _FlappingCollector:
     def __init__(self, period_s: float = 2.0) -> None:
         import threading
 
-        from vllm_output_rate.tools.client import free_port
+        from vllm_output_rate.tools.common.client import free_port
 
         self.port = free_port()
         self.period_s = period_s
@@ -1050,8 +1050,8 @@ def _fault_run(model: str, log_dir: Path, name: str, env: dict[str, str], expect
     request complete, no 5xx, the drop counted or logged once."""
     import threading
 
-    from vllm_output_rate.tools.client import Server, run_load, summarize
-    from vllm_output_rate.tools.client import scrape_metrics as scrape
+    from vllm_output_rate.tools.common.client import Server, run_load, summarize
+    from vllm_output_rate.tools.common.client import scrape_metrics as scrape
 
     sends = ", ".join(f"{u} {k} stream(s) x {n} tokens" for u, k, n in FAULT_LOAD) + \
         (f"; /metrics scraped {scrape_hz:g}/s" if scrape_hz else "")
@@ -1146,7 +1146,7 @@ def _fault_run(model: str, log_dir: Path, name: str, env: dict[str, str], expect
 
 def telemetry_fault_cases(model: str, log_dir: Path) -> list[CaseResult]:
     from vllm_output_rate import settings
-    from vllm_output_rate.tools.client import free_port
+    from vllm_output_rate.tools.common.client import free_port
 
     out = []
     otlp = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf",
@@ -1355,7 +1355,7 @@ async def tenant_cases(base_url: str) -> list[CaseResult]:
 
 
 def run_tenant_cases(model: str, log_dir: Path) -> list[CaseResult]:
-    from vllm_output_rate.tools.client import Server
+    from vllm_output_rate.tools.common.client import Server
 
     with tempfile.TemporaryDirectory(prefix="output-rate-tenants-") as scratch:
         with Server(model, tenant_server_args(Path(scratch)), log_dir / "stress-tenants-server.log",
@@ -1411,7 +1411,7 @@ def run(model: str, profile: str, out_dir: Path, log_dir: Path,
         groups: frozenset[str] = frozenset(GROUPS), progress: bool = False) -> Report:
     """The cases of ``groups`` (telemetry faults: full profile only), with a
     progress line on stderr as each group starts and each case is recorded."""
-    from vllm_output_rate.tools.client import Server
+    from vllm_output_rate.tools.common.client import Server
 
     report = Report(model, profile, server_args())
 
@@ -1458,7 +1458,7 @@ def write_report(out_dir: Path, report: Any) -> None:
 def model_and_logs(model: str | None) -> tuple[str, Path]:
     """The model to serve (``None``: the tiny model, made here) and the
     directory of the servers' logs."""
-    from vllm_output_rate.tools.tiny_model import cache_dir, ensure_tiny_model
+    from vllm_output_rate.tools.common.tiny_model import cache_dir, ensure_tiny_model
 
     log_dir = cache_dir() / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -1466,7 +1466,7 @@ def model_and_logs(model: str | None) -> tuple[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_output_rate.tools.help_text import PlainHelpFormatter  # the docstring, no markup
+    from vllm_output_rate.tools.common.help_text import PlainHelpFormatter  # the docstring, no markup
 
     parser = argparse.ArgumentParser(prog="vllm-output-rate stress", description=__doc__,
                                      formatter_class=PlainHelpFormatter)

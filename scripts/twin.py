@@ -144,7 +144,7 @@ def build_parser():
     from vllm.utils.argparse_utils import FlexibleArgumentParser, SortedHelpFormatter
 
     from vllm_output_rate import plugin
-    from vllm_output_rate.tools.help_text import plain_formatter
+    from vllm_output_rate.tools.common.help_text import plain_formatter
 
     plugin.register()  # the plugin's options on vLLM's parser
     parser = FlexibleArgumentParser(
@@ -184,10 +184,10 @@ class Twin:
 
     def __init__(self, argv: list[str], keep_charges: bool = False,
                  admission: Any = None) -> None:
-        from vllm_output_rate.tools.scheduler_driver import (
+        from vllm_output_rate.tools.common.scheduler_driver import (
             VirtualClock, config_from_engine_args, scheduler_for_config)
         from vllm_output_rate.tools.step_time import load_step_time
-        from vllm_output_rate.tools.tiny_model import ensure_tiny_model
+        from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
         from vllm_output_rate.tools.twin_report import TwinStats
         from vllm_output_rate.tools.workload import read_workload
         from vllm.engine.arg_utils import EngineArgs
@@ -255,7 +255,7 @@ class Twin:
     # -- the run -------------------------------------------------------------
 
     def _add(self, req: Any, index: int) -> None:
-        from vllm_output_rate.tools.scheduler_driver import make_request
+        from vllm_output_rate.tools.common.scheduler_driver import make_request
 
         rng, vocab = self.rng, self.vocab
         prompt = [rng.randrange(10, vocab) for _ in range(req.prompt_tokens)]
@@ -318,7 +318,7 @@ class Twin:
         from collections import deque
 
         from vllm_output_rate.observers import IdleWait
-        from vllm_output_rate.tools.scheduler_driver import Driver, attach_telemetry
+        from vllm_output_rate.tools.common.scheduler_driver import Driver, attach_telemetry
         from vllm_output_rate.tools.workload import WorkloadRequest
 
         sched, clock, stats = self.scheduler, self.clock, self.stats
@@ -502,7 +502,7 @@ def usage() -> str:
 def compare_main(argv: list[str]) -> int:
     from vllm_output_rate.config import OutputRateConfigError
     from vllm_output_rate.tools import twin_compare
-    from vllm_output_rate.tools.help_text import plain
+    from vllm_output_rate.tools.common.help_text import plain
     from vllm_output_rate.tools.step_time import StepTimeError
     from vllm_output_rate.tools.workload import WorkloadError
 

@@ -417,7 +417,7 @@ def real_run(wl: AccuracyWorkload, work: Path, model: str, vocab: int, seed: int
     """One replay on a fresh engine: its figures (``figures_from_log``),
     the engine's facts (async scheduling, KV cache tokens) and errors."""
     from vllm_output_rate.telemetry.events import EngineLog
-    from vllm_output_rate.tools.client import Server
+    from vllm_output_rate.tools.common.client import Server
 
     work.mkdir(parents=True, exist_ok=True)
     limits = work / "limits.yaml"
@@ -459,7 +459,7 @@ def fit_calibration(cal: Path, note: str, work: Path) -> dict[str, Any]:
 
 def calibrate(work: Path, model: str, seconds: float) -> dict[str, Any]:
     """``twin calibrate``'s load against a fresh engine, fitted."""
-    from vllm_output_rate.tools.client import Server
+    from vllm_output_rate.tools.common.client import Server
     from vllm_output_rate.tools.twin_calibrate import run_calibration_load
 
     work.mkdir(parents=True, exist_ok=True)
@@ -631,7 +631,7 @@ def main(argv: list[str], twin_cls: Any) -> int:
                         "--step-time)")
     args = parser.parse_args(argv)
     from vllm_output_rate.tools.fairness_engine import model_vocab
-    from vllm_output_rate.tools.tiny_model import ensure_tiny_model
+    from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
 
     model = args.model or str(ensure_tiny_model())
     vocab = model_vocab(model)

@@ -147,7 +147,7 @@ def request_path_fit(log: Any, sent: dict[str, int], prompts: dict[str, int],
     if len(values) < 8:
         return None
     values.sort()
-    from vllm_output_rate.tools.stats import quantile
+    from vllm_output_rate.tools.common.stats import quantile
 
     return {"requests": len(values), "p10_s": round(quantile(values, 0.1), 6),
             "p50_s": round(quantile(values, 0.5), 6), "p90_s": round(quantile(values, 0.9), 6),
@@ -468,7 +468,7 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
 
     import httpx
 
-    from vllm_output_rate.tools.client import (
+    from vllm_output_rate.tools.common.client import (
         chat_body, completion_body, StreamResult, stream_into)
     from vllm_output_rate.tools.loadgen import text_of_tokens, tokenize
 

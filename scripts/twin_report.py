@@ -20,10 +20,10 @@ Everything is in virtual time (the twin's clock, ns). Per user:
   refused in front of the engine (a gate given to the twin: the fairness
   benchmark's gateway arm).
 
-Quantiles interpolate linearly (``tools.stats.quantile``); null when a user
+Quantiles interpolate linearly (``tools.common.stats.quantile``); null when a user
 has no such sample. The samples are kept exactly: TTFTs as 8-byte integers
 (``array``, one a request), spacings as value -> count
-(``tools.stats.CountedSamples``: a long run's millions of spacings take a
+(``tools.common.stats.CountedSamples``: a long run's millions of spacings take a
 few distinct values); a finished request's state is dropped. A long run's
 memory grows with neither.
 """
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_output_rate.internals import kv_blocks_held
-from vllm_output_rate.tools.stats import CountedSamples, quantile
+from vllm_output_rate.tools.common.stats import CountedSamples, quantile
 
 SCHEMA = 1
 NS = 1_000_000_000

@@ -59,7 +59,7 @@ from vllm_output_rate.tools.loadgen import (
     load_scenario,
     run_with_progress,
 )
-from vllm_output_rate.tools.stats import quantile
+from vllm_output_rate.tools.common.stats import quantile
 
 #: Environment variable of the engine core naming its event log (JSON lines).
 EVENTS_ENV = settings.name("EVENTS")
@@ -559,7 +559,7 @@ def check_complete(a: Analysis) -> list[Check]:
 def _metric(samples: dict | None, name: str, **labels: str) -> float | None:
     if samples is None:
         return None
-    from vllm_output_rate.tools.client import metric_value
+    from vllm_output_rate.tools.common.client import metric_value
 
     if not any(n == name for n, _ in samples):
         return None
@@ -994,7 +994,7 @@ def print_summary(checks: list[Check], stats: dict[str, UserStats], a: Analysis)
 
 
 def _scrape(base_url: str) -> tuple[dict | None, str | None]:
-    from vllm_output_rate.tools.client import scrape_metrics
+    from vllm_output_rate.tools.common.client import scrape_metrics
 
     try:
         return scrape_metrics(base_url), None
@@ -1113,7 +1113,7 @@ def main(argv: list[str]) -> int:
         return verify_run(scenario, args.server.rstrip("/"), Path(args.events), report,
                           not args.no_progress)
 
-    from vllm_output_rate.tools.client import Server
+    from vllm_output_rate.tools.common.client import Server
 
     events = report / "engine-events.jsonl"
     events.unlink(missing_ok=True)

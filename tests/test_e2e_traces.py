@@ -27,7 +27,7 @@ import pytest
 
 from harness import REPO, OtlpSpanReceiver, rate_while_stepping, spend_rate, tiny_model
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.client import (
+from vllm_output_rate.tools.common.client import (
     Server,
     StreamResult,
     chat_body,

@@ -22,7 +22,7 @@ from vllm_output_rate.internals import serve_cli
 from vllm_output_rate.request_fields import USER_SOURCES_OPTION
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION
 from vllm_output_rate.tools import cli
-from vllm_output_rate.tools.help_text import description_and_epilog, plain
+from vllm_output_rate.tools.common.help_text import description_and_epilog, plain
 from vllm_output_rate.user_label import LABEL_OPTION
 
 #: reStructuredText a terminal would show as is

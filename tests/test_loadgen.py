@@ -350,7 +350,7 @@ def test_an_error_inside_a_200_stream_is_an_error():
 
 
 def test_the_client_records_streams_with_the_same_loop():
-    from vllm_output_rate.tools.client import stream_chat
+    from vllm_output_rate.tools.common.client import stream_chat
 
     async def one(transport, **kw):
         async with httpx.AsyncClient(transport=transport) as client:
@@ -374,7 +374,7 @@ def test_a_server_started_from_here_makes_its_own_telemetry_and_limits(monkeypat
     server it starts must not inherit them: it would show another engine's
     stale snapshot on /metrics, or take limits it was not given."""
     from vllm_output_rate import settings
-    from vllm_output_rate.tools.client import Server
+    from vllm_output_rate.tools.common.client import Server
 
     monkeypatch.setenv(settings.name("TELEMETRY_DIR"), str(tmp_path))
     monkeypatch.setenv(settings.name("ACTIVE_CONFIG"), '{"pid": 1, "config": {}}')

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness import REPO, scrape_until, tiny_model
-from vllm_output_rate.tools.client import Server, metric_value
+from vllm_output_rate.tools.common.client import Server, metric_value
 
 PACKAGES = ("vllm_output_rate/", "vllm_output_rate-")  # the module and its dist-info
 

@@ -288,7 +288,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 def test_counted_samples_give_the_quantile_of_the_samples(values, q):
     """The twin's spacings kept as value -> count: the same quantile as
     the list of samples, in the same order, with memory per distinct value."""
-    from vllm_output_rate.tools.stats import CountedSamples, quantile
+    from vllm_output_rate.tools.common.stats import CountedSamples, quantile
 
     counted = CountedSamples()
     for v in values[::2]:

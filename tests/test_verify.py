@@ -498,7 +498,7 @@ def test_the_reports_quantile_interpolates_linearly_between_ranks():
 
     import numpy as np
 
-    from vllm_output_rate.tools.stats import quantile
+    from vllm_output_rate.tools.common.stats import quantile
 
     assert math.isnan(quantile([], 0.5))
     assert quantile([3.0], 0.99) == 3.0

@@ -37,7 +37,7 @@ from vllm_output_rate import settings
 from vllm_output_rate.config import USER_FIELD
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.plugin import configure_output_rate
-from vllm_output_rate.tools.tiny_model import ensure_tiny_model
+from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
 
 _OUTPUT_HAS_INDEX = "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 SAMPLED_TOKEN = 7  # never EOS (1)
