@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "fault and bad-input matrix against a real engine, Markdown and JSON report"),
     "soak": ("vllm_output_rate.tools.soak",
              "mixed load for a long while: conformance, completion, memory and step-time slopes"),
-    "twin": ("vllm_output_rate.tools.twin",
+    "twin": ("vllm_output_rate.tools.twin.cli",
              "what-if twin: vLLM's scheduler and the limiter on a workload in virtual time "
              "(run, compare, workload, calibrate, scale)"),
     "check-limits": ("vllm_output_rate.tools.check_limits",

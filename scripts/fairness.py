@@ -52,7 +52,7 @@ from typing import Any
 from vllm_output_rate.tools import fairness_engine as fe
 from vllm_output_rate.tools.common.help_text import PlainHelpFormatter, description_and_epilog
 from vllm_output_rate.tools.common.stats import quantile
-from vllm_output_rate.tools.workload import _poisson, gen_clients
+from vllm_output_rate.tools.twin.workload import _poisson, gen_clients
 
 ARMS = ("fcfs", "priority", "gateway", "capped", "borrowing")
 NS = 1_000_000_000
@@ -104,7 +104,7 @@ ENGINE_SCALE = Scale("cpu", fe.R, fe.USERS, fe.DURATION_S, step_s=fe.STEP_S)
 class Scenario:
     name: str
     description: str
-    #: workload lines (``tools.workload``), priorities not yet set
+    #: workload lines (``tools.twin.workload``), priorities not yet set
     lines: list[dict[str, Any]]
     #: user -> guaranteed rate (tok/s)
     rates: dict[str, float]
@@ -285,7 +285,7 @@ def run_arm(scenario: Scenario, scale: Scale, arm: str, work: Path,
             lines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One arm of ``scenario``: the twin's summary plus the raw samples per
     user (TTFTs and spacings, ns) for the groups' quantiles."""
-    from vllm_output_rate.tools.twin import Twin
+    from vllm_output_rate.tools.twin import Twin, TwinConfig
 
     work.mkdir(parents=True, exist_ok=True)
     lines = scenario.lines if lines is None else lines
@@ -320,7 +320,7 @@ def run_arm(scenario: Scenario, scale: Scale, arm: str, work: Path,
         limits = work / "limits.yaml"
         limits.write_text(limits_yaml(scenario.rates, ceiling=arm == "borrowing"))
         argv += ["--output-rate-limits-file", str(limits)]
-    twin = Twin(argv, admission=admission)
+    twin = Twin(TwinConfig.from_argv(argv, admission=admission))
     twin.stats.spans = {}
     summary = twin.run()
     samples = {u: (list(s.ttft_ns), list(s.itl_ns)) for u, s in twin.stats.users.items()}

@@ -421,7 +421,7 @@ def engine_ttft(events: Path, records: list[Record]) -> dict[str, list[int]]:
     a busy 2-core machine makes long (1-2 s while the engine streams 600
     tok/s and more), is not in it."""
     from vllm_output_rate.telemetry.events import EngineLog
-    from vllm_output_rate.tools.twin_calibrate import _matcher
+    from vllm_output_rate.tools.twin.calibrate import _matcher
 
     sent = {rec.cid: (rec.user, rec.sent_ns) for rec in records
             if rec.cid and not rec.refused and rec.error is None}

@@ -16,11 +16,13 @@ from test_live_limits import check_piecewise_bound
 from vllm_output_rate.limiter import BURST_NS
 from vllm_output_rate.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools import twin, workload
-from vllm_output_rate.tools.step_time import StepTimeError, load_step_time
-from vllm_output_rate.tools.twin import T0_NS, Twin, TwinError
+from vllm_output_rate.tools.twin import cli as twin
+from vllm_output_rate.tools.twin import workload
+from vllm_output_rate.tools.twin.step_time import StepTimeError, load_step_time
+from vllm_output_rate.tools.twin import Twin, TwinConfig, TwinError
+from vllm_output_rate.tools.twin.run import T0_NS
 from vllm_output_rate.tools.verify import gcra_max_excess
-from vllm_output_rate.tools.workload import WorkloadError, read_workload
+from vllm_output_rate.tools.twin.workload import WorkloadError, read_workload
 
 NS = 1_000_000_000
 LIMITS = {"flooder": 15, "steady-0": 40, "steady-1": 40}
@@ -35,9 +37,10 @@ def gen(tmp_path, args, seed=1, name="wl.jsonl"):
 
 
 def run_twin(tmp_path, wl, *options, out="out", keep_charges=True):
-    t = Twin(["--workload", str(wl), "--out", str(tmp_path / out), "--model", tiny_model(),
-              "--max-num-seqs", "16", "--max-model-len", "512", *options],
-             keep_charges=keep_charges)
+    t = Twin(TwinConfig.from_argv(
+        ["--workload", str(wl), "--out", str(tmp_path / out), "--model", tiny_model(),
+         "--max-num-seqs", "16", "--max-model-len", "512", *options],
+        keep_charges=keep_charges))
     return t, t.run()
 
 
@@ -181,10 +184,11 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path, capsys):
     long = write(tmp_path / "long.jsonl", good.replace("3}", "600}") + "\n")
     with pytest.raises(TwinError, match=r"long.jsonl:1: prompt_tokens \+ max_tokens = 608 "
                                         r"exceeds the model length 512"):
-        Twin(["--workload", str(long), *out, "--max-model-len", "512"])
+        Twin(TwinConfig.from_argv(["--workload", str(long), *out, "--max-model-len", "512"]))
     change = write(tmp_path / "change.jsonl", f'{good}\n{{"t": 1, "limits_file": "change.jsonl"}}\n')
     with pytest.raises(TwinError, match="change.jsonl:2: limits_file: the run has no limits file"):
-        Twin(["--workload", str(change), *out, "--default-user-output-tokens-per-second", "5"])
+        Twin(TwinConfig.from_argv(["--workload", str(change), *out,
+                                   "--default-user-output-tokens-per-second", "5"]))
     step = write(tmp_path / "step.json", '{"version": 1, "kind": "linear", "base_s": -1}')
     with pytest.raises(StepTimeError, match="step.json: base_s: expected a number >= 0, got -1"):
         load_step_time(str(step))
@@ -230,8 +234,8 @@ def test_a_hand_written_step_time_sets_the_spacing(tmp_path):
 
 
 def test_the_docs_page_holds_the_schemas():
-    from vllm_output_rate.tools.step_time import DEFAULT, STEP_TIME_SCHEMA
-    from vllm_output_rate.tools.twin_report import SUMMARY_SCHEMA
+    from vllm_output_rate.tools.twin.step_time import DEFAULT, STEP_TIME_SCHEMA
+    from vllm_output_rate.tools.twin.report import SUMMARY_SCHEMA
 
     doc = (REPO / "docs" / "twin.md").read_text()
     for schema in (workload.WORKLOAD_SCHEMA, STEP_TIME_SCHEMA, DEFAULT.to_json(), SUMMARY_SCHEMA):

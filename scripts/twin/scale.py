@@ -7,7 +7,7 @@ virtual run.
 [--memory-users U] [--no-memory] [--in-process] [--seed N]``
 
 Each cell of the grid (R in ``--sizes``, default 256 1,024 4,096; U in
-``--users``, default 16 1,000 10,000) runs the twin (``tools.twin.Twin``,
+``--users``, default 16 1,000 10,000) runs the twin (``twin.run.Twin``,
 vLLM's scheduler and KV cache manager in this process, a fixed 25 ms step)
 for ``--virtual-s`` virtual seconds (default 60) on a workload that keeps R
 requests resident (``--max-num-seqs R``): R of them at 0 s and R/8 more
@@ -126,7 +126,7 @@ def served_tok_s(size: int, users: int, arm: str, limit_streams: float) -> float
 def workload_lines(size: int, users: int, arm: str, virtual_s: float, seed: int,
                    limit_streams: float = LIMIT_STREAMS, load: float = OVERLOAD
                    ) -> list[dict[str, Any]]:
-    """The cell's workload (``tools.workload`` lines): R + R/8 requests at
+    """The cell's workload (``tools.twin.workload`` lines): R + R/8 requests at
     0 s, then Poisson arrivals at ``load`` (default ``OVERLOAD``) times
     what the arm serves until ``virtual_s``."""
     rng = random.Random(f"{seed}-{size}-{users}-{arm}")
@@ -178,12 +178,15 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def sampled_twin(twin_cls: Any, argv: list[str], every_s: float, memory: bool):
-    """A ``twin_cls`` (``tools.twin.Twin``) that, at the first update of
+def sampled_twin(argv: list[str], every_s: float, memory: bool):
+    """A ``Twin`` of ``twin run``'s options ``argv`` that, at the first update of
     every ``every_s`` virtual seconds, samples the requests resident and
     waiting (and, ``memory``, the RSS and the samples the twin keeps)."""
 
-    class SampledTwin(twin_cls):
+    from vllm_output_rate.tools.twin.config import TwinConfig
+    from vllm_output_rate.tools.twin.run import Twin
+
+    class SampledTwin(Twin):
         def _on_update(self, engine_outputs: Any, now: int) -> None:
             super()._on_update(engine_outputs, now)
             if now < self.next_sample_ns:
@@ -201,14 +204,14 @@ def sampled_twin(twin_cls: Any, argv: list[str], every_s: float, memory: bool):
                     requests_seen=len(self.stats._reqs))
             self.samples.append(sample)
 
-    twin = SampledTwin(argv)
+    twin = SampledTwin(TwinConfig.from_argv(argv))
     twin.samples = []
     twin.next_sample_ns = twin.stats.t0_ns + round(every_s * NS)
     twin.wall0 = time.perf_counter()
     return twin
 
 
-def run_cell(twin_cls: Any, size: int, users: int, arm: str, virtual_s: float, seed: int,
+def run_cell(size: int, users: int, arm: str, virtual_s: float, seed: int,
              work: Path,
              memory_every_s: float | None = None,
              limit_streams: float = LIMIT_STREAMS, load: float = OVERLOAD) -> dict[str, Any]:
@@ -226,7 +229,7 @@ def run_cell(twin_cls: Any, size: int, users: int, arm: str, virtual_s: float, s
                      limit_streams)
     rss_before = rss_mib()
     load_before = os.getloadavg()
-    twin = sampled_twin(twin_cls, argv, memory_every_s or 1.0, memory_every_s is not None)
+    twin = sampled_twin(argv, memory_every_s or 1.0, memory_every_s is not None)
     summary = twin.run()
     run = summary["run"]
     samples = twin.samples
@@ -405,8 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_scale(argv: list[str], twin_cls: Any) -> dict[str, Any]:
-    """The grid and the memory check with ``twin_cls`` (``tools.twin.Twin``);
+def run_scale(argv: list[str]) -> dict[str, Any]:
+    """The grid and the memory check with the twin (``twin.run.Twin``);
     writes ``scale.json`` and ``scale.md``."""
     from vllm_output_rate.internals import installed_vllm_version
 
@@ -419,8 +422,8 @@ def run_scale(argv: list[str], twin_cls: Any) -> dict[str, Any]:
 
     def call(*cell_args: Any) -> dict[str, Any]:
         if args.in_process:
-            return run_cell(twin_cls, *cell_args)
-        return in_child(run_cell, twin_cls, *cell_args)
+            return run_cell(*cell_args)
+        return in_child(run_cell, *cell_args)
 
     facts = {"command": "vllm-output-rate twin scale " + " ".join(argv),
              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), **git_commit(),

@@ -2,7 +2,7 @@
 a roofline estimate from a model's config and a named GPU.
 
 ``vllm-output-rate twin calibrate --events FILE [--prompts FILE] --out step_time.json``
-fits the linear model of ``tools.step_time`` to the engine event log a real
+fits the linear model of ``tools.twin.step_time`` to the engine event log a real
 engine wrote (``OUTPUT_RATE_EVENTS``). With ``--url BASE_URL --model NAME
 --events FILE`` it first drives a short, bounded calibration load against a
 running ``vllm-output-rate serve`` that writes that log (concurrency from 1
@@ -34,22 +34,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_output_rate.tools.step_time import TERMS, VERSION, StepTimeModel
+from vllm_output_rate.tools.twin.step_time import TERMS, VERSION, CalibrationError
 
 NS = 1_000_000_000
 
 # --------------------------------------------------------------------------- the fit
-
-
-class CalibrationError(ValueError):
-    """A log or model that cannot be fitted (one line for the command)."""
 
 
 @dataclass
@@ -330,230 +325,6 @@ def calibrate_from_log(events: str, prompts_path: str | None = None,
             "note": note, "fit": fit}
 
 
-# --------------------------------------------------------------------------- the roofline
-
-
-#: name -> (memory bandwidth GB/s, dense BF16/FP16 tensor TFLOP/s). From the
-#: vendors' datasheets: NVIDIA H100 SXM5 and PCIe, H200 SXM, A100 SXM4 80GB and
-#: 40GB, L40S, L4, A10, T4 (FP16 with FP32 accumulate); AMD Instinct MI300X.
-#: Dense figures (without structured sparsity).
-GPUS: dict[str, tuple[float, float]] = {
-    "h200": (4800, 989),
-    "h100": (3350, 989),
-    "h100-pcie": (2000, 756),
-    "a100": (2039, 312),
-    "a100-40gb": (1555, 312),
-    "l40s": (864, 362),
-    "l4": (300, 121),
-    "a10": (600, 125),
-    "t4": (320, 65),
-    "mi300x": (5300, 1307),
-}
-#: Fractions of the datasheet figures a serving engine reaches (assumed, not
-#: measured): memory bandwidth of a weight-streaming decode, tensor FLOPs of
-#: a large GEMM, and a fixed cost of a step (scheduling, launches, sampling).
-BANDWIDTH_EFFICIENCY = 0.8
-FLOPS_EFFICIENCY = 0.5
-STEP_OVERHEAD_S = 0.002
-
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2,
-                "float8": 1, "fp8": 1, "int8": 1}
-
-
-def model_shapes(config: dict[str, Any]) -> dict[str, Any]:
-    """Parameters (all, and active per token for a mixture of experts) and
-    KV bytes per token, from a Hugging Face ``config.json``'s shapes."""
-    cfg = dict(config.get("text_config") or {}, **{k: v for k, v in config.items()
-                                                   if k != "text_config"}) \
-        if "hidden_size" not in config and "text_config" in config else config
-    try:
-        h = int(cfg["hidden_size"])
-        layers = int(cfg["num_hidden_layers"])
-        heads = int(cfg["num_attention_heads"])
-        vocab = int(cfg["vocab_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CalibrationError(f"config.json: {exc}: missing or not a number "
-                               f"(a decoder's hidden_size, num_hidden_layers, "
-                               f"num_attention_heads, vocab_size)") from None
-    kv_heads = int(cfg.get("num_key_value_heads") or heads)
-    head_dim = int(cfg.get("head_dim") or h // heads)
-    inter = int(cfg.get("intermediate_size") or 4 * h)
-    gated = cfg.get("hidden_act", "silu") in ("silu", "swiglu", "gelu_pytorch_tanh") \
-        or cfg.get("model_type") in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2")
-    attn = h * heads * head_dim * 2 + h * kv_heads * head_dim * 2
-    mlp_one = (3 if gated else 2) * h * int(cfg.get("moe_intermediate_size") or inter)
-    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
-    per_tok = int(cfg.get("num_experts_per_tok") or 0)
-    if experts and per_tok:
-        mlp_all, mlp_active = experts * mlp_one, per_tok * mlp_one
-    else:
-        mlp_all = mlp_active = (3 if gated else 2) * h * inter
-    embed = vocab * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    dtype = str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16")
-    nbytes = _DTYPE_BYTES.get(dtype, 2)
-    return {"params": layers * (attn + mlp_all) + embed,
-            "active_params": layers * (attn + mlp_active) + embed,
-            "bytes_per_param": nbytes,
-            "kv_bytes_per_token": 2 * layers * kv_heads * head_dim * nbytes,
-            "layers": layers, "hidden_size": h, "dtype": dtype}
-
-
-def roofline_estimate(model_dir: str, gpu: str) -> dict[str, Any]:
-    """The step-time JSON of a roofline estimate (``"source": "estimate"``):
-    every step streams the weights once (``base_s``), each token computed
-    costs 2 x active parameters FLOPs (``per_decode_s``,
-    ``per_prefill_token_s``), each token of context is read from the KV
-    cache (``per_context_token_s``). Memory and compute times are summed (a
-    linear model; the true roofline takes the larger of the two)."""
-    name = gpu.lower()
-    if name not in GPUS:
-        raise CalibrationError(f"--gpu {gpu}: not known (known: {', '.join(GPUS)})")
-    path = Path(model_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except OSError as exc:
-        raise CalibrationError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise CalibrationError(f"{path}: not JSON ({exc})") from None
-    shapes = model_shapes(config)
-    bw = GPUS[name][0] * 1e9 * BANDWIDTH_EFFICIENCY
-    flops = GPUS[name][1] * 1e12 * FLOPS_EFFICIENCY
-    per_token = 2 * shapes["active_params"] / flops
-    terms = {
-        "base_s": STEP_OVERHEAD_S + shapes["params"] * shapes["bytes_per_param"] / bw,
-        "per_decode_s": per_token,
-        "per_prefill_token_s": per_token,
-        "per_context_token_s": shapes["kv_bytes_per_token"] / bw,
-    }
-    note = (f"roofline estimate: {name} ({GPUS[name][0]:g} GB/s, {GPUS[name][1]:g} TFLOP/s "
-            f"dense, at {BANDWIDTH_EFFICIENCY:g} and {FLOPS_EFFICIENCY:g} of them), "
-            f"{shapes['params'] / 1e9:.3g}B parameters ({shapes['active_params'] / 1e9:.3g}B "
-            f"active) in {shapes['dtype']}, {STEP_OVERHEAD_S * 1e3:g} ms a step of overhead")
-    return {"version": VERSION, "kind": "linear",
-            **{k: float(f"{v:.6g}") for k, v in terms.items()},
-            "source": "estimate", "note": note, "estimate": {"gpu": name, **shapes}}
-
-
-# --------------------------------------------------------------------------- the load
-
-#: Prompt lengths (tokens), output lengths and the concurrency levels of the
-#: calibration load: for each level that many streams are kept open (a new
-#: request as soon as one ends, closed loop) for an equal share of the
-#: duration, prompts and outputs of varied lengths, so that prefills land
-#: among decodes at every batch size.
-PROMPT_TOKENS = (16, 64, 192, 384)
-OUTPUT_TOKENS = (16, 48, 128)
-CONCURRENCY = (1, 2, 4, 8, 16)
-WARMUP_S = 3.0
-USERS = 3
-
-
-#: the APIs the calibration load can speak: its requests should be those of
-#: the traffic the twin is to predict (the request path differs: chat
-#: renders a template and tokenizes text, completions of token ids do not)
-APIS = ("chat", "completions")
-
-
-async def calibration_load(base_url: str, model: str, duration_s: float, bar: Any = None,
-                           seed: int = 0, api: str = "chat") -> list[dict[str, Any]]:
-    """Drive the load; per request its client id (``X-Request-Id``),
-    prompt tokens (the server's count), phase and error. ``api``: chat
-    completions of text (``/v1/chat/completions``) or completions of token
-    ids (``/v1/completions``, the ids of the same texts, shuffled per
-    request: no prefix-cache hits)."""
-    import asyncio
-    import random
-    import time
-    import uuid
-
-    import httpx
-
-    from vllm_output_rate.tools.common.client import (
-        chat_body, completion_body, StreamResult, stream_into)
-    from vllm_output_rate.tools.loadgen import text_of_tokens, tokenize
-
-    rng = random.Random(seed)
-    run = uuid.uuid4().hex[:8]
-    records: list[dict[str, Any]] = []
-    seq = 0
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(duration_s + 60), limits=limits) as client:
-        texts = {n: await text_of_tokens(client, base_url, model, n, seed + n)
-                 for n in PROMPT_TOKENS}
-        ids = ({n: await tokenize(client, base_url, model, text) for n, text in texts.items()}
-               if api == "completions" else {})
-        phase_s = max(1.0, (duration_s - WARMUP_S) / len(CONCURRENCY))
-        started = time.monotonic()
-
-        async def one(phase: str) -> None:
-            nonlocal seq
-            rid = f"cal-{run}-{seq:05d}"
-            seq += 1
-            n = rng.choice(PROMPT_TOKENS)
-            user = f"cal-{seq % USERS}"
-            rec = StreamResult(user, rng.choice(OUTPUT_TOKENS))
-            if api == "completions":
-                prompt = list(ids[n])
-                rng.shuffle(prompt)
-                body = completion_body(model, prompt, rec.max_tokens, user)
-                path = "/v1/completions"
-            else:
-                # a distinct first word: no prefix-cache hits between requests
-                body = chat_body(model, f"{rid} {texts[n]}", rec.max_tokens, user)
-                path = "/v1/chat/completions"
-            sent_ns = time.monotonic_ns()  # the engine core's clock (one per machine)
-            try:
-                await stream_into(client, base_url, body, rec, headers={"X-Request-Id": rid},
-                                  path=path)
-            except Exception as exc:  # recorded: one stream must not stop the load
-                rec.error = f"{type(exc).__name__}: {exc}"
-            records.append({"request_id": rid, "prompt_tokens": rec.prompt_tokens,
-                            "phase": phase, "sent_ns": sent_ns, "error": rec.error})
-
-        async def slot(phase: str, until: float) -> None:
-            while time.monotonic() < until:
-                await one(phase)
-
-        async def tick() -> None:  # the bar: seconds of load run
-            while True:
-                bar.update(max(0, min(bar.total, round(time.monotonic() - started)) - bar.n))
-                await asyncio.sleep(0.5)
-
-        ticker = asyncio.create_task(tick()) if bar is not None else None
-        plan = [("warmup", 2, WARMUP_S)] + [(f"c{c}", c, phase_s) for c in CONCURRENCY]
-        for phase, c, seconds in plan:
-            until = time.monotonic() + seconds
-            await asyncio.gather(*(slot(phase, until) for _ in range(c)))
-        if ticker is not None:
-            ticker.cancel()
-            bar.update(bar.total - bar.n)
-    return records
-
-
-def run_calibration_load(base_url: str, model_name: str, prompts_out: Path,
-                         duration_s: float, show_progress: bool = True,
-                         api: str = "chat") -> dict[str, Any]:
-    """Drive the calibration load (a progress bar of its seconds); writes
-    ``prompts_out`` (JSON Lines: the client's request ids, prompt tokens,
-    phase)."""
-    import asyncio
-
-    from tqdm import tqdm
-
-    with tqdm(total=math.ceil(duration_s), unit="s", desc="calibration load", mininterval=0.5,
-              disable=not show_progress, file=sys.stderr) as bar:
-        records = asyncio.run(calibration_load(base_url, model_name, duration_s, bar, api=api))
-    with open(prompts_out, "w") as f:
-        for rec in records:
-            if rec["prompt_tokens"]:
-                f.write(json.dumps({k: rec[k] for k in ("request_id", "prompt_tokens", "phase",
-                                                        "sent_ns")})
-                        + "\n")
-    errors = [r["error"] for r in records if r["error"]]
-    return {"requests": len(records), "errors": len(errors),
-            "first_error": errors[0] if errors else None}
-
-
 def warmup_end_ns(log: Any, prompts_path: str) -> int:
     """The first step with a token of a request after the warm-up phase
     (the CPU backend builds kernels for new batch shapes during it)."""
@@ -592,6 +363,9 @@ def _print_fit(model: dict[str, Any], out: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    from vllm_output_rate.tools.twin.calibration_load import APIS, run_calibration_load
+    from vllm_output_rate.tools.twin.roofline import GPUS, roofline_estimate
+
     parser = argparse.ArgumentParser(
         prog="vllm-output-rate twin calibrate",
         description="Fit the twin's step-time model from an engine's event log (optionally "

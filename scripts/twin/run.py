@@ -1,53 +1,39 @@
-"""The what-if twin: vLLM's own scheduler, its KV cache manager, the
-plugin's limiter and the project's engine telemetry, advanced by a virtual
-clock on a workload file.
-
-``vllm-output-rate twin run --workload FILE --out DIR [--model DIR]
-[--step-time FILE] [--seed N] [vllm serve's scheduler and limit options]``
-``vllm-output-rate twin workload flood|tiers|bursts|clients|burstgpt --out FILE ...``
-``vllm-output-rate twin compare --config NAME="OPTIONS" ... --workload FILE --out DIR``
-(``twin_compare``), ``vllm-output-rate twin calibrate ...`` (``twin_calibrate``)
-
-The options are parsed by vLLM's own ``EngineArgs`` parser with the
-plugin's options added (``--max-num-seqs``, ``--max-num-batched-tokens``,
-``--async-scheduling``, ``--num-gpu-blocks-override``,
-``--output-rate-default-tokens-per-second``, ``--output-rate-limits-file``
-...): the same flag means the same thing as for ``serve``, and the
-scheduler class is the one ``serve`` would run (the plugin's with limits,
-vLLM's without). Options about devices, parallelism or the API server are
-accepted and play no part. ``--model`` defaults to the tiny generated model;
-only its config is read. Not in the twin: ``--output-rate-shared-state``.
+"""One twin run: vLLM's own scheduler, its KV cache manager, the plugin's
+limiter and the project's engine telemetry, advanced by a virtual clock on
+a workload (``Twin(config)``, a ``twin.config.TwinConfig``).
 
 A fake executor returns one sampled token per scheduled request per step
 (no weights, no forward pass; a request ends at ``max_tokens``) and the
-clock moves by the step-time model (``tools.step_time``). With async
+clock moves by the step-time model (``twin.step_time``). With async
 scheduling a step is scheduled before the previous one's output is applied,
-as vLLM's batch queue does (``scheduler_driver.Driver``). When a step runs
-nothing while requests wait (every user throttled), the clock jumps to the
-earliest of the throttled users' next budget and the next arrival: the
-engine loop's idle wait. A workload's limits line rewrites the run's copy
-of the limits file at its time and the scheduler's watcher reads it then.
+as vLLM's batch queue does (``common.scheduler_driver.Driver``). When a
+step runs nothing while requests wait (every user throttled), the clock
+jumps to the earliest of the throttled users' next budget and the next
+arrival: the engine loop's idle wait. A workload's limits line rewrites the
+run's copy of the limits file at its time and the scheduler's watcher reads
+it then.
 
-Outputs in ``--out``: ``summary.json`` (``twin_report.SUMMARY_SCHEMA``),
-``report.md`` with its plots (``plot-*.png``, ``twin_plots``), and with limits the engine event log ``events.jsonl`` and
-the Prometheus text ``metrics.txt`` that the real telemetry writes, in
-virtual time (its snapshot in ``telemetry/``); the limits file it ran on
-(``limits.*``).
+Outputs in the config's ``out``: ``summary.json`` (``twin.report.SCHEMA``),
+``report.md`` with its plots (``plot-*.png``, ``twin.plots``), and with
+limits the engine event log ``events.jsonl`` and the Prometheus text
+``metrics.txt`` that the real telemetry writes, in virtual time (its
+snapshot in ``telemetry/``); the limits file it ran on (``limits.*``).
 """
 
 from __future__ import annotations
 
-import argparse
+import copy
 import gc
 import json
 import os
 import random
 import shutil
-import sys
 import time
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
+
+from vllm_output_rate.tools.twin.config import TwinConfig, TwinError, TwinLimits, scheduler_options
 
 NS = 1_000_000_000
 #: The twin's clock at virtual time 0 (the engine core's monotonic ns).
@@ -135,92 +121,43 @@ def no_watch_thread():
         OutputRateSchedulerMixin.output_rate_watch_thread = before
 
 
-class TwinError(Exception):
-    """A twin run that cannot be made as asked (one line, no traceback)."""
-
-
-def build_parser():
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser, SortedHelpFormatter
-
-    from vllm_output_rate import plugin
-    from vllm_output_rate.tools.common.help_text import plain_formatter
-
-    plugin.register()  # the plugin's options on vLLM's parser
-    parser = FlexibleArgumentParser(
-        prog="vllm-output-rate twin run", usage=RUN_USAGE,
-        description="Run vLLM's scheduler with the output-rate limiter on a workload in\n"
-                    "virtual time. Takes vllm serve's scheduler and limit options; those\n"
-                    "about devices, parallelism or the API server play no part.",
-        epilog=RUN_EPILOG.format(group=plugin.GROUP_TITLE),
-        formatter_class=plain_formatter(SortedHelpFormatter))
-    EngineArgs.add_cli_args(parser)
-    parser.set_defaults(model=None)
-    twin = parser.add_argument_group(
-        "Twin", description="The twin's own options: the workload, the outputs, the clock.")
-    twin.add_argument("--workload", required=True, help="the workload (JSON Lines)")
-    twin.add_argument("--out", required=True, help="the output directory")
-    twin.add_argument("--step-time", default=None,
-                      help="the step-time model (JSON); default: a fixed estimate")
-    twin.add_argument("--no-plots", action="store_true",
-                      help="no plots in report.md (per-user rate, TTFT CDF, KV held throttled)")
-    twin.add_argument("--until", type=float, default=None, metavar="SECONDS",
-                      help="stop at this virtual second even with requests left (their tokens "
-                      "so far count; those without a first token are counted unstarted); "
-                      "default: when every request has finished")
-    return parser
-
-
-def scheduler_options(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("max_num_seqs", "max_num_active_seqs", "max_num_batched_tokens", "max_model_len",
-             "enable_chunked_prefill", "enable_prefix_caching", "async_scheduling",
-             "num_gpu_blocks_override", "block_size", "scheduling_policy")
-    return {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
-
-
 class Twin:
-    """One twin run: ``Twin(argv)`` builds the scheduler, ``run()`` runs it
-    and writes the outputs, returning the summary."""
+    """One twin run: ``Twin(config)`` builds the scheduler of a
+    ``TwinConfig`` (``twin.config``), ``run()`` runs it and writes the
+    outputs, returning the summary."""
 
-    def __init__(self, argv: list[str], keep_charges: bool = False,
-                 admission: Any = None) -> None:
+    def __init__(self, config: TwinConfig) -> None:
+        from vllm_output_rate.config import ADDITIONAL_CONFIG_KEY, OutputRateConfig, to_wire
         from vllm_output_rate.tools.common.scheduler_driver import (
             VirtualClock, config_from_engine_args, scheduler_for_config)
-        from vllm_output_rate.tools.step_time import load_step_time
-        from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
-        from vllm_output_rate.tools.twin_report import TwinStats
-        from vllm_output_rate.tools.workload import read_workload
-        from vllm.engine.arg_utils import EngineArgs
+        from vllm_output_rate.tools.twin.report import TwinStats
 
-        self.args = args = build_parser().parse_args(argv)
-        if getattr(args, "output_rate_shared_state", None):
-            raise TwinError("--output-rate-shared-state: not in the twin (one engine)")
-        self.workload = read_workload(args.workload)
-        self.step_model = load_step_time(args.step_time)
-        self.out = Path(args.out)
+        self.config = config
+        self.workload = config.workload
+        self.step_model = config.step_time
+        self.out = Path(config.out)
         self.out.mkdir(parents=True, exist_ok=True)
-        if args.output_rate_limits_file:  # the run's own copy: the workload rewrites it
-            src = args.output_rate_limits_file
-            copy = self.out / ("limits" + (Path(src).suffix or ".yaml"))
-            try:
-                shutil.copyfile(src, copy)
-            except OSError as exc:
-                raise TwinError(f"--output-rate-limits-file {src}: cannot read it "
-                                f"({exc.strerror or exc})") from None
-            args.output_rate_limits_file = str(copy)
-        if args.model is None:
-            args.model = str(ensure_tiny_model())
-        self.options = scheduler_options(args)
-        engine_args = EngineArgs.from_cli_args(args)
+        limits = config.limits
+        #: the run's own copy of the limits file (the workload rewrites it)
+        self.limits_file = self._limits_copy(limits)
+        limiter = OutputRateConfig.from_options(limits.default_rate, limits.user_rates,
+                                                self.limits_file, limits.unlisted_users)
+        engine_args = copy.copy(config.engine)
+        engine_args.additional_config = {
+            k: v for k, v in (engine_args.additional_config or {}).items()
+            if k != ADDITIONAL_CONFIG_KEY}
+        if limiter is not None:
+            engine_args.additional_config[ADDITIONAL_CONFIG_KEY] = to_wire(limiter)
         engine_args.skip_tokenizer_init = True
+        self.options = scheduler_options(engine_args)
         self.vllm_config = config_from_engine_args(
-            engine_args, async_scheduling=bool(args.async_scheduling))
+            engine_args, async_scheduling=bool(engine_args.async_scheduling))
         sched_config = self.vllm_config.scheduler_config
         self.is_async = bool(sched_config.async_scheduling)
         block_size = self.block_size = self.vllm_config.cache_config.block_size
         self.max_model_len = self.vllm_config.model_config.max_model_len
         self._check_workload()
-        blocks = args.num_gpu_blocks_override or max(
+        blocks = engine_args.num_gpu_blocks_override or max(
             MIN_BLOCKS, sched_config.max_num_seqs * (-(-self.max_model_len // block_size)) + 1)
         self.num_blocks = blocks
         self.clock = VirtualClock(T0_NS)
@@ -228,19 +165,33 @@ class Twin:
             self.scheduler = scheduler_for_config(self.vllm_config, num_blocks=blocks,
                                                   clock=self.clock)
         self.limited = hasattr(self.scheduler, "output_rate_clock")
-        self.stats = TwinStats(self.scheduler, keep_charges, T0_NS)
-        #: a gate in front of the engine (``fairness.GatewayEmulation``): its
-        #: ``admit(req_id, user, prompt_tokens, max_tokens, now_ns)`` refuses a
-        #: request (counted per user) and ``finished(req_id, prompt_tokens,
-        #: output_tokens, now_ns)`` hears of every admitted one that ends
-        self.admission = admission
+        self.stats = TwinStats(self.scheduler, config.keep_charges, T0_NS)
+        self.admission = config.admission
         self._sizes: dict[str, list] = {}
-        self.seed = args.seed or 0  # vLLM's --seed: here it seeds the prompts' token ids
+        self.seed = engine_args.seed or 0  # vLLM's --seed: here it seeds the prompts' token ids
         self.rng = random.Random(self.seed)
         self.vocab = max(self.vllm_config.model_config.get_vocab_size(), 32)
 
+    def _limits_copy(self, limits: TwinLimits) -> str | None:
+        """The run's limits file, in its output folder: the given file's
+        copy, or the given text."""
+        if limits.limits_text is not None:
+            copy_path = self.out / "limits.yaml"
+            copy_path.write_text(limits.limits_text)
+            return str(copy_path)
+        src = limits.limits_file
+        if not src:
+            return None
+        copy_path = self.out / ("limits" + (Path(src).suffix or ".yaml"))
+        try:
+            shutil.copyfile(src, copy_path)
+        except OSError as exc:
+            raise TwinError(f"--output-rate-limits-file {src}: cannot read it "
+                            f"({exc.strerror or exc})") from None
+        return str(copy_path)
+
     def _check_workload(self) -> None:
-        wl, limits_file = self.workload, self.args.output_rate_limits_file
+        wl, limits_file = self.workload, self.limits_file
         for r in wl.requests:
             if r.prompt_tokens + r.max_tokens > self.max_model_len:
                 raise TwinError(
@@ -277,7 +228,7 @@ class Twin:
         self.driver.add(request)
 
     def _change_limits(self, change: Any) -> None:
-        path = self.args.output_rate_limits_file
+        path = self.limits_file
         tmp = f"{path}.tmp"
         with open(tmp, "wb") as f:  # a new inode, as an editor or a ConfigMap update
             f.write(change.content)
@@ -319,7 +270,7 @@ class Twin:
 
         from vllm_output_rate.observers import IdleWait
         from vllm_output_rate.tools.common.scheduler_driver import Driver, attach_telemetry
-        from vllm_output_rate.tools.workload import WorkloadRequest
+        from vllm_output_rate.tools.twin.workload import WorkloadRequest
 
         sched, clock, stats = self.scheduler, self.clock, self.stats
         self.driver = drv = Driver(sched, clock, is_async=self.is_async,
@@ -355,7 +306,7 @@ class Twin:
             next_export = T0_NS + EXPORT_NS
             model_steps = index = 0
             pending = self.pending
-            until = self.args.until
+            until = self.config.until_s
             until_ns = None if until is None else T0_NS + round(until * NS)
             while True:
                 now = clock()
@@ -412,7 +363,7 @@ class Twin:
     def _write(self, limits: Any, end_ns: int, wall_s: float, steps: int, model_steps: int,
                requests: int) -> dict[str, Any]:
         from vllm_output_rate.internals import installed_vllm_version
-        from vllm_output_rate.tools.twin_report import SCHEMA, render_report
+        from vllm_output_rate.tools.twin.report import SCHEMA, render_report
 
         cls = type(self.scheduler)
         files = {"summary": "summary.json", "report": "report.md"}
@@ -433,15 +384,15 @@ class Twin:
                     {k: c[k] for k in ("t", "in_force_t", "result")} for c in self.limit_changes],
                 "step_time": {**self.step_model.to_json(), "is_estimate": self.step_model.is_estimate},
                 "virtual_s": round((end_ns - T0_NS) / NS, 6), "wall_s": round(wall_s, 3),
-                "until_s": self.args.until,
+                "until_s": self.config.until_s,
                 "steps": steps, "model_steps": model_steps,
                 "num_gpu_blocks": self.num_blocks, "options": self.options,
             },
             "users": self.stats.user_summary(),
             "files": files,
         }
-        if not self.args.no_plots:
-            from vllm_output_rate.tools.twin_plots import run_plots
+        if self.config.plots:
+            from vllm_output_rate.tools.twin.plots import run_plots
 
             summary["plots"] = run_plots(self.stats.timeline(), self.out)
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -458,121 +409,3 @@ def metrics_text(telemetry_dir: Path) -> bytes:
     registry = CollectorRegistry()
     registry.register(SnapshotCollector(str(telemetry_dir)))
     return generate_latest(registry)
-
-
-RUN_USAGE = "vllm-output-rate twin run --workload FILE --out DIR [options]"
-RUN_EPILOG = (
-    "For the twin's own options:  vllm-output-rate twin run --help=Twin\n"
-    "For the limits:              vllm-output-rate twin run --help={group}\n"
-    "For the scheduler:           vllm-output-rate twin run --help=SchedulerConfig\n"
-    "For a flag:                  vllm-output-rate twin run --help=max-num-seqs\n"
-    "For full list:               vllm-output-rate twin run --help=all\n")
-
-#: The twin's subcommands, one line each (``twin --help``).
-SUBCOMMANDS = {
-    "run": "vLLM's scheduler and the limiter on a workload in virtual time; a report",
-    "compare": "one workload under several configurations, side by side",
-    "workload": "write a workload: generated (flood, tiers, bursts, clients) or from BurstGPT",
-    "calibrate": "fit the step-time model from an engine's event log, or estimate one",
-    "accuracy": "replay workloads on real engines and in the twin; compare per user",
-    "scale": "the twin's own speed and memory against requests resident and users",
-}
-
-USAGE = """usage: vllm-output-rate twin run --workload FILE --out DIR [options]
-       vllm-output-rate twin compare --workload FILE --out DIR --config NAME="OPTIONS"
-           --config NAME="OPTIONS" [...] [options of every run]
-       vllm-output-rate twin workload {flood,tiers,bursts,clients} --out FILE [options]
-       vllm-output-rate twin workload burstgpt --trace FILE.csv --users RULE --out FILE [options]
-       vllm-output-rate twin calibrate --events FILE [--prompts FILE] --out FILE
-       vllm-output-rate twin calibrate --url URL --model NAME --events FILE --out FILE
-       vllm-output-rate twin calibrate --model DIR --gpu NAME --out FILE
-       vllm-output-rate twin accuracy --out DIR [--model DIR] [--replays N] [--workload NAME ...]
-       vllm-output-rate twin scale --out DIR [--sizes R ...] [--users U ...] [options]
-"""
-
-
-def usage() -> str:
-    """``twin --help``: the usage lines and a line per subcommand."""
-    lines = [USAGE, "commands:"]
-    lines += [f"  {name:<11}{text}" for name, text in SUBCOMMANDS.items()]
-    lines += ["", "vllm-output-rate twin COMMAND --help: the command's options"]
-    return "\n".join(lines)
-
-
-def compare_main(argv: list[str]) -> int:
-    from vllm_output_rate.config import OutputRateConfigError
-    from vllm_output_rate.tools import twin_compare
-    from vllm_output_rate.tools.common.help_text import plain
-    from vllm_output_rate.tools.step_time import StepTimeError
-    from vllm_output_rate.tools.workload import WorkloadError
-
-    if not argv or argv[0] in ("-h", "--help"):
-        print(plain(twin_compare.__doc__.split("\n\n", 2)[1]))
-        return 0 if argv else 2
-    plots = "--no-plots" not in argv
-    try:
-        doc = twin_compare.run_compare([a for a in argv if a != "--no-plots"], Twin, plots)
-    except (twin_compare.CompareError, TwinError, WorkloadError, StepTimeError,
-            OutputRateConfigError) as exc:
-        print(f"vllm-output-rate twin compare: error: {exc}", file=sys.stderr)
-        return 2
-    names = [c["name"] for c in doc["configs"]]
-    print(f"{len(names)} configurations, {len(doc['users'])} users: compare.md, compare.json "
-          f"beside the runs' folders {', '.join(n + '/' for n in names)}")
-    return 0
-
-
-def scale_main(argv: list[str]) -> int:
-    from vllm_output_rate.config import OutputRateConfigError
-    from vllm_output_rate.tools import twin_scale
-
-    if argv and argv[0] in ("-h", "--help"):
-        twin_scale.build_parser().print_help()
-        return 0
-    try:
-        doc = twin_scale.run_scale(argv, Twin)
-    except (twin_scale.ScaleError, TwinError, OutputRateConfigError) as exc:
-        print(f"vllm-output-rate twin scale: error: {exc}", file=sys.stderr)
-        return 2
-    print(f"{len(doc['cells'])} cells: {doc['facts']['out']}/scale.md, scale.json")
-    return 0
-
-
-def main(argv: list[str]) -> int:
-    if not argv or argv[0] in ("-h", "--help"):
-        print(usage())
-        return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "workload":
-        from vllm_output_rate.tools.workload import main as workload_main
-
-        return workload_main(rest)
-    if command == "compare":
-        return compare_main(rest)
-    if command == "calibrate":
-        from vllm_output_rate.tools.twin_calibrate import main as calibrate_main
-
-        return calibrate_main(rest)
-    if command == "accuracy":
-        from vllm_output_rate.tools.twin_accuracy import main as accuracy_main
-
-        return accuracy_main(rest, Twin)
-    if command == "scale":
-        return scale_main(rest)
-    if command != "run":
-        print(f"vllm-output-rate twin: unknown command {command!r}\n{usage()}", file=sys.stderr)
-        return 2
-    from vllm_output_rate.config import OutputRateConfigError
-    from vllm_output_rate.tools.step_time import StepTimeError
-    from vllm_output_rate.tools.workload import WorkloadError
-
-    try:
-        twin = Twin(rest)
-        summary = twin.run()
-    except (TwinError, WorkloadError, StepTimeError, OutputRateConfigError) as exc:
-        print(f"vllm-output-rate twin run: error: {exc}", file=sys.stderr)
-        return 2
-    run = summary["run"]
-    print(f"{run['virtual_s']:.1f} virtual s in {run['wall_s']:.1f} wall s, {run['steps']} "
-          f"steps, {len(summary['users'])} users: {twin.out / 'report.md'}")
-    return 0

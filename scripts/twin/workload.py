@@ -195,6 +195,19 @@ def read_workload(path: str) -> Workload:
         except ValueError as exc:
             raise WorkloadError(f"{where}: not JSON ({exc})") from None
         events.append(parse_line(obj, where, base_dir, i))
+    return _workload(path, events)
+
+
+def workload_of_lines(lines: list[dict[str, Any]], name: str = "workload.jsonl",
+                      base_dir: str = ".") -> Workload:
+    """A workload from its lines in memory (each checked as a file's line
+    is; ``name`` stands for the file in messages and in the summary, limits
+    lines are read relative to ``base_dir``)."""
+    return _workload(name, [parse_line(obj, f"{name}:{i}", base_dir, i)
+                            for i, obj in enumerate(lines, 1)])
+
+
+def _workload(path: str, events: list[WorkloadRequest | LimitsChangeAt]) -> Workload:
     if not any(isinstance(e, WorkloadRequest) for e in events):
         raise WorkloadError(f"{path}: no request lines")
     events.sort(key=lambda e: (e.t, e.line))

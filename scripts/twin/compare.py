@@ -202,9 +202,12 @@ def render_compare(names: list[str], options: list[list[str]],
     return "\n".join(lines) + "\n"
 
 
-def run_compare(argv: list[str], twin_cls: Any, plots: bool = True) -> dict[str, Any]:
-    """Run every configuration (``twin_cls``: ``tools.twin.Twin``, given by
-    the command) and write ``compare.md``, ``compare.json`` and the plots."""
+def run_compare(argv: list[str], plots: bool = True) -> dict[str, Any]:
+    """Run every configuration (``twin.run.Twin``) and write ``compare.md``,
+    ``compare.json`` and the plots."""
+    from vllm_output_rate.tools.twin.config import TwinConfig
+    from vllm_output_rate.tools.twin.run import Twin
+
     configs, common = parse_configs(argv)
     out = None
     for i, arg in enumerate(common):
@@ -227,8 +230,8 @@ def run_compare(argv: list[str], twin_cls: Any, plots: bool = True) -> dict[str,
         argv_run.append(arg)
     names, summaries, timelines = [], [], []
     for name, options in configs:
-        twin = twin_cls([*argv_run, *options, "--out", str(out_dir / name),
-                     *([] if plots else ["--no-plots"])])
+        twin = Twin(TwinConfig.from_argv([*argv_run, *options, "--out", str(out_dir / name),
+                                          *([] if plots else ["--no-plots"])]))
         summaries.append(twin.run())
         timelines.append(twin.stats.timeline())
         names.append(name)
@@ -237,7 +240,7 @@ def run_compare(argv: list[str], twin_cls: Any, plots: bool = True) -> dict[str,
     compare = compare_summaries(names, summaries)
     plot_files = {}
     if plots:
-        from vllm_output_rate.tools.twin_plots import compare_plots
+        from vllm_output_rate.tools.twin.plots import compare_plots
 
         plot_files = compare_plots(names, timelines, out_dir)
     doc = {

@@ -80,6 +80,11 @@ class StepTimeError(ValueError):
     """A step-time file that does not follow the schema (names file and field)."""
 
 
+class CalibrationError(ValueError):
+    """A log or model that cannot be fitted, or estimated (``twin.calibrate``,
+    ``twin.roofline``; one line for the command)."""
+
+
 @dataclass(frozen=True)
 class StepTimeModel:
     base_s: float
