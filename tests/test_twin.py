@@ -8,6 +8,7 @@ import json
 from fractions import Fraction
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -16,6 +17,7 @@ from test_live_limits import check_piecewise_bound
 from vllm_output_rate.limiter import BURST_NS
 from vllm_output_rate.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from vllm_output_rate.telemetry.events import EngineLog
+from vllm_output_rate.telemetry.metrics import series_name
 from vllm_output_rate.tools.twin import cli as twin
 from vllm_output_rate.tools.twin import workload
 from vllm_output_rate.tools.twin.step_time import StepTimeError, load_step_time
@@ -133,6 +135,15 @@ def test_a_limits_change_in_the_workload_is_in_force_at_its_virtual_time(tmp_pat
     log = EngineLog.read(tmp_path / "out" / "events.jsonl")
     [logged] = log.limit_changes
     assert logged["t_ns"] == in_force_ns and logged["limits"] == {"user-a": 5.0}
+    # the telemetry's wall clock moves with the virtual one (the twin passes
+    # its clock in), and so does the limits file's load time
+    [start] = log.starts
+    offset_ns = start["unix_ns"] - start["t_ns"]
+    assert logged["unix_ns"] - logged["t_ns"] == offset_ns
+    text = (tmp_path / "out" / "metrics.txt").read_text()
+    [loaded] = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == series_name("limits_loaded_timestamp_seconds")]
+    assert loaded == pytest.approx((T0_NS + offset_ns) / NS + change["in_force_t"], abs=0.05)
     # the user's file was copied, never written
     assert limits.read_text() == "default: 1000\nusers: {user-a: 20}\n"
     charges = [(ns, "user-a", n) for ns, n in user_charges(t, "user-a")]

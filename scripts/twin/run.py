@@ -33,6 +33,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
+from vllm_output_rate.telemetry.clock import Clock
 from vllm_output_rate.tools.twin.config import TwinConfig, TwinError, TwinLimits, scheduler_options
 
 NS = 1_000_000_000
@@ -45,8 +46,10 @@ EXPORT_NS = NS
 MIN_BLOCKS = 10_000
 
 
-class VirtualTime:
-    """A stand-in for the ``time`` module that reads the twin's clock."""
+class TwinClock(Clock):
+    """The telemetry's clocks in the twin: the monotonic one is the
+    scheduler's virtual clock, the wall clock ``epoch_ns`` at virtual time
+    0 and moving with it."""
 
     def __init__(self, clock: Any, epoch_ns: int) -> None:
         self._clock, self._epoch_ns = clock, epoch_ns
@@ -54,41 +57,8 @@ class VirtualTime:
     def monotonic_ns(self) -> int:
         return self._clock()
 
-    def monotonic(self) -> float:
-        return self._clock() / NS
-
     def time_ns(self) -> int:
         return self._epoch_ns + self._clock() - T0_NS
-
-    def time(self) -> float:
-        return self.time_ns() / NS
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(time, name)
-
-
-@contextmanager
-def virtual_time(clock: Any, epoch_ns: int):
-    """The telemetry and the limits watcher read the twin's clock while the
-    twin runs (they read ``time`` themselves; restored after)."""
-    import importlib
-    import pkgutil
-
-    from vllm_output_rate import limits_watch, telemetry
-
-    modules = [limits_watch] + [
-        importlib.import_module(f"{telemetry.__name__}.{info.name}")
-        for info in pkgutil.iter_modules(telemetry.__path__)]
-    shim = VirtualTime(clock, epoch_ns)
-    # every module of the telemetry that reads the ``time`` module itself
-    saved = [(m, m.time) for m in modules if getattr(m, "time", None) is time]
-    for module, _ in saved:
-        module.time = shim
-    try:
-        yield shim
-    finally:
-        for module, before in saved:
-            module.time = before
 
 
 @contextmanager
@@ -234,7 +204,10 @@ class Twin:
             f.write(change.content)
         os.replace(tmp, path)
         watcher = self.scheduler.output_rate_limits_watcher
-        self.limit_changes.append({"t": change.t, "in_force_t": None, "result": watcher.check(),
+        result = watcher.check()
+        if result == "loaded":  # (the watcher stamps a load on the system's wall clock)
+            watcher.loaded_unix = self.telemetry_clock.time()
+        self.limit_changes.append({"t": change.t, "in_force_t": None, "result": result,
                                    "digest": watcher.digest})
 
     def _on_update(self, engine_outputs: Any, now: int) -> None:
@@ -296,12 +269,13 @@ class Twin:
         wall0 = time.perf_counter()
         with ExitStack() as stack:
             stack.enter_context(frozen_heap())
-            stack.enter_context(virtual_time(clock, time.time_ns()))
+            self.telemetry_clock = TwinClock(clock, time.time_ns())
             tel = None
             if self.limited:
                 (self.out / "telemetry").mkdir(exist_ok=True)
                 tel = attach_telemetry(sched, str(self.out / "telemetry"), start_thread=False,
-                                       events_path=str(self.out / "events.jsonl"))
+                                       events_path=str(self.out / "events.jsonl"),
+                                       clock=self.telemetry_clock)
                 (self.out / "events.jsonl").unlink(missing_ok=True)
             next_export = T0_NS + EXPORT_NS
             model_steps = index = 0
