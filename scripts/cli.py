@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check-limits": ("vllm_output_rate.tools.check_limits",
                      "check limits and keys files offline with the engine's own parser "
                      "(CI, pre-commit); --schema prints the JSON Schema"),
-    "fairness": ("vllm_output_rate.tools.fairness",
+    "fairness": ("vllm_output_rate.tools.fairness.cli",
                  "fairness benchmark: FCFS, priority, a gateway's token limit, capped and "
                  "borrowing on the same workloads, side by side"),
 }

@@ -242,7 +242,7 @@ def main(argv: list[str]) -> int:
                         "the twin against them (its step time fitted again on that log unless "
                         "--step-time)")
     args = parser.parse_args(argv)
-    from vllm_output_rate.tools.fairness_engine import model_vocab
+    from vllm_output_rate.tools.fairness.engine import model_vocab
     from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
 
     model = args.model or str(ensure_tiny_model())

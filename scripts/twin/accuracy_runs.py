@@ -256,7 +256,7 @@ async def replay(wl: AccuracyWorkload, server: Any, limits_path: Path, vocab: in
     workload's start and its cut (monotonic ns) and the errors."""
     import httpx
 
-    from vllm_output_rate.tools.fairness_engine import Record, _one, prompt_ids
+    from vllm_output_rate.tools.fairness.engine import Record, _one, prompt_ids
 
     rng = random.Random(seed)
     url = f"{server.base_url}/v1/completions"

@@ -1,6 +1,6 @@
 """The fairness benchmark's arms on a real engine: the same scenarios as
-``tools.fairness`` (its workloads, figures and tables; it calls ``run_arm``
-here), driven through the OpenAI API of ``vllm-output-rate serve`` on vLLM's CPU engine, with the
+the twin's (``fairness.scenarios``, ``figures`` and ``report``;
+``arms.engine_runner`` calls ``run_arm`` here), driven through the OpenAI API of ``vllm-output-rate serve`` on vLLM's CPU engine, with the
 gateway arm the real LiteLLM proxy.
 
 ``vllm-output-rate fairness --engine cpu [--model DIR] [--litellm BIN]
@@ -49,12 +49,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-#: the real engine's scale (``fairness.ENGINE_SCALE``): R sequences a
+#: the real engine's scale (``fairness.scenarios.ENGINE_SCALE``): R sequences a
 #: step, six users, 30 s of arrivals; the scenarios' rates are sized on a
 #: nominal capacity of R / STEP_S (a step time of the tiny model on a CPU
 #: core with R sequences)
 R, USERS, DURATION_S, STEP_S = 8, 6, 30.0, 0.02
-#: this project's arms keep this many times R resident (as ``fairness``)
+#: this project's arms keep this many times R resident (as ``fairness.arms``)
 RESIDENT = 4
 NS = 1_000_000_000
 #: seconds after the arrivals end before what is left is cancelled
