@@ -21,9 +21,9 @@ commands:
 #: Each module is imported only when its command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("vllm_output_rate.tools.demo", "run the demo (tiny local model, three users)"),
-    "loadgen": ("vllm_output_rate.tools.loadgen",
+    "loadgen": ("vllm_output_rate.tools.loadgen.run",
                 "drive a server with a scenario file, client-side timing"),
-    "verify": ("vllm_output_rate.tools.verify",
+    "verify": ("vllm_output_rate.tools.verify.cli",
                "engine-side ITL verification of a scenario run, Markdown report"),
     "profile": ("vllm_output_rate.tools.profile_engine",
                 "py-spy schedule-cost report of the engine core (limiter on vs off)"),

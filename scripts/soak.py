@@ -291,7 +291,7 @@ async def drive(base_url: str, server_pid: int, minutes: float, sample_s: float,
                 report: Report, progress: bool = False) -> float:
     """The load and the samples (a progress line each); returns the run's
     start (monotonic s)."""
-    from vllm_output_rate.tools.loadgen import text_of_tokens
+    from vllm_output_rate.tools.loadgen.prompts import text_of_tokens
     from vllm_output_rate.tools.stress import Live, wait_quiet
 
     import psutil
@@ -358,7 +358,7 @@ def analyse_requests(report: Report, requests: list[Request]) -> None:
 
 def analyse_events(report: Report, events_path: Path, start_ns: int, end_ns: int) -> None:
     from vllm_output_rate.telemetry.events import EngineLog
-    from vllm_output_rate.tools.verify import gcra_max_excess
+    from vllm_output_rate.tools.verify.gcra import gcra_max_excess
 
     log = EngineLog.read(events_path)
     rates = limits()

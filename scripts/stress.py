@@ -464,7 +464,7 @@ def _message(doc: Any) -> str:
 
 
 async def request_cases(live: Live) -> list[CaseResult]:
-    from vllm_output_rate.tools.loadgen import text_of_tokens
+    from vllm_output_rate.tools.loadgen.prompts import text_of_tokens
 
     out: list[CaseResult] = []
 
@@ -631,7 +631,7 @@ async def wait_quiet(live: Live, timeout_s: float = 30.0) -> tuple[bool, str]:
 
 
 async def client_fault_cases(live: Live, cancels: int) -> list[CaseResult]:
-    from vllm_output_rate.tools.loadgen import text_of_tokens
+    from vllm_output_rate.tools.loadgen.prompts import text_of_tokens
 
     out = []
 

@@ -37,7 +37,7 @@ from vllm_output_rate.tools.common.client import (
     scrape_metrics,
     stream_into,
 )
-from vllm_output_rate.tools.verify import gcra_worst_window
+from vllm_output_rate.tools.verify.gcra import gcra_worst_window
 
 pytestmark = pytest.mark.e2e
 

@@ -12,14 +12,10 @@ import httpx
 import pytest
 import yaml
 
-from vllm_output_rate.tools import loadgen
-from vllm_output_rate.tools.loadgen import (
-    ScenarioError,
-    load_scenario,
-    parse_scenario,
-    request_body,
-    run_scenario,
-)
+from vllm_output_rate.tools.loadgen import prompts
+from vllm_output_rate.tools.loadgen import run as loadgen
+from vllm_output_rate.tools.loadgen.scenario import ScenarioError, load_scenario, parse_scenario
+from vllm_output_rate.tools.loadgen.run import request_body, run_scenario
 
 MINIMAL = {
     "name": "t",
@@ -74,8 +70,8 @@ def test_yaml_and_json_give_the_same_scenario(tmp_path):
 
 
 def test_generated_prompts_are_deterministic():
-    assert loadgen.generated_text(30, 1) == loadgen.generated_text(30, 1)
-    assert loadgen.generated_text(30, 1) != loadgen.generated_text(30, 2)
+    assert prompts.generated_text(30, 1) == prompts.generated_text(30, 1)
+    assert prompts.generated_text(30, 1) != prompts.generated_text(30, 2)
 
 
 def _mutate(path_fn):

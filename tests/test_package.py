@@ -29,6 +29,18 @@ def test_version_command(flag):
     assert "(supported); supports vLLM 0.32, 0.33, 0.34 (>=0.32,<0.35)" in run.stdout
 
 
+def test_every_package_folder_is_listed():
+    """Each folder of a package (an ``__init__.py``) is in pyproject's
+    ``packages``: one left out would be missing from the wheel."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join([package, *init.parent.relative_to(REPO / folder).parts])
+             for package, folder in config["package-dir"].items()
+             for init in (REPO / folder).rglob("__init__.py")}
+    assert found == set(config["packages"])
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """A wheel built from a copy of the tracked files (what a clean clone has)."""
@@ -53,7 +65,7 @@ def test_the_wheel_installs_one_namespace_with_its_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert all(n.startswith(PACKAGES) for n in names), sorted({n.split("/")[0] for n in names})
     for shipped in ("vllm_output_rate/plugin.py", "vllm_output_rate/telemetry/plugin.py",
-                    "vllm_output_rate/tools/scenarios/default.yaml",
+                    "vllm_output_rate/tools/loadgen/scenarios/default.yaml",
                     "vllm_output_rate/dashboards/output-rate-users.json",
                     "vllm_output_rate/dashboards/prometheus/alerts.rules.yaml",
                     "vllm_output_rate/dashboards/provisioning/alerting.yaml",

@@ -15,10 +15,11 @@ import pytest
 import yaml
 
 from harness import scrape_until, second_model
-from vllm_output_rate.tools import demo, loadgen
+from vllm_output_rate.tools import demo
+from vllm_output_rate.tools.loadgen import run as loadgen
 from vllm_output_rate.tools import profile_engine as prof
 from vllm_output_rate.tools.common.client import Server, metric_value
-from vllm_output_rate.tools.loadgen import load_scenario
+from vllm_output_rate.tools.loadgen.scenario import load_scenario
 
 pytestmark = pytest.mark.e2e
 

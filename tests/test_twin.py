@@ -23,7 +23,7 @@ from vllm_output_rate.tools.twin import workload
 from vllm_output_rate.tools.twin.step_time import StepTimeError, load_step_time
 from vllm_output_rate.tools.twin import Twin, TwinConfig, TwinError
 from vllm_output_rate.tools.twin.run import T0_NS
-from vllm_output_rate.tools.verify import gcra_max_excess
+from vllm_output_rate.tools.verify.gcra import gcra_max_excess
 from vllm_output_rate.tools.twin.workload import WorkloadError, read_workload
 
 NS = 1_000_000_000

@@ -46,8 +46,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import statistics
 import time
 from collections import defaultdict

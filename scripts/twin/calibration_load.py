@@ -47,7 +47,7 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
 
     from vllm_output_rate.tools.common.client import (
         chat_body, completion_body, StreamResult, stream_into)
-    from vllm_output_rate.tools.loadgen import text_of_tokens, tokenize
+    from vllm_output_rate.tools.loadgen.prompts import text_of_tokens, tokenize
 
     rng = random.Random(seed)
     run = uuid.uuid4().hex[:8]
