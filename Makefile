@@ -56,8 +56,8 @@ test: venv tools
 # (about 36)
 test-all: test
 	$(PY) -m pytest -q -m long tests
-	$(PY) -m vllm_output_rate.tools.stress --profile full --out reports/stress-full
-	$(PY) -m vllm_output_rate.tools.soak --minutes 30 --sample-s 60 --out reports/soak-30
+	$(PY) -m vllm_output_rate.tools.reliability.stress --profile full --out reports/stress-full
+	$(PY) -m vllm_output_rate.tools.reliability.soak --minutes 30 --sample-s 60 --out reports/soak-30
 
 # The version matrix: one run of the scheduler-level suites per wheel version.
 test-versions: venv

@@ -27,9 +27,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
                "engine-side ITL verification of a scenario run, Markdown report"),
     "profile": ("vllm_output_rate.tools.profile_engine",
                 "py-spy schedule-cost report of the engine core (limiter on vs off)"),
-    "stress": ("vllm_output_rate.tools.stress",
+    "stress": ("vllm_output_rate.tools.reliability.stress",
                "fault and bad-input matrix against a real engine, Markdown and JSON report"),
-    "soak": ("vllm_output_rate.tools.soak",
+    "soak": ("vllm_output_rate.tools.reliability.soak",
              "mixed load for a long while: conformance, completion, memory and step-time slopes"),
     "twin": ("vllm_output_rate.tools.twin.cli",
              "what-if twin: vLLM's scheduler and the limiter on a workload in virtual time "

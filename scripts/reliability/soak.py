@@ -60,7 +60,7 @@ import httpx
 
 from vllm_output_rate.config import DEFAULT_OPTION, USERS_OPTION
 from vllm_output_rate.tools.common.stats import quantile
-from vllm_output_rate.tools.stress import model_and_logs, progress_line, write_report
+from vllm_output_rate.tools.reliability.cases import model_and_logs, progress_line, write_report
 
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 1024
@@ -132,7 +132,7 @@ def limits() -> dict[str, Fraction]:
 
 async def sample(client: httpx.AsyncClient, base_url: str, procs: tuple[Any, Any], t0: float) -> Sample:
     from vllm_output_rate.tools.common.client import rss_mib
-    from vllm_output_rate.tools.stress import Live, state_entries
+    from vllm_output_rate.tools.reliability.cases import Live, state_entries
 
     api, engine = procs
     out = Sample(time.monotonic() - t0, rss_mib(engine), rss_mib(api))
@@ -292,7 +292,7 @@ async def drive(base_url: str, server_pid: int, minutes: float, sample_s: float,
     """The load and the samples (a progress line each); returns the run's
     start (monotonic s)."""
     from vllm_output_rate.tools.loadgen.prompts import text_of_tokens
-    from vllm_output_rate.tools.stress import Live, wait_quiet
+    from vllm_output_rate.tools.reliability.cases import Live, wait_quiet
 
     import psutil
 
