@@ -71,7 +71,7 @@ test-vllm-%: venv
 	    $(PY) -m pytest -q -n $(MATRIX_WORKERS) $(SCHEDULER_SUITES)
 
 bench: venv
-	$(PY) -m vllm_output_rate.tools.bench_scheduler
+	$(PY) -m vllm_output_rate.tools.bench.scheduler
 
 # The README's pictures (docs/img/*.png) from a real run: verify's built-in
 # scenario on the tiny model, a Prometheus on loopback scraping the engine

@@ -25,7 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                 "drive a server with a scenario file, client-side timing"),
     "verify": ("vllm_output_rate.tools.verify.cli",
                "engine-side ITL verification of a scenario run, Markdown report"),
-    "profile": ("vllm_output_rate.tools.profile_engine",
+    "profile": ("vllm_output_rate.tools.bench.profile_engine",
                 "py-spy schedule-cost report of the engine core (limiter on vs off)"),
     "stress": ("vllm_output_rate.tools.reliability.stress",
                "fault and bad-input matrix against a real engine, Markdown and JSON report"),

@@ -23,7 +23,7 @@ from test_proxy import nginx_binary
 from vllm_output_rate.dashboards import proxy
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.affinity_balance import Ring
+from vllm_output_rate.tools.bench.affinity_balance import Ring
 from vllm_output_rate.tools.common.client import (
     Server,
     free_port,

@@ -139,7 +139,7 @@ async def http_churn_case(live: Live, n_users: int, server_pid: int) -> CaseResu
     from vllm_output_rate.scheduler import CLEANUP_EVERY_STEPS
     from vllm_output_rate.telemetry.books import USER_STATES_CAP
     from vllm_output_rate.tools.common.client import rss_mib
-    from vllm_output_rate.tools.profile_engine import find_engine_core
+    from vllm_output_rate.tools.bench.profile_engine import find_engine_core
 
     top_k = int(settings.get_or_default("TOP_K_USERS"))
     label_cap = top_k + 2  # the top users, the configured one, the overflow bucket

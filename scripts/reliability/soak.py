@@ -296,7 +296,7 @@ async def drive(base_url: str, server_pid: int, minutes: float, sample_s: float,
 
     import psutil
 
-    from vllm_output_rate.tools.profile_engine import find_engine_core
+    from vllm_output_rate.tools.bench.profile_engine import find_engine_core
 
     procs = psutil.Process(server_pid), psutil.Process(find_engine_core(server_pid, timeout_s=30))
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:

@@ -11,8 +11,8 @@ median over interleaved blocks (on, off, on, off, ...) so that machine noise
 hits both alike, and the ratio on/off. With the limiter off every resident
 request runs every step; with it on, throttled requests are skipped.
 
-    .venv/bin/python -m vllm_output_rate.tools.bench_scheduler            # full grid
-    .venv/bin/python -m vllm_output_rate.tools.bench_scheduler --quick    # R=64,256 only
+    .venv/bin/python -m vllm_output_rate.tools.bench.scheduler            # full grid
+    .venv/bin/python -m vllm_output_rate.tools.bench.scheduler --quick    # R=64,256 only
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ its users' limits: the report gives the busiest replica against the mean
 (what capacity has to be planned for), the coefficient of variation, and
 the share of users that move when a replica is added. Usage::
 
-    python -m vllm_output_rate.tools.affinity_balance [--users 100,1000,10000] \\
+    python -m vllm_output_rate.tools.bench.affinity_balance [--users 100,1000,10000] \\
         [--replicas 2,4,8,16,32,64] [--limits equal|tiers] [--seed 0]
 """
 

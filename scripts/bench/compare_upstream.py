@@ -28,7 +28,7 @@ non-streaming requests, so the measuring client's event loop only carries
 B's stream and the load on the engine stays steady. Prints a Markdown
 report and writes it (and the raw figures as JSON) to ``--out``.
 
-    flock /tmp/orl-engine.lock .venv/bin/python -m vllm_output_rate.tools.compare_upstream
+    flock /tmp/orl-engine.lock .venv/bin/python -m vllm_output_rate.tools.bench.compare_upstream
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ def hist_quantile(buckets: list[tuple[float, float]], q: float) -> float:
 
 
 def engine_core(server: Server) -> psutil.Process:
-    from vllm_output_rate.tools.profile_engine import find_engine_core
+    from vllm_output_rate.tools.bench.profile_engine import find_engine_core
 
     return psutil.Process(find_engine_core(server.proc.pid, timeout_s=30))
 
