@@ -80,7 +80,8 @@ def balance(users: int, replicas: int, kind: str = "equal", seed: int = 0) -> di
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m vllm_output_rate.tools.bench.affinity_balance",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--users", default="100,1000,10000")
     parser.add_argument("--replicas", default="2,4,8,16,32,64")
     parser.add_argument("--limits", choices=("equal", "tiers"), default="equal")

@@ -398,7 +398,8 @@ def report(res: dict[str, Any], args: argparse.Namespace, elapsed_s: float) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m vllm_output_rate.tools.bench.compare_upstream",
+                                     description=__doc__,
                                      formatter_class=PlainHelpFormatter)
     parser.add_argument("--out", default=str(Path(".cache") / "compare-upstream.md"))
     parser.add_argument("--b-requests", type=int, default=8)

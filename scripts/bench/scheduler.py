@@ -440,7 +440,8 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
 
 def main(argv: list[str] | None = None) -> None:
     global THROTTLED, CPU, THREAD_CPU, SHARED_STATE, WAITING
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=PlainHelpFormatter)
+    parser = argparse.ArgumentParser(prog="python -m vllm_output_rate.tools.bench.scheduler",
+                                     description=__doc__, formatter_class=PlainHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
     parser.add_argument("--sizes", type=int, nargs="*", help="running requests R to measure")
     parser.add_argument("--telemetry", action="store_true",

@@ -3,7 +3,7 @@ manager, controlled model outputs (one sampled token per scheduled request),
 a virtual clock. No engine process, no model execution.
 
 The what-if twin (``twin``) runs on it, as do the scheduler benchmark
-(``bench_scheduler``), the stress runner's scheduler-level cases and the
+(``bench.scheduler``), the stress runner's scheduler-level cases and the
 scheduler-level tests. ``model`` defaults to the tiny generated model.
 """
 

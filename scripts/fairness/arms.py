@@ -150,7 +150,7 @@ def run_arm(scenario: Scenario, scale: Scale, arm: str, work: Path,
 
 
 def engine_runner(model: str, litellm: str | None) -> Any:
-    """``run_arm``'s counterpart on a real CPU engine (``fairness_engine``)."""
+    """``run_arm``'s counterpart on a real CPU engine (``fairness.engine``)."""
     vocab = fe.model_vocab(model)
 
     def run(scenario: Scenario, scale: Scale, arm: str, work: Path,
