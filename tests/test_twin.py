@@ -273,3 +273,47 @@ def test_until_cuts_the_run_and_counts_what_never_started(tmp_path):
     assert flooder["unstarted"] > 0 and len(t.stats.users["flooder"].ttft_ns) == started
     waits = t.stats.unstarted_waits()["flooder"]
     assert len(waits) == flooder["unstarted"] and all(0 < w <= 3 * NS for w in waits)
+
+
+def test_a_config_built_in_memory_runs_as_its_command_line(tmp_path):
+    """``Twin(TwinConfig(...))`` with the workload, the engine options and
+    the limits' text in memory runs exactly what the same options on the
+    command line run: the same summary (wall time aside) and event log."""
+    from vllm_output_rate.tools.twin import TwinLimits, engine_args
+    from vllm_output_rate.tools.twin.workload import workload_of_lines
+
+    lines = [{"t": round(0.05 * i, 6), "user": f"user-{i % 3}", "prompt_tokens": 24,
+              "max_tokens": 40} for i in range(30)]
+    limits = "default: 30\nusers: {user-1: 8}\n"
+    (tmp_path / "cli").mkdir()
+    wl = write(tmp_path / "cli" / "workload.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    write(tmp_path / "cli" / "limits.yaml", limits)
+    by_argv = Twin(TwinConfig.from_argv(
+        ["--workload", str(wl), "--out", str(tmp_path / "a"), "--model", tiny_model(),
+         "--max-num-seqs", "8", "--max-model-len", "512", "--seed", "3", "--no-plots",
+         "--output-rate-limits-file", str(tmp_path / "cli" / "limits.yaml")])).run()
+    in_memory = Twin(TwinConfig(
+        workload=workload_of_lines(lines), out=tmp_path / "b",
+        engine=engine_args(model=tiny_model(), max_num_seqs=8, max_model_len=512, seed=3),
+        limits=TwinLimits(limits_text=limits), plots=False)).run()
+    for summary in (by_argv, in_memory):
+        summary["run"].pop("wall_s")
+    assert in_memory == by_argv and by_argv["run"]["limits"]["users"] == {"user-1": 8.0}
+
+    def events(out):
+        return [{k: v for k, v in json.loads(line).items() if k != "unix_ns"}
+                for line in (tmp_path / out / "events.jsonl").read_text().splitlines()]
+
+    assert events("a") == events("b") and len(events("a")) > 10
+
+
+def test_the_python_example_of_the_docs_runs(tmp_path, monkeypatch):
+    doc = (REPO / "docs" / "twin.md").read_text()
+    example = doc.split("### From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(example, "docs/twin.md", "exec"), scope)
+    summary = scope["summary"]
+    assert set(summary["users"]) == {"user-0", "user-1"}
+    assert summary["users"]["user-1"]["rate_tok_s"] == pytest.approx(10, rel=0.02)
+    assert (tmp_path / "twin-out" / "summary.json").exists()
