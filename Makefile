@@ -56,8 +56,8 @@ test: venv tools
 # (about 36)
 test-all: test
 	$(PY) -m pytest -q -m long tests
-	$(PY) -m vllm_output_rate.tools.stress --profile full --out reports/stress-full
-	$(PY) -m vllm_output_rate.tools.soak --minutes 30 --sample-s 60 --out reports/soak-30
+	$(PY) -m vllm_output_rate.tools.reliability.stress --profile full --out reports/stress-full
+	$(PY) -m vllm_output_rate.tools.reliability.soak --minutes 30 --sample-s 60 --out reports/soak-30
 
 # The version matrix: one run of the scheduler-level suites per wheel version.
 test-versions: venv
@@ -71,14 +71,14 @@ test-vllm-%: venv
 	    $(PY) -m pytest -q -n $(MATRIX_WORKERS) $(SCHEDULER_SUITES)
 
 bench: venv
-	$(PY) -m vllm_output_rate.tools.bench_scheduler
+	$(PY) -m vllm_output_rate.tools.bench.scheduler
 
 # The README's pictures (docs/img/*.png) from a real run: verify's built-in
 # scenario on the tiny model, a Prometheus on loopback scraping the engine
 # (a few minutes on a 2-core CPU)
 pictures: venv tools
 	$(PY) -m vllm_output_rate.tools.verify --no-progress --report .cache/pictures \
-	    --model "$$($(PY) -m vllm_output_rate.tools.tiny_model)" --pictures docs/img
+	    --model "$$($(PY) -m vllm_output_rate.tools.common.tiny_model)" --pictures docs/img
 
 # The reference pages generated from the code's tables (docs/metrics.md, ...)
 docs: venv

@@ -21,23 +21,23 @@ commands:
 #: Each module is imported only when its command runs.
 COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("vllm_output_rate.tools.demo", "run the demo (tiny local model, three users)"),
-    "loadgen": ("vllm_output_rate.tools.loadgen",
+    "loadgen": ("vllm_output_rate.tools.loadgen.run",
                 "drive a server with a scenario file, client-side timing"),
-    "verify": ("vllm_output_rate.tools.verify",
+    "verify": ("vllm_output_rate.tools.verify.cli",
                "engine-side ITL verification of a scenario run, Markdown report"),
-    "profile": ("vllm_output_rate.tools.profile_engine",
+    "profile": ("vllm_output_rate.tools.bench.profile_engine",
                 "py-spy schedule-cost report of the engine core (limiter on vs off)"),
-    "stress": ("vllm_output_rate.tools.stress",
+    "stress": ("vllm_output_rate.tools.reliability.stress",
                "fault and bad-input matrix against a real engine, Markdown and JSON report"),
-    "soak": ("vllm_output_rate.tools.soak",
+    "soak": ("vllm_output_rate.tools.reliability.soak",
              "mixed load for a long while: conformance, completion, memory and step-time slopes"),
-    "twin": ("vllm_output_rate.tools.twin",
+    "twin": ("vllm_output_rate.tools.twin.cli",
              "what-if twin: vLLM's scheduler and the limiter on a workload in virtual time "
              "(run, compare, workload, calibrate, scale)"),
     "check-limits": ("vllm_output_rate.tools.check_limits",
                      "check limits and keys files offline with the engine's own parser "
                      "(CI, pre-commit); --schema prints the JSON Schema"),
-    "fairness": ("vllm_output_rate.tools.fairness",
+    "fairness": ("vllm_output_rate.tools.fairness.cli",
                  "fairness benchmark: FCFS, priority, a gateway's token limit, capped and "
                  "borrowing on the same workloads, side by side"),
 }
@@ -96,7 +96,7 @@ def serve_parser(make_arg_parser, parser_cls):
     from vllm.utils.argparse_utils import SortedHelpFormatter
 
     from vllm_output_rate.plugin import GROUP_TITLE
-    from vllm_output_rate.tools.help_text import plain_formatter
+    from vllm_output_rate.tools.common.help_text import plain_formatter
 
     return make_arg_parser(parser_cls(
         prog="vllm-output-rate serve", usage="vllm-output-rate serve [model_tag] [options]",

@@ -16,8 +16,8 @@ import json
 import time
 from fractions import Fraction
 
-from vllm_output_rate.tools.help_text import PlainHelpFormatter
-from vllm_output_rate.tools.tiny_model import cache_dir, default_model_dir
+from vllm_output_rate.tools.common.help_text import PlainHelpFormatter
+from vllm_output_rate.tools.common.tiny_model import cache_dir, default_model_dir
 
 DEFAULT_LIMIT = 10_000
 #: user-c is listed at the default so that its metrics have their own label
@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from vllm_output_rate.telemetry.metrics import series_name
-    from vllm_output_rate.tools.client import Server, metric_value, run_load, scrape_metrics, summarize
-    from vllm_output_rate.tools.tiny_model import ensure_tiny_model
+    from vllm_output_rate.tools.common.client import Server, metric_value, run_load, scrape_metrics, summarize
+    from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
 
     if args.model:
         model = args.model

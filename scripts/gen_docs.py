@@ -233,10 +233,14 @@ def layout_page(root: Path | None = None) -> str:
                    ("`docs/`", "not installed", "these pages")]),
     ]
     for folder in FOLDERS:
-        modules = sorted((root / folder).glob("*.py"))
-        lines += [f"## `{folder}/`", "",
-                  *_table(("module", "what it holds"),
-                          [(f"`{folder}/{m.name}`", _summary(m)) for m in modules])]
+        # the folder's modules, then each subpackage's (one table each)
+        packages = sorted({p.parent for p in (root / folder).rglob("*.py")})
+        for package in packages:
+            where = package.relative_to(root).as_posix()
+            lines += [f"## `{where}/`", "",
+                      *_table(("module", "what it holds"),
+                              [(f"`{where}/{m.name}`", _summary(m))
+                               for m in sorted(package.glob("*.py"))])]
     return (HEAD.format(source="each module's docstring (its first paragraph)")
             + "\n".join(lines))
 

@@ -28,7 +28,7 @@ from grafana_client.client import GrafanaClientError, GrafanaException
 
 from vllm_output_rate.dashboards import grafana as g
 from vllm_output_rate.dashboards.provisioning import FOLDER_TITLE, FOLDER_UID
-from vllm_output_rate.tools.help_text import PlainHelpFormatter, description_and_epilog
+from vllm_output_rate.tools.common.help_text import PlainHelpFormatter, description_and_epilog
 
 #: keys Grafana sets itself on a stored dashboard
 SERVER_KEYS = {"id", "version"}

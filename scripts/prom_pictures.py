@@ -38,7 +38,7 @@ from vllm_output_rate.dashboards.config import Config
 from vllm_output_rate.dashboards.expressions import over_limit_factor
 from vllm_output_rate.dashboards.thresholds import seconds
 from vllm_output_rate.dashboards.promql import render
-from vllm_output_rate.tools.client import wait_ready
+from vllm_output_rate.tools.common.client import wait_ready
 
 Series = dict[str, list[tuple[float, float]]]
 
@@ -366,7 +366,7 @@ class LocalPrometheus:
     ``workdir``; a context manager."""
 
     def __init__(self, workdir: Path, target: str) -> None:
-        from vllm_output_rate.tools.client import free_port
+        from vllm_output_rate.tools.common.client import free_port
 
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)

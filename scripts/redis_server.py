@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from vllm_output_rate.tools.client import free_port
+from vllm_output_rate.tools.common.client import free_port
 
 
 def redis_server_binary() -> str | None:

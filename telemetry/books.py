@@ -12,11 +12,11 @@ per user since the last export, which decide the top-K labels.
 
 from __future__ import annotations
 
-import time
 from collections import Counter, defaultdict, deque
 from typing import Any
 
 from vllm_output_rate.observers import EngineView
+from vllm_output_rate.telemetry.clock import SYSTEM, Clock
 from vllm_output_rate.telemetry.eventlog import EventLog
 from vllm_output_rate.telemetry.labels import OTHER
 from vllm_output_rate.telemetry.metrics import (
@@ -69,8 +69,10 @@ def _window_sums(window: Any, now_ns: int) -> tuple[Counter[str], Counter[str]]:
 class UserBooks:
     """Per-user activity, charged windows, throttled requests and states."""
 
-    def __init__(self, view: EngineView, series: Series, events: EventLog | None) -> None:
+    def __init__(self, view: EngineView, series: Series, events: EventLog | None,
+                 clock: Clock = SYSTEM) -> None:
         self.view = view
+        self._clock = clock
         self._series = series
         self._events = events
         self._num_blocks = view.num_kv_blocks
@@ -177,13 +179,13 @@ class UserBooks:
                                     borrowed_10s=borrowed_10.get(user, 0),
                                     borrowed_60s=borrowed_60.get(user, 0))
         self.user_states = states
-        self.user_states_at = (now_ns, time.monotonic_ns(), time.time())
+        self.user_states_at = (now_ns, self._clock.monotonic_ns(), self._clock.time())
 
     def idle_user_states(self) -> dict[str, dict[str, Any]]:
         """The user states of an idle engine, as of now (exporter thread):
         no step runs to update them, so the charged windows slide here."""
         now_ns, mono, _ = self.user_states_at
-        now_ns += time.monotonic_ns() - mono
+        now_ns += self._clock.monotonic_ns() - mono
         try:
             window = list(self._charged_window)
             lent = list(self._borrowed_window)

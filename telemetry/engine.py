@@ -33,6 +33,7 @@ from typing import Any
 from vllm_output_rate import settings, user_label
 from vllm_output_rate.observers import EngineView
 from vllm_output_rate.telemetry.books import UserBooks
+from vllm_output_rate.telemetry.clock import SYSTEM, Clock
 from vllm_output_rate.telemetry.eventlog import EventLog
 from vllm_output_rate.telemetry.export import SnapshotWriter
 from vllm_output_rate.telemetry.folds import Folds, RequestHandles
@@ -55,24 +56,25 @@ class EngineTelemetry(Intake):
     def __init__(self, view: EngineView, out_dir: str, interval_s: float = EXPORT_INTERVAL_S,
                  top_k: int | None = None, start_thread: bool = True,
                  spans: Any = None, events_path: str | None = None,
-                 defer: bool | None = None) -> None:
+                 defer: bool | None = None, clock: Clock = SYSTEM) -> None:
         if top_k is None:
             top_k = settings.get("TOP_K_USERS")
         labeler = UserLabeler(pinned=view.limits().user_rates, top_k=top_k,
                               public=user_label.current().public_id)
         series = Series(view, labeler, bool(events_path))
         handles = RequestHandles(view)
-        events = EventLog(events_path, view, series.counters, handles.user_of) if events_path else None
-        books = UserBooks(view, series, events)
+        events = (EventLog(events_path, view, series.counters, handles.user_of, clock)
+                  if events_path else None)
+        books = UserBooks(view, series, events, clock)
         self.series, self.books, self.events = series, books, events
         self.folds = Folds(spans, series, handles, books, events)
         #: ``defer`` off (the default without a thread) folds each event at
         #: once, on the caller's thread
         super().__init__(view, self.folds, not (start_thread if defer is None else defer),
-                         events is not None)
+                         events is not None, clock)
         self.exporter = SnapshotWriter(view, series, books, spans,
                                        os.path.join(out_dir, f"engine-{view.engine_index}.json"),
-                                       self.state_sizes)
+                                       self.state_sizes, clock)
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread = None
@@ -144,6 +146,8 @@ class EngineTelemetry(Intake):
             self._export_due = True
 
     def _run(self) -> None:
+        # (the thread sleeps in real time: its exports are paced on the
+        # system's clock whatever clock stamps the data)
         next_export = time.monotonic() + self.interval_s
         while not self._stop.wait(DRAIN_INTERVAL_S):
             self.drain()

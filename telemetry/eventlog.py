@@ -11,12 +11,12 @@ counted in ``telemetry_dropped_total``.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from vllm_output_rate.observers import EngineView, LimitsChange
+from vllm_output_rate.telemetry.clock import SYSTEM, Clock
 from vllm_output_rate.telemetry.events import encode_event
 from vllm_output_rate.telemetry.metrics import TELEMETRY_DROPPED
 
@@ -28,8 +28,9 @@ class EventLog:
     """The records queued for the event log, and their writer."""
 
     def __init__(self, path: str, view: EngineView, counters: dict,
-                 user_of: Callable[[str], str | None]) -> None:
+                 user_of: Callable[[str], str | None], clock: Clock = SYSTEM) -> None:
         self.path = path
+        self._clock = clock
         self.view = view
         self._counters = counters
         self._user_of = user_of
@@ -90,11 +91,11 @@ class EventLog:
         self._idle_written = False  # a step ran: the engine is busy
         if by_user or not self._idle:
             self._idle = not by_user
-            self.queue(("throttled", time.monotonic_ns(), {u: c[0] for u, c in by_user.items()},
+            self.queue(("throttled", self._clock.monotonic_ns(), {u: c[0] for u, c in by_user.items()},
                         {u: c[1] for u, c in by_user.items()}, share))
 
     def limits(self, change: LimitsChange) -> None:
-        self.queue(("limits", change.now_ns, time.time_ns(), {
+        self.queue(("limits", change.now_ns, self._clock.time_ns(), {
             u: float(r) for u, r in change.user_rates.items()}, float(change.default_rate),
             change.digest, list(change.added), list(change.removed), list(change.changed)))
 
@@ -106,7 +107,7 @@ class EventLog:
             self._started = True
             view = self.view
             limits = view.limits()
-            events.appendleft(("start", time.monotonic_ns(), time.time_ns(), {
+            events.appendleft(("start", self._clock.monotonic_ns(), self._clock.time_ns(), {
                 user: float(rate) for user, rate in limits.user_rates.items()
             }, float(limits.default_rate), bool(view.async_scheduling)))
         self._idle_exports = 0 if self.view.has_running() else self._idle_exports + 1
@@ -116,7 +117,7 @@ class EventLog:
             # at two exports in a row: the last step's outputs (queued after
             # `running` empties) are surely in the queue by then.
             self._idle = self._idle_written = True
-            events.append(("throttled", time.monotonic_ns(), {}, {}, 0.0))
+            events.append(("throttled", self._clock.monotonic_ns(), {}, {}, 0.0))
         lines = []
         while events:
             lines.append(encode_event(events.popleft(), self.view.engine_index))

@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 from vllm_output_rate.limits_watch import RESULTS as LIMITS_RESULTS
 from vllm_output_rate.observers import EngineView
 from vllm_output_rate.telemetry.books import UserBooks, ceiling_value
+from vllm_output_rate.telemetry.clock import SYSTEM, Clock
 from vllm_output_rate.telemetry.histograms import Histogram
 from vllm_output_rate.telemetry.metrics import (
     DEFAULT_LIMIT_TOKENS_PER_SECOND,
@@ -65,8 +65,10 @@ class SnapshotWriter:
     """One engine's snapshot: built from the aggregates, written to ``path``."""
 
     def __init__(self, view: EngineView, series: Series, books: UserBooks, spans: Any,
-                 path: str, state_sizes: Callable[[], dict[str, int]]) -> None:
+                 path: str, state_sizes: Callable[[], dict[str, int]],
+                 clock: Clock = SYSTEM) -> None:
         self.view = view
+        self._clock = clock
         self.series = series
         self.books = books
         self.spans = spans
@@ -113,7 +115,7 @@ class SnapshotWriter:
                 gauges[STATE_ENTRIES.key(container)] = n
         except RuntimeError:  # (a dict changed size during iteration: next export)
             pass
-        written = time.time()
+        written = self._clock.time()
         gauges[TELEMETRY_SNAPSHOT_TIMESTAMP_SECONDS.key()] = written
         books = self.books
         return {

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
 from itertools import compress, filterfalse, repeat
@@ -38,6 +37,7 @@ from vllm_output_rate.observers import (
     OutputRateObserver,
     StepReport,
 )
+from vllm_output_rate.telemetry.clock import SYSTEM, Clock
 from vllm_output_rate.telemetry.folds import Folds
 from vllm_output_rate.telemetry.metrics import TELEMETRY_DROPPED
 from vllm_output_rate.telemetry.records import EngineReads, Episodes, StepEpisodes
@@ -101,12 +101,14 @@ class Inbox:
 class Intake(Inbox, OutputRateObserver):
     """The observer's methods the scheduler calls, on its thread."""
 
-    def __init__(self, view: EngineView, folds: Folds, sync: bool, log_outputs: bool) -> None:
+    def __init__(self, view: EngineView, folds: Folds, sync: bool, log_outputs: bool,
+                 clock: Clock = SYSTEM) -> None:
         spans = folds.spans
         super().__init__(sync, folds.series.counters,
                          spans.flush if spans is not None and not sync
                          and getattr(spans, "_builder", None) is None else None)
         self.view = view
+        self._monotonic_ns = clock.monotonic_ns
         #: tracing.recorder.SpanRecorder when traces are on
         self.spans = spans
         #: the worker's fold of each kind of event (bound once)
@@ -148,7 +150,7 @@ class Intake(Inbox, OutputRateObserver):
         handle = self.view.request_handle(request_id)
         if handle is not None:
             if self._log_outputs:
-                self._post(self._fold_request, request_id, handle, time.monotonic_ns())
+                self._post(self._fold_request, request_id, handle, self._monotonic_ns())
             else:
                 self._post(self._add_handle, request_id, handle)
 
@@ -300,7 +302,7 @@ class Intake(Inbox, OutputRateObserver):
                 closing = Episodes(end_ns, done, starts, by_id,
                                    None if self.spans is None else self._held(done, starts, end_ns))
         self._post(self._fold_outputs, cur, special, outputs if self._log_outputs else None,
-                   time.monotonic_ns(), running, None if running else self._engine_reads([]),
+                   self._monotonic_ns(), running, None if running else self._engine_reads([]),
                    closing)
 
     def on_aborted(self, aborted: list[tuple[str, str]], now: int) -> None:

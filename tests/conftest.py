@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_output_rate.tools.scheduler_driver import cpu_platform_without_kernels
+from vllm_output_rate.tools.common.scheduler_driver import cpu_platform_without_kernels
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from harness import REPO, tiny_model
-from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics
+from vllm_output_rate.tools.common.client import Server, metric_value, scrape_metrics
 
 #: the shared flags: the tiny model with 16 sequences, 8 of them active, 1024 positions
 TINY_ARGS = ("--max-num-seqs", "16", "--max-num-active-seqs", "8", "--max-model-len", "1024")

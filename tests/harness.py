@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from vllm_output_rate.observers import OutputRateObserver
-from vllm_output_rate.tools import scheduler_driver
-from vllm_output_rate.tools.scheduler_driver import (  # noqa: F401  (re-exported)
+from vllm_output_rate.tools.common import scheduler_driver
+from vllm_output_rate.tools.common.scheduler_driver import (  # noqa: F401  (re-exported)
     EOS_TOKEN,
     SAMPLED_TOKEN,
     Driver,
@@ -19,7 +19,7 @@ from vllm_output_rate.tools.scheduler_driver import (  # noqa: F401  (re-exporte
     model_output_for,
     scheduled_ids,
 )
-from vllm_output_rate.tools.tiny_model import ensure_tiny_model
+from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL_DIR = Path(os.environ.get("TINY_MODEL_DIR", REPO / ".cache" / "tiny-llama"))
@@ -72,7 +72,7 @@ def rate_while_stepping(spends: list[tuple[int, int]], step_times: list[int], li
 
 def second_model() -> str:
     """Another tokenizer (Unigram) and shape: tools are tried on it too."""
-    from vllm_output_rate.tools.tiny_model import ensure_second_model
+    from vllm_output_rate.tools.common.tiny_model import ensure_second_model
 
     return str(ensure_second_model(TINY_MODEL_DIR.parent / "second-llama"))
 
@@ -241,7 +241,7 @@ def scrape_until(base_url: str, ready, timeout_s: float = 30.0):
     assertion then says what is missing)."""
     import time
 
-    from vllm_output_rate.tools.client import scrape_metrics
+    from vllm_output_rate.tools.common.client import scrape_metrics
 
     deadline = time.monotonic() + timeout_s
     while True:

@@ -27,7 +27,7 @@ ARGS = [
 MARK = "=== bench run "
 RUNNER = f"""
 import json, sys
-from vllm_output_rate.tools import bench_scheduler
+from vllm_output_rate.tools.bench import scheduler as bench_scheduler
 for i, args in enumerate(json.loads(sys.argv[1])):
     print({MARK!r} + str(i), flush=True)
     bench_scheduler.main(args)

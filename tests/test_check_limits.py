@@ -203,7 +203,11 @@ def test_a_limits_file_with_a_key_twice_is_refused_yaml_and_json(tmp_path):
 
 
 def test_a_scenario_with_a_key_twice_is_refused(tmp_path):
-    from vllm_output_rate.tools.loadgen import DEFAULT_SCENARIO, ScenarioError, load_scenario
+    from vllm_output_rate.tools.loadgen.scenario import (
+        DEFAULT_SCENARIO,
+        ScenarioError,
+        load_scenario,
+    )
 
     text = DEFAULT_SCENARIO.read_text()
     first = next(i for i, line in enumerate(text.splitlines(), 1) if line.startswith("name:"))
@@ -223,7 +227,7 @@ def test_a_scenario_with_a_key_twice_is_refused(tmp_path):
 
 
 def test_a_workload_line_with_a_field_twice_is_refused(tmp_path):
-    from vllm_output_rate.tools.workload import WorkloadError, read_workload
+    from vllm_output_rate.tools.twin.workload import WorkloadError, read_workload
 
     path = tmp_path / "w.jsonl"
     path.write_text('{"t": 0, "user": "a", "prompt_tokens": 4, "max_tokens": 8}\n'

@@ -32,7 +32,7 @@ import yaml
 
 from harness import REPO, tiny_model
 from vllm_output_rate.telemetry.metrics import METRICS
-from vllm_output_rate.tools.client import Server, free_port, run_load
+from vllm_output_rate.tools.common.client import Server, free_port, run_load
 
 from vllm_output_rate.dashboards import generate
 from vllm_output_rate.dashboards import rules as rule_gen

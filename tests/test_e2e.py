@@ -20,8 +20,8 @@ import pytest
 
 from harness import REPO, rate_while_stepping, scrape_until, spend_rate, tiny_model
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.client import Samples, metric_value, run_load, scrape_metrics, summarize
-from vllm_output_rate.tools.verify import gcra_worst_window
+from vllm_output_rate.tools.common.client import Samples, metric_value, run_load, scrape_metrics, summarize
+from vllm_output_rate.tools.verify.gcra import gcra_worst_window
 
 pytestmark = pytest.mark.e2e
 

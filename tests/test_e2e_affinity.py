@@ -23,15 +23,15 @@ from test_proxy import nginx_binary
 from vllm_output_rate.dashboards import proxy
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.affinity_balance import Ring
-from vllm_output_rate.tools.client import (
+from vllm_output_rate.tools.bench.affinity_balance import Ring
+from vllm_output_rate.tools.common.client import (
     Server,
     free_port,
     metric_value,
     scrape_metrics,
     stream_chat,
 )
-from vllm_output_rate.tools.verify import gcra_worst_window
+from vllm_output_rate.tools.verify.gcra import gcra_worst_window
 
 pytestmark = pytest.mark.e2e
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from harness import REPO, scrape_until, tiny_model
-from vllm_output_rate.tools.client import Server, metric_value, run_load, scrape_metrics
+from vllm_output_rate.tools.common.client import Server, metric_value, run_load, scrape_metrics
 
 pytestmark = pytest.mark.e2e
 

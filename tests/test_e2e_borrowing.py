@@ -27,8 +27,8 @@ from vllm_output_rate.dashboards import generate
 from vllm_output_rate.dashboards.config import Config
 from vllm_output_rate.dashboards.promql import render
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.client import metric_value, run_load, scrape_metrics, stream_chat
-from vllm_output_rate.tools.verify import gcra_worst_window
+from vllm_output_rate.tools.common.client import metric_value, run_load, scrape_metrics, stream_chat
+from vllm_output_rate.tools.verify.gcra import gcra_worst_window
 
 pytestmark = pytest.mark.e2e
 

@@ -1,6 +1,6 @@
 """The fleet's faults on real engines: two vLLM CPU engines sharing one
 user's budget through a real ``redis-server``, each reaching the store
-through a fault proxy of its own (``tools.fault_proxy``), while the user
+through a fault proxy of its own (``tools.reliability.fault_proxy``), while the user
 streams on both.
 
 Each case injects one fault in the middle of the streams and checks what
@@ -32,8 +32,8 @@ from test_e2e_shared_state import fleet_tokens, per_engine_tokens, run_streams, 
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_settings import HORIZON_S, LOOKAHEAD_S
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics
-from vllm_output_rate.tools.fault_proxy import FaultProxy
+from vllm_output_rate.tools.common.client import Server, metric_value, scrape_metrics
+from vllm_output_rate.tools.reliability.fault_proxy import FaultProxy
 from vllm_output_rate.tools.fleet_sim import worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisServer, redis_server_binary
 
@@ -257,7 +257,7 @@ def test_an_engine_killed_whole_gives_its_share_back_within_three_seconds(chaos)
 
     import httpx
 
-    from vllm_output_rate.tools.client import stream_chat
+    from vllm_output_rate.tools.common.client import stream_chat
 
     async def run():
         async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:

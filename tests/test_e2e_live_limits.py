@@ -26,7 +26,7 @@ import pytest
 from harness import REPO, limit_integral, rate_while_stepping, rewrite_unseen, scrape_until, tiny_model
 from vllm_output_rate.limiter import BURST_NS, NS_PER_S
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.client import metric_value, scrape_metrics, stream_chat
+from vllm_output_rate.tools.common.client import metric_value, scrape_metrics, stream_chat
 
 pytestmark = pytest.mark.e2e
 

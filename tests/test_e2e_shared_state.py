@@ -22,7 +22,7 @@ from vllm_output_rate.fleet_math import fleet_bound
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_settings import HORIZON_S, LOOKAHEAD_S
 from vllm_output_rate.telemetry.events import EngineLog, fleet_spends
-from vllm_output_rate.tools.client import Server, metric_value, scrape_metrics, stream_chat
+from vllm_output_rate.tools.common.client import Server, metric_value, scrape_metrics, stream_chat
 from vllm_output_rate.tools.fleet_sim import worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisServer, redis_server_binary
 

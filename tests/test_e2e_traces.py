@@ -27,7 +27,7 @@ import pytest
 
 from harness import REPO, OtlpSpanReceiver, rate_while_stepping, spend_rate, tiny_model
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.client import (
+from vllm_output_rate.tools.common.client import (
     Server,
     StreamResult,
     chat_body,
@@ -37,7 +37,7 @@ from vllm_output_rate.tools.client import (
     scrape_metrics,
     stream_into,
 )
-from vllm_output_rate.tools.verify import gcra_worst_window
+from vllm_output_rate.tools.verify.gcra import gcra_worst_window
 
 pytestmark = pytest.mark.e2e
 

@@ -49,9 +49,9 @@ def test_the_reader_reads_what_the_encoder_writes(tmp_path):
 
 
 def test_the_verifier_reads_with_the_same_reader():
-    from vllm_output_rate.tools import verify
+    from vllm_output_rate.tools.verify import analysis, cli
 
-    assert verify.EngineLog is EngineLog
+    assert analysis.EngineLog is EngineLog and cli.EngineLog is EngineLog
 
 
 def test_every_users_spends_in_one_pass_match_one_user_at_a_time():

@@ -11,8 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.tools import fairness
-from vllm_output_rate.tools.fairness import NS, GatewayEmulation, jain, water_fill
+from vllm_output_rate.tools.fairness import cli, figures, scenarios
+from vllm_output_rate.tools.fairness.arms import ARMS, GatewayEmulation
+from vllm_output_rate.tools.fairness.figures import jain, water_fill
+from vllm_output_rate.tools.fairness.scenarios import NS
 
 
 def test_jain_and_water_fill():
@@ -46,17 +48,17 @@ def test_the_gateway_reserves_at_admission_and_trues_up_when_a_request_ends():
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("fairness")
-    assert fairness.main(["--scale", "small", "--scenario", "flood", "--scenario", "alone",
-                          "--out", str(out)]) == 0
+    assert cli.main(["--scale", "small", "--scenario", "flood", "--scenario", "alone",
+                     "--out", str(out)]) == 0
     return json.loads((out / "fairness.json").read_text()), (out / "fairness.md").read_text()
 
 
 def test_the_quick_variant_writes_every_arm_and_its_report(quick):
     results, text = quick
     for name in ("flood", "alone"):
-        assert list(results["scenarios"][name]["arms"]) == list(fairness.ARMS)
-    assert list(results["scenarios"]["flood"]["baseline"]) == list(fairness.ARMS)
-    for arm in fairness.ARMS:
+        assert list(results["scenarios"][name]["arms"]) == list(ARMS)
+    assert list(results["scenarios"]["flood"]["baseline"]) == list(ARMS)
+    for arm in ARMS:
         assert f"| {arm} | flooder |" in text and f"| {arm} | steady |" in text
     assert "### Goals" in text
 
@@ -69,8 +71,8 @@ def test_a_flood_beside_steady_users_under_each_arm(quick):
     gateway refuses the flooder's requests at admission."""
     flood = results_of(quick, "flood")
     arms, baseline = flood["arms"], flood["baseline"]
-    steady = {arm: arms[arm]["groups"]["steady"] for arm in fairness.ARMS}
-    alone = {arm: baseline[arm]["groups"]["steady"] for arm in fairness.ARMS}
+    steady = {arm: arms[arm]["groups"]["steady"] for arm in ARMS}
+    alone = {arm: baseline[arm]["groups"]["steady"] for arm in ARMS}
     assert steady["fcfs"]["ttft_s"]["p99"] > 50 * alone["fcfs"]["ttft_s"]["p99"]
     assert steady["capped"]["ttft_s"]["p99"] <= 1.2 * alone["capped"]["ttft_s"]["p99"]
     flooder = arms["capped"]["groups"]["flooder"]
@@ -94,8 +96,8 @@ def test_a_flood_beside_steady_users_under_each_arm(quick):
     # its budget, borrows its first token, and may wait a step behind a
     # request of the flooder admitted within the flooder's budget:
     # FAIRNESS.md, the 1.2x goal)
-    assert steady["borrowing"]["ttft_s"]["p99"] <= steady["capped"]["ttft_s"]["p99"] + fairness.STEP_S
-    assert steady["borrowing"]["ttft_s"]["p99"] <= alone["borrowing"]["ttft_s"]["p99"] + fairness.STEP_S
+    assert steady["borrowing"]["ttft_s"]["p99"] <= steady["capped"]["ttft_s"]["p99"] + scenarios.STEP_S
+    assert steady["borrowing"]["ttft_s"]["p99"] <= alone["borrowing"]["ttft_s"]["p99"] + scenarios.STEP_S
     assert arms["borrowing"]["groups"]["flooder"]["borrowed_tokens"] > 0
 
 
@@ -109,11 +111,11 @@ def results_of(quick, name):
     return quick[0]["scenarios"][name]
 
 
-# -- the real engine's arms (tools.fairness_engine): what runs without one ----------
+# -- the real engine's arms (tools.fairness.engine): what runs without one ----------
 
 
 def test_the_engine_arms_flags_and_the_gateways_limits():
-    from vllm_output_rate.tools import fairness_engine as fe
+    from vllm_output_rate.tools.fairness import engine as fe
 
     assert fe.serve_args("fcfs", 8, None) == ["--max-model-len", "1024", "--max-num-seqs", "8"]
     assert fe.serve_args("priority", 8, None)[-2:] == ["--scheduling-policy", "priority"]
@@ -137,11 +139,11 @@ def test_the_engine_arms_flags_and_the_gateways_limits():
 
 def test_the_engine_records_become_the_twins_figures():
     """Client records (chunk arrival times and token counts) give what
-    ``fairness.figures`` reads: tokens, refusals, TTFT and spacing samples,
+    ``figures.figures`` reads: tokens, refusals, TTFT and spacing samples,
     tokens in the busy window; borrowed tokens from the two scrapes."""
-    from vllm_output_rate.tools import fairness_engine as fe
+    from vllm_output_rate.tools.fairness import engine as fe
 
-    w = fairness.WARMUP_S
+    w = figures.WARMUP_S
     recs = [fe.Record("a", 1.0, [(1.5, 1), (2.0, 2), (2.5, 4)], 4, ended=2.6),
             fe.Record("a", w + 1.0, [(w + 1.25, 1), (w + 1.5, 2), (40.0, 3)], 3),
             fe.Record("b", 3.0, refused=True)]
@@ -166,7 +168,7 @@ def test_the_engine_records_become_the_twins_figures():
 
 
 def test_backlogged_seconds_are_whole_seconds_with_enough_requests_open():
-    bs = fairness.backlogged_seconds
+    bs = figures.backlogged_seconds
     assert bs([(5.5, 9.0)], 1, 5, 12) == [6, 7, 8]  # [5, 6) and [9, 10) only partly
     assert bs([(5.0, 9.0)], 1, 5, 12) == [5, 6, 7, 8]  # open from 5.0 on: second 5 whole
     assert bs([(5.0, 7.0), (7.0, None)], 1, 5, 10) == [5, 6, 7, 8, 9]  # one ends as one starts
@@ -186,25 +188,25 @@ def test_backlogged_seconds_against_sampling(raw, need):
         return sum(1 for a, b in spans if a * 10 <= t10 and (b is None or t10 < b * 10))
 
     want = [s for s in range(0, 40) if all(open_at(10 * s + k) >= need for k in range(10))]
-    assert fairness.backlogged_seconds(spans, need, 0, 40) == want
+    assert figures.backlogged_seconds(spans, need, 0, 40) == want
 
 
 def test_a_user_whose_requests_come_late_is_read_over_the_seconds_it_asked():
     """The GPU tiers run's least user (0.86 of its rate over the whole busy
     window): two requests early, five in its last 3 s; between them it
     asked for nothing. Over its backlogged seconds it held its rate."""
-    scenario = fairness.Scenario("t", "", [], {"u": 10.0}, {"u": "g"})
-    scale = fairness.Scale("s", 4, 1, 30.0)
+    scenario = scenarios.Scenario("t", "", [], {"u": 10.0}, {"u": "g"})
+    scale = scenarios.Scale("s", 4, 1, 30.0)
     spans = [(7.3, 12.5), (27.0, None)]
     by_s = {s: 10 for s in range(8, 12)} | {s: 12 for s in range(27, 30)}
-    held = fairness.held_while_backlogged(scenario, scale, {"spans": {"u": spans},
+    held = figures.held_while_backlogged(scenario, scale, {"spans": {"u": spans},
                                                             "tokens_by_s": {"u": by_s}})
     # seconds 8-11 and 27-29: 40 + 36 tokens over 7 s at 10 tok/s
     assert held == {"u": pytest.approx(76 / 70)}
-    short = fairness.held_while_backlogged(scenario, scale, {"spans": {"u": [(27.0, None)]},
+    short = figures.held_while_backlogged(scenario, scale, {"spans": {"u": [(27.0, None)]},
                                                              "tokens_by_s": {"u": by_s}})
     assert short == {"u": pytest.approx(36 / 30)}  # 3 seconds: MIN_BACKLOGGED_S
-    assert fairness.held_while_backlogged(scenario, scale, {"spans": {"u": [(27.5, None)]},
+    assert figures.held_while_backlogged(scenario, scale, {"spans": {"u": [(27.5, None)]},
                                                             "tokens_by_s": {"u": by_s}}) == {}
 
 
@@ -220,7 +222,7 @@ def test_the_rate_goal_with_nobody_backlogged_says_so():
     for held, value, met in ((None, None, True), (0.97, 0.97, False), (1.2, 1.2, True)):
         res = {"overload": {"arms": {"borrowing": arm(held, 1.0, 0.01),
                                      "capped": arm(1.0, 2.0, 0.1)}}}
-        (goal,) = [g for g in fairness.goals(res) if "while backlogged" in g["goal"]]
+        (goal,) = [g for g in figures.goals(res) if "while backlogged" in g["goal"]]
         assert (goal["value"], goal["met"]) == (value, met)
 
 
@@ -230,7 +232,7 @@ def test_engine_side_ttft_from_the_event_log(tmp_path):
     of the engine's event log that gave it a token, matched by the client's
     X-Request-Id inside vLLM's request id; refused requests and other
     requests of the log (a warm-up) left out."""
-    from vllm_output_rate.tools import fairness_engine as fe
+    from vllm_output_rate.tools.fairness import engine as fe
 
     events = tmp_path / "events.jsonl"
     lines = [{"kind": "tokens", "t_ns": 1_000, "tokens": [["cmpl-warmup-0", "a", 1]]},
@@ -247,10 +249,10 @@ def test_engine_side_ttft_from_the_event_log(tmp_path):
             fe.Record("b", 0.0, cid="fair-3-b", sent_ns=2_000, refused=True)]
     assert fe.engine_ttft(events, recs) == {"a": [3_500, 1_000], "b": [3_000]}
     # and the figures' groups carry it, as quantiles in seconds
-    scenario = fairness.Scenario("f", "", [], {"a": 1.0, "b": 1.0}, {"a": "g", "b": "g"})
-    result = fe.result_of(recs[:3], 40.0, {}, 30.0, fairness.WARMUP_S)
+    scenario = scenarios.Scenario("f", "", [], {"a": 1.0, "b": 1.0}, {"a": "g", "b": "g"})
+    result = fe.result_of(recs[:3], 40.0, {}, 30.0, figures.WARMUP_S)
     result["engine_ttft"] = {"a": [350_000_000, 100_000_000], "b": [700_000_000]}
     lines_ = [{"user": u, "max_tokens": 1, "t": 0.0, "prompt_tokens": 1} for u in "ab"]
-    (g,) = fairness.figures(scenario, fairness.ENGINE_SCALE, result, lines_)["groups"].values()
+    (g,) = figures.figures(scenario, scenarios.ENGINE_SCALE, result, lines_)["groups"].values()
     assert g["ttft_engine_s"]["p99"] == pytest.approx(0.7, rel=0.02)
     assert g["ttft_engine_s"]["p50"] == pytest.approx(0.35)

@@ -1,4 +1,4 @@
-"""The fault proxy (``tools.fault_proxy``) between a client and a real
+"""The fault proxy (``tools.reliability.fault_proxy``) between a client and a real
 ``redis-server``: it forwards, it delays each way, a cut makes calls time
 out (not fail at once) and a heal lets them through again. The times
 checked are lower bounds only (a delay cannot be beaten; a loaded machine
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from vllm_output_rate.tools.fault_proxy import FaultProxy
+from vllm_output_rate.tools.reliability.fault_proxy import FaultProxy
 from vllm_output_rate.tools.redis_server import RedisServer, redis_server_binary
 
 pytestmark = pytest.mark.skipif(redis_server_binary() is None,

@@ -22,7 +22,7 @@ from vllm_output_rate.internals import serve_cli
 from vllm_output_rate.request_fields import USER_SOURCES_OPTION
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION
 from vllm_output_rate.tools import cli
-from vllm_output_rate.tools.help_text import description_and_epilog, plain
+from vllm_output_rate.tools.common.help_text import description_and_epilog, plain
 from vllm_output_rate.user_label import LABEL_OPTION
 
 #: reStructuredText a terminal would show as is
@@ -117,7 +117,7 @@ def test_the_version_flags(flag, capsys):
 
 
 def test_twin_help_lists_its_subcommands_each_a_real_one(search, capsys):
-    from vllm_output_rate.tools import twin
+    from vllm_output_rate.tools.twin import cli as twin
 
     assert twin.main(["--help"]) == 0
     text = capsys.readouterr().out
@@ -134,9 +134,9 @@ def test_twin_help_lists_its_subcommands_each_a_real_one(search, capsys):
 
 
 def test_twin_run_help_reads_in_a_screen_and_its_groups_list_the_options(search, capsys):
-    from vllm_output_rate.tools import twin
+    from vllm_output_rate.tools.twin.config import build_parser
 
-    parser = twin.build_parser()
+    parser = build_parser()
     text = help_of(parser, ["--help"], capsys)
     assert len(text.splitlines()) < 70, len(text.splitlines())
     assert "--help=Twin" in text and f"--help={plugin.GROUP_TITLE}" in text

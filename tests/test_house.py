@@ -1,7 +1,8 @@
-"""The house rules a newcomer relies on, read from the source: no module of
-the engine plugin, telemetry, tracing or dashboards longer than 600 lines, no
-class that sets more than 25 attributes in its ``__init__``, one attribute of
-ours on vLLM's scheduler object."""
+"""The house rules a newcomer relies on, read from the source: no module
+anywhere in the checkout longer than 600 lines (the tools' subpackages and
+the tests too), no class of the engine plugin, telemetry, tracing or
+dashboards that sets more than 25 attributes in its ``__init__``, one
+attribute of ours on vLLM's scheduler object."""
 
 from __future__ import annotations
 
@@ -18,10 +19,20 @@ MAX_INIT_ATTRIBUTES = 25
 #: module -> why it may be longer (with the benchmark figure that says so);
 #: empty: no exception stands
 LONG_MODULES: dict[str, str] = {}
+#: test modules written before the bound covered tests/, each to be split by
+#: concern (issue 46); an entry goes once its module is at most MAX_LINES
+LONG_TEST_MODULES = ("tests/test_borrowing.py", "tests/test_dashboards.py",
+                     "tests/test_scheduler.py", "tests/test_shared_state.py",
+                     "tests/test_telemetry.py", "tests/test_tracing.py")
 #: "module:Class" -> why its __init__ may set more attributes
 WIDE_CLASSES: dict[str, str] = {}
 
 MODULES = sorted(p for folder in FOLDERS for p in (REPO / folder).rglob("*.py"))
+#: every module of the checkout, in every folder (the installed ones, the
+#: tools' subpackages, the tests), but the virtual environment and caches
+NOT_OURS = {".venv", ".git", ".cache", "build"}
+ALL_MODULES = sorted(p for p in REPO.rglob("*.py")
+                     if not NOT_OURS & set(p.relative_to(REPO).parts))
 #: The modules whose classes are mixed over vLLM's ``Scheduler``: what they
 #: set on ``self`` (and their class-level data) lives on vLLM's object.
 SCHEDULER_MIXINS = ("vllm_patch/scheduler.py", "vllm_patch/core.py",
@@ -89,10 +100,13 @@ def rel(path: Path) -> str:
     return path.relative_to(REPO).as_posix()
 
 
-@pytest.mark.parametrize("path", MODULES, ids=rel)
+@pytest.mark.parametrize("path", ALL_MODULES, ids=rel)
 def test_modules_stay_short(path):
     lines = len(path.read_text().splitlines())
     if rel(path) in LONG_MODULES:
+        return
+    if rel(path) in LONG_TEST_MODULES:
+        assert lines > MAX_LINES, f"{rel(path)} is short now: take it out of LONG_TEST_MODULES"
         return
     assert lines <= MAX_LINES, (
         f"{rel(path)} has {lines} lines (at most {MAX_LINES}): split it by concern")
@@ -153,6 +167,11 @@ def test_the_checks_see_what_they_check():
     assert properties(mixin) == {"alias"}
     assert len(MODULES) > 20
     assert all(m in {rel(p) for p in MODULES} for m in LONG_MODULES)
+    # the line bound reads every folder of the checkout, subpackages too
+    folders = {rel(p).split("/")[0] for p in ALL_MODULES}
+    assert {*FOLDERS, "scripts", "tests"} <= folders, folders
+    assert "scripts/twin/run.py" in {rel(p) for p in ALL_MODULES}
+    assert not any(NOT_OURS & set(p.relative_to(REPO).parts) for p in ALL_MODULES)
 
 
 def test_the_parser_imports_nothing_heavy():

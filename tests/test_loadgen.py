@@ -12,14 +12,10 @@ import httpx
 import pytest
 import yaml
 
-from vllm_output_rate.tools import loadgen
-from vllm_output_rate.tools.loadgen import (
-    ScenarioError,
-    load_scenario,
-    parse_scenario,
-    request_body,
-    run_scenario,
-)
+from vllm_output_rate.tools.loadgen import prompts
+from vllm_output_rate.tools.loadgen import run as loadgen
+from vllm_output_rate.tools.loadgen.scenario import ScenarioError, load_scenario, parse_scenario
+from vllm_output_rate.tools.loadgen.run import request_body, run_scenario
 
 MINIMAL = {
     "name": "t",
@@ -74,8 +70,8 @@ def test_yaml_and_json_give_the_same_scenario(tmp_path):
 
 
 def test_generated_prompts_are_deterministic():
-    assert loadgen.generated_text(30, 1) == loadgen.generated_text(30, 1)
-    assert loadgen.generated_text(30, 1) != loadgen.generated_text(30, 2)
+    assert prompts.generated_text(30, 1) == prompts.generated_text(30, 1)
+    assert prompts.generated_text(30, 1) != prompts.generated_text(30, 2)
 
 
 def _mutate(path_fn):
@@ -350,7 +346,7 @@ def test_an_error_inside_a_200_stream_is_an_error():
 
 
 def test_the_client_records_streams_with_the_same_loop():
-    from vllm_output_rate.tools.client import stream_chat
+    from vllm_output_rate.tools.common.client import stream_chat
 
     async def one(transport, **kw):
         async with httpx.AsyncClient(transport=transport) as client:
@@ -374,7 +370,7 @@ def test_a_server_started_from_here_makes_its_own_telemetry_and_limits(monkeypat
     server it starts must not inherit them: it would show another engine's
     stale snapshot on /metrics, or take limits it was not given."""
     from vllm_output_rate import settings
-    from vllm_output_rate.tools.client import Server
+    from vllm_output_rate.tools.common.client import Server
 
     monkeypatch.setenv(settings.name("TELEMETRY_DIR"), str(tmp_path))
     monkeypatch.setenv(settings.name("ACTIVE_CONFIG"), '{"pid": 1, "config": {}}')

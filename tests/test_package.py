@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness import REPO, scrape_until, tiny_model
-from vllm_output_rate.tools.client import Server, metric_value
+from vllm_output_rate.tools.common.client import Server, metric_value
 
 PACKAGES = ("vllm_output_rate/", "vllm_output_rate-")  # the module and its dist-info
 
@@ -27,6 +27,18 @@ def test_version_command(flag):
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("vllm-output-rate 0.1.0, vLLM 0.3"), run.stdout
     assert "(supported); supports vLLM 0.32, 0.33, 0.34 (>=0.32,<0.35)" in run.stdout
+
+
+def test_every_package_folder_is_listed():
+    """Each folder of a package (an ``__init__.py``) is in pyproject's
+    ``packages``: one left out would be missing from the wheel."""
+    import tomllib
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join([package, *init.parent.relative_to(REPO / folder).parts])
+             for package, folder in config["package-dir"].items()
+             for init in (REPO / folder).rglob("__init__.py")}
+    assert found == set(config["packages"])
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +65,7 @@ def test_the_wheel_installs_one_namespace_with_its_data(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert all(n.startswith(PACKAGES) for n in names), sorted({n.split("/")[0] for n in names})
     for shipped in ("vllm_output_rate/plugin.py", "vllm_output_rate/telemetry/plugin.py",
-                    "vllm_output_rate/tools/scenarios/default.yaml",
+                    "vllm_output_rate/tools/loadgen/scenarios/default.yaml",
                     "vllm_output_rate/dashboards/output-rate-users.json",
                     "vllm_output_rate/dashboards/prometheus/alerts.rules.yaml",
                     "vllm_output_rate/dashboards/provisioning/alerting.yaml",

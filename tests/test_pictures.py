@@ -13,7 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
 from vllm_output_rate.tools import prom_pictures as pp  # noqa: E402
-from vllm_output_rate.tools.verify import Analysis, timeline_figure  # noqa: E402
+from vllm_output_rate.tools.verify.analysis import Analysis
+from vllm_output_rate.tools.verify.plots import timeline_figure  # noqa: E402
 
 WINDOW = 15.0
 T0 = 1_000.0

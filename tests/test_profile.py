@@ -12,8 +12,9 @@ import textwrap
 
 import pytest
 
-from vllm_output_rate.tools import profile_engine as prof
-from vllm_output_rate.tools.profile_engine import (
+from vllm_output_rate.tools.bench import profile_engine as prof
+from vllm_output_rate.tools.bench import profile_stacks
+from vllm_output_rate.tools.bench.profile_stacks import (
     CATEGORIES,
     IDLE,
     INPUT,
@@ -157,13 +158,13 @@ def test_report_shares_add_up_and_inclusive_covers_self():
     assert report.inclusive_counts[LIMITER] == 7 + 5 + 3
     assert report.limiter_in_schedule == 7 + 5 + 3
     assert report.limiter_self_in_schedule == 7 + 5
-    table = prof.format_table({"on": report, "off": report})
+    table = profile_stacks.format_table({"on": report, "off": report})
     assert "| schedule() |" in table and "on self" in table and "off incl." in table
 
 
 def test_speedscope_file_is_one_profile_per_thread():
     stacks = parse_raw([c[0] for c in CASES] + OTHER_THREADS)
-    doc = prof.to_speedscope(stacks, "on")
+    doc = profile_stacks.to_speedscope(stacks, "on")
     assert doc["$schema"].endswith("file-format-schema.json")
     frames = doc["shared"]["frames"]
     assert len(doc["profiles"]) == 3 and "MainThread" in doc["profiles"][0]["name"]
@@ -251,7 +252,7 @@ def test_profile_real_engine(tmp_path, engines):
             plan=[("user-a", 4, 200), ("user-b", 4, 900)], warmup_s=2.0, rate=250)
         if report.inclusive_counts[LIMITER] > 0:
             break
-    print("\n" + prof.format_table({"on": report}))
+    print("\n" + profile_stacks.format_table({"on": report}))
     assert report.threads == ["MainThread"]
     assert report.total > 0
     assert sum(report.self_counts[c] for c in CATEGORIES) == report.total

@@ -45,7 +45,7 @@ def test_the_shipped_example_is_the_generators():
 
 
 def test_the_ring_spreads_users_and_moves_few_when_a_replica_joins():
-    from vllm_output_rate.tools.affinity_balance import Ring, balance
+    from vllm_output_rate.tools.bench.affinity_balance import Ring, balance
 
     ring = Ring(["10.0.0.1:8000", "10.0.0.2:8000"])
     assert len(ring.hashes) == 320 and ring.lookup("alice") == ring.lookup("alice")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from harness import second_model, tiny_model
-from vllm_output_rate.tools import soak
+from vllm_output_rate.tools.reliability import soak
 
 S = 1_000_000_000
 

@@ -9,35 +9,36 @@ import pytest
 
 from harness import second_model, tiny_model
 from vllm_output_rate.config import DEFAULT_OPTION
-from vllm_output_rate.tools import stress
+from vllm_output_rate.tools.reliability import config_cases, stress
 
 
 def test_the_config_table_covers_every_option():
-    assert len(stress.CONFIG_CASES) >= 20
-    options = {a for case in stress.CONFIG_CASES for a in case.args if a.startswith("--")}
-    for option in (stress.DEFAULT_OPTION, stress.USERS_OPTION, stress.LIMITS_FILE_OPTION,
-                   stress.UNLISTED_OPTION, stress.SHARED_STATE_OPTION, stress.HEADER_OPTION,
-                   stress.REQUIRE_OPTION, stress.API_KEYS_OPTION, stress.ADMIN_KEYS_OPTION,
-                   stress.INTROSPECTION_OPTION, stress.LABEL_OPTION, stress.SALT_OPTION):
+    cc = config_cases
+    assert len(cc.CONFIG_CASES) >= 20
+    options = {a for case in cc.CONFIG_CASES for a in case.args if a.startswith("--")}
+    for option in (cc.DEFAULT_OPTION, cc.USERS_OPTION, cc.LIMITS_FILE_OPTION, cc.UNLISTED_OPTION,
+                   cc.SHARED_STATE_OPTION, cc.HEADER_OPTION, cc.REQUIRE_OPTION, cc.API_KEYS_OPTION,
+                   cc.ADMIN_KEYS_OPTION, cc.INTROSPECTION_OPTION, cc.LABEL_OPTION, cc.SALT_OPTION):
         assert option in options, option
 
 
-@pytest.mark.parametrize("case", stress.CONFIG_CASES, ids=lambda c: c.name)
+@pytest.mark.parametrize("case", config_cases.CONFIG_CASES, ids=lambda c: c.name)
 def test_every_bad_value_is_refused_naming_option_and_value(case, tmp_path):
-    result = stress.check_config_case(case, tiny_model(), tmp_path)
+    result = config_cases.check_config_case(case, tiny_model(), tmp_path)
     assert result.ok, result
 
 
 def test_a_good_configuration_is_a_failed_case(tmp_path):
     """The check can fail: a configuration that is accepted is reported."""
-    good = stress.ConfigCase("good", (DEFAULT_OPTION, "5"), (DEFAULT_OPTION,))
-    result = stress.check_config_case(good, tiny_model(), tmp_path)
+    good = config_cases.ConfigCase("good", (DEFAULT_OPTION, "5"), (DEFAULT_OPTION,))
+    result = config_cases.check_config_case(good, tiny_model(), tmp_path)
     assert not result.ok and result.measured == "accepted"
 
 
 def test_a_refusal_that_does_not_name_the_value_is_a_failed_case(tmp_path):
-    vague = stress.ConfigCase("vague", (DEFAULT_OPTION, "0"), (DEFAULT_OPTION, "a value it never names"))
-    assert not stress.check_config_case(vague, tiny_model(), tmp_path).ok
+    vague = config_cases.ConfigCase("vague", (DEFAULT_OPTION, "0"),
+                                    (DEFAULT_OPTION, "a value it never names"))
+    assert not config_cases.check_config_case(vague, tiny_model(), tmp_path).ok
 
 
 @pytest.mark.e2e
@@ -72,8 +73,8 @@ def test_quick_profile_against_a_real_engine(tmp_path, model):
 def test_a_real_server_refuses_a_bad_file_in_one_line(tmp_path):
     """``vllm-output-rate serve`` itself: exit 2, one error line naming the
     option, the file, the key path and the value; no traceback."""
-    case = next(c for c in stress.CONFIG_CASES if c.name == "limits file unknown tier")
-    result = stress.serve_refuses(case, tiny_model(), tmp_path, tmp_path)
+    case = next(c for c in config_cases.CONFIG_CASES if c.name == "limits file unknown tier")
+    result = config_cases.serve_refuses(case, tiny_model(), tmp_path, tmp_path)
     assert result.ok, result
     assert "error: --output-rate-limits-file" in result.measured
 
@@ -91,8 +92,8 @@ def test_a_line_per_group_and_case_on_stderr_unless_no_progress(tmp_path, capsys
     if not progress:
         assert lines == []
     else:
-        n = len(stress.CONFIG_CASES)
+        n = len(config_cases.CONFIG_CASES)
         assert len(lines) == 1 + n and f"config: {n} refused configurations" in lines[0]
-        for i, (line, case) in enumerate(zip(lines[1:], stress.CONFIG_CASES), 1):
+        for i, (line, case) in enumerate(zip(lines[1:], config_cases.CONFIG_CASES), 1):
             assert f" {i} cases (0 failed): pass config: {case.name} (" in line, line
-    assert f"{len(stress.CONFIG_CASES)} passed, 0 failed" in out
+    assert f"{len(config_cases.CONFIG_CASES)} passed, 0 failed" in out

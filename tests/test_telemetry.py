@@ -1005,7 +1005,7 @@ def test_limited_users_get_exactly_their_limit_on_the_event_log(tmp_path, monkey
 
     from vllm_output_rate.limiter import BURST_NS
     from vllm_output_rate.telemetry.events import EngineLog
-    from vllm_output_rate.tools.verify import gcra_worst_window
+    from vllm_output_rate.tools.verify.gcra import gcra_worst_window
 
     BURST_S = BURST_NS / 1e9
 

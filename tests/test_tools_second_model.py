@@ -15,10 +15,12 @@ import pytest
 import yaml
 
 from harness import scrape_until, second_model
-from vllm_output_rate.tools import demo, loadgen
-from vllm_output_rate.tools import profile_engine as prof
-from vllm_output_rate.tools.client import Server, metric_value
-from vllm_output_rate.tools.loadgen import load_scenario
+from vllm_output_rate.tools import demo
+from vllm_output_rate.tools.loadgen import run as loadgen
+from vllm_output_rate.tools.bench import profile_engine as prof
+from vllm_output_rate.tools.bench import profile_stacks
+from vllm_output_rate.tools.common.client import Server, metric_value
+from vllm_output_rate.tools.loadgen.scenario import load_scenario
 
 pytestmark = pytest.mark.e2e
 
@@ -93,10 +95,11 @@ def test_loadgen_and_profile_on_a_second_model(scenario, tmp_path):
             report = prof.profile_engine(core, out, "on", seconds=4, base_url=server.base_url,
                                          plan=[("user-a", 4, 120), ("user-c", 2, 400)],
                                          warmup_s=1.0, rate=250)
-            if report.inclusive_counts[prof.LIMITER] > 0:
+            if report.inclusive_counts[profile_stacks.LIMITER] > 0:
                 break
-    print("\n" + prof.format_table({"on": report}))
+    print("\n" + profile_stacks.format_table({"on": report}))
     assert report.total > 0
-    assert report.inclusive_counts[prof.SCHEDULE] > 0 and report.inclusive_counts[prof.LIMITER] > 0
+    counts = report.inclusive_counts
+    assert counts[profile_stacks.SCHEDULE] > 0 and counts[profile_stacks.LIMITER] > 0
     assert report.meta["tokens"].get("user-c", 0) > 0
 

@@ -943,7 +943,7 @@ def test_generation_series_equal_the_delivered_spacings(tmp_path, exporter, monk
     from collections import deque
 
     import vllm_output_rate.telemetry.engine as engine_mod
-    from vllm_output_rate.tools import scheduler_driver
+    from vllm_output_rate.tools.common import scheduler_driver
 
     from vllm_output_rate.tracing import series as series_mod, throttle as throttle_mod
     from vllm.v1.request import RequestStatus

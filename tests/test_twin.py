@@ -8,6 +8,7 @@ import json
 from fractions import Fraction
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -16,11 +17,14 @@ from test_live_limits import check_piecewise_bound
 from vllm_output_rate.limiter import BURST_NS
 from vllm_output_rate.scheduler import OutputRateAsyncScheduler, OutputRateScheduler
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools import twin, workload
-from vllm_output_rate.tools.step_time import StepTimeError, load_step_time
-from vllm_output_rate.tools.twin import T0_NS, Twin, TwinError
-from vllm_output_rate.tools.verify import gcra_max_excess
-from vllm_output_rate.tools.workload import WorkloadError, read_workload
+from vllm_output_rate.telemetry.metrics import series_name
+from vllm_output_rate.tools.twin import cli as twin
+from vllm_output_rate.tools.twin import workload
+from vllm_output_rate.tools.twin.step_time import StepTimeError, load_step_time
+from vllm_output_rate.tools.twin import Twin, TwinConfig, TwinError
+from vllm_output_rate.tools.twin.run import T0_NS
+from vllm_output_rate.tools.verify.gcra import gcra_max_excess
+from vllm_output_rate.tools.twin.workload import WorkloadError, read_workload
 
 NS = 1_000_000_000
 LIMITS = {"flooder": 15, "steady-0": 40, "steady-1": 40}
@@ -35,9 +39,10 @@ def gen(tmp_path, args, seed=1, name="wl.jsonl"):
 
 
 def run_twin(tmp_path, wl, *options, out="out", keep_charges=True):
-    t = Twin(["--workload", str(wl), "--out", str(tmp_path / out), "--model", tiny_model(),
-              "--max-num-seqs", "16", "--max-model-len", "512", *options],
-             keep_charges=keep_charges)
+    t = Twin(TwinConfig.from_argv(
+        ["--workload", str(wl), "--out", str(tmp_path / out), "--model", tiny_model(),
+         "--max-num-seqs", "16", "--max-model-len", "512", *options],
+        keep_charges=keep_charges))
     return t, t.run()
 
 
@@ -130,6 +135,15 @@ def test_a_limits_change_in_the_workload_is_in_force_at_its_virtual_time(tmp_pat
     log = EngineLog.read(tmp_path / "out" / "events.jsonl")
     [logged] = log.limit_changes
     assert logged["t_ns"] == in_force_ns and logged["limits"] == {"user-a": 5.0}
+    # the telemetry's wall clock moves with the virtual one (the twin passes
+    # its clock in), and so does the limits file's load time
+    [start] = log.starts
+    offset_ns = start["unix_ns"] - start["t_ns"]
+    assert logged["unix_ns"] - logged["t_ns"] == offset_ns
+    text = (tmp_path / "out" / "metrics.txt").read_text()
+    [loaded] = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == series_name("limits_loaded_timestamp_seconds")]
+    assert loaded == pytest.approx((T0_NS + offset_ns) / NS + change["in_force_t"], abs=0.05)
     # the user's file was copied, never written
     assert limits.read_text() == "default: 1000\nusers: {user-a: 20}\n"
     charges = [(ns, "user-a", n) for ns, n in user_charges(t, "user-a")]
@@ -181,10 +195,11 @@ def test_the_command_refuses_bad_input_in_one_line(tmp_path, capsys):
     long = write(tmp_path / "long.jsonl", good.replace("3}", "600}") + "\n")
     with pytest.raises(TwinError, match=r"long.jsonl:1: prompt_tokens \+ max_tokens = 608 "
                                         r"exceeds the model length 512"):
-        Twin(["--workload", str(long), *out, "--max-model-len", "512"])
+        Twin(TwinConfig.from_argv(["--workload", str(long), *out, "--max-model-len", "512"]))
     change = write(tmp_path / "change.jsonl", f'{good}\n{{"t": 1, "limits_file": "change.jsonl"}}\n')
     with pytest.raises(TwinError, match="change.jsonl:2: limits_file: the run has no limits file"):
-        Twin(["--workload", str(change), *out, "--default-user-output-tokens-per-second", "5"])
+        Twin(TwinConfig.from_argv(["--workload", str(change), *out,
+                                   "--default-user-output-tokens-per-second", "5"]))
     step = write(tmp_path / "step.json", '{"version": 1, "kind": "linear", "base_s": -1}')
     with pytest.raises(StepTimeError, match="step.json: base_s: expected a number >= 0, got -1"):
         load_step_time(str(step))
@@ -230,8 +245,8 @@ def test_a_hand_written_step_time_sets_the_spacing(tmp_path):
 
 
 def test_the_docs_page_holds_the_schemas():
-    from vllm_output_rate.tools.step_time import DEFAULT, STEP_TIME_SCHEMA
-    from vllm_output_rate.tools.twin_report import SUMMARY_SCHEMA
+    from vllm_output_rate.tools.twin.step_time import DEFAULT, STEP_TIME_SCHEMA
+    from vllm_output_rate.tools.twin.report import SUMMARY_SCHEMA
 
     doc = (REPO / "docs" / "twin.md").read_text()
     for schema in (workload.WORKLOAD_SCHEMA, STEP_TIME_SCHEMA, DEFAULT.to_json(), SUMMARY_SCHEMA):
@@ -259,3 +274,47 @@ def test_until_cuts_the_run_and_counts_what_never_started(tmp_path):
     waits = t.stats.unstarted_waits()["flooder"]
     end_ns = cut["run"]["virtual_s"] * NS  # (the run's last step, at 3 s or just past it)
     assert len(waits) == flooder["unstarted"] and all(0 < w <= end_ns for w in waits)
+
+
+def test_a_config_built_in_memory_runs_as_its_command_line(tmp_path):
+    """``Twin(TwinConfig(...))`` with the workload, the engine options and
+    the limits' text in memory runs exactly what the same options on the
+    command line run: the same summary (wall time aside) and event log."""
+    from vllm_output_rate.tools.twin import TwinLimits, engine_args
+    from vllm_output_rate.tools.twin.workload import workload_of_lines
+
+    lines = [{"t": round(0.05 * i, 6), "user": f"user-{i % 3}", "prompt_tokens": 24,
+              "max_tokens": 40} for i in range(30)]
+    limits = "default: 30\nusers: {user-1: 8}\n"
+    (tmp_path / "cli").mkdir()
+    wl = write(tmp_path / "cli" / "workload.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    write(tmp_path / "cli" / "limits.yaml", limits)
+    by_argv = Twin(TwinConfig.from_argv(
+        ["--workload", str(wl), "--out", str(tmp_path / "a"), "--model", tiny_model(),
+         "--max-num-seqs", "8", "--max-model-len", "512", "--seed", "3", "--no-plots",
+         "--output-rate-limits-file", str(tmp_path / "cli" / "limits.yaml")])).run()
+    in_memory = Twin(TwinConfig(
+        workload=workload_of_lines(lines), out=tmp_path / "b",
+        engine=engine_args(model=tiny_model(), max_num_seqs=8, max_model_len=512, seed=3),
+        limits=TwinLimits(limits_text=limits), plots=False)).run()
+    for summary in (by_argv, in_memory):
+        summary["run"].pop("wall_s")
+    assert in_memory == by_argv and by_argv["run"]["limits"]["users"] == {"user-1": 8.0}
+
+    def events(out):
+        return [{k: v for k, v in json.loads(line).items() if k != "unix_ns"}
+                for line in (tmp_path / out / "events.jsonl").read_text().splitlines()]
+
+    assert events("a") == events("b") and len(events("a")) > 10
+
+
+def test_the_python_example_of_the_docs_runs(tmp_path, monkeypatch):
+    doc = (REPO / "docs" / "twin.md").read_text()
+    example = doc.split("### From Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {}
+    exec(compile(example, "docs/twin.md", "exec"), scope)
+    summary = scope["summary"]
+    assert set(summary["users"]) == {"user-0", "user-1"}
+    assert summary["users"]["user-1"]["rate_tok_s"] == pytest.approx(10, rel=0.02)
+    assert (tmp_path / "twin-out" / "summary.json").exists()

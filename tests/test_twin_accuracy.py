@@ -13,23 +13,24 @@ import pytest
 
 from harness import tiny_model
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools import twin_accuracy as ta
-from vllm_output_rate.tools.step_time import parse_step_time
-from vllm_output_rate.tools.twin import T0_NS, Twin
-from vllm_output_rate.tools.twin_calibrate import request_path_fit
-from vllm_output_rate.tools.workload import LimitsChangeAt, WorkloadRequest, read_workload
+from vllm_output_rate.tools.twin import accuracy as ta, accuracy_runs as runs
+from vllm_output_rate.tools.twin.step_time import parse_step_time
+from vllm_output_rate.tools.twin import Twin, TwinConfig
+from vllm_output_rate.tools.twin.run import T0_NS
+from vllm_output_rate.tools.twin.calibrate import request_path_fit
+from vllm_output_rate.tools.twin.workload import LimitsChangeAt, WorkloadRequest, read_workload
 
 NS = 1_000_000_000
 
 
 def _twin(tmp_path, wl, extra=(), step=None):
-    path, limits = ta.write_workload(wl, tmp_path)
+    path, limits = runs.write_workload(wl, tmp_path)
     argv = ["--workload", str(path), "--out", str(tmp_path / "twin"), "--model", tiny_model(),
-            "--no-plots", *ta.SERVE_ARGS, "--output-rate-limits-file", str(limits), *extra]
+            "--no-plots", *runs.SERVE_ARGS, "--output-rate-limits-file", str(limits), *extra]
     if step is not None:
         (tmp_path / "step.json").write_text(json.dumps(step))
         argv += ["--step-time", str(tmp_path / "step.json")]
-    return path, Twin(argv).run()
+    return path, Twin(TwinConfig.from_argv(argv)).run()
 
 
 def _arrivals(path):
@@ -49,26 +50,26 @@ def test_the_event_log_figures_of_a_twin_run_are_the_twins_own(tmp_path, name):
     clients' sends is, on a twin run (async scheduling: its log stamps each
     step's tokens when the step's output is applied, as the summary does),
     exactly the twin's summary: rate, TTFT and spacing quantiles, counts."""
-    wl = ta.WORKLOADS[name](3, 8.0)
+    wl = runs.WORKLOADS[name](3, 8.0)
     path, summary = _twin(tmp_path, wl, ["--async-scheduling", "--until", "12"])
     log = EngineLog.read(tmp_path / "twin" / "events.jsonl")
     end = T0_NS + round(summary["run"]["virtual_s"] * NS)
-    figures = ta.figures_from_log(log, _arrivals(path), end)
+    figures = runs.figures_from_log(log, _arrivals(path), end)
     assert figures.keys() == summary["users"].keys() and len(figures) >= 4
     keys = ("requests", "finished", "unstarted", "output_tokens", "rate_tok_s", "ttft_s", "itl_s")
     for user, fig in figures.items():
         assert fig == {k: summary["users"][user][k] for k in keys}, user
     assert any(f["ttft_s"]["p90"] for f in figures.values())
     # tokens after the cut are not counted, nor requests outside the arrivals
-    early = ta.figures_from_log(log, _arrivals(path), T0_NS + 4 * NS)
+    early = runs.figures_from_log(log, _arrivals(path), T0_NS + 4 * NS)
     assert sum(f["output_tokens"] for f in early.values()) < sum(
         f["output_tokens"] for f in figures.values())
     some = dict(list(_arrivals(path).items())[:5])
-    assert sum(f["requests"] for f in ta.figures_from_log(log, some).values()) == 5
+    assert sum(f["requests"] for f in runs.figures_from_log(log, some).values()) == 5
 
 
 def test_a_live_change_in_an_accuracy_workload_reaches_the_twin(tmp_path):
-    wl = ta.tiers(1, 10.0)
+    wl = runs.tiers(1, 10.0)
     path, summary = _twin(tmp_path, wl, ["--until", "14"])
     events = read_workload(str(path)).events
     assert sum(isinstance(e, LimitsChangeAt) for e in events) == 1
@@ -82,7 +83,7 @@ def test_a_live_change_in_an_accuracy_workload_reaches_the_twin(tmp_path):
 
 
 def test_the_workloads_are_seeded_and_fit_the_engine():
-    for make in ta.WORKLOADS.values():
+    for make in runs.WORKLOADS.values():
         a, b = make(7, 30.0), make(7, 30.0)
         assert a.lines == b.lines and a.lines != make(8, 30.0).lines
         assert all(x["prompt_tokens"] + x["max_tokens"] <= 1024 for x in a.lines)
@@ -175,7 +176,7 @@ def test_the_twin_puts_a_request_on_the_scheduler_its_request_path_after_arrival
     counts its TTFT from its arrival: alone on an idle engine, TTFT = path
     + one step, exactly."""
     step = {"version": 1, "kind": "linear", "base_s": 0.01, "source": "hand"}
-    wl = ta.AccuracyWorkload("alone", [ta._req(1.0, "open", 16, 4), ta._req(3.0, "open", 16, 4)],
+    wl = runs.AccuracyWorkload("alone", [runs._req(1.0, "open", 16, 4), runs._req(3.0, "open", 16, 4)],
                              "default: 100000\n")
     _, base = _twin(tmp_path / "a", wl, step=step)
     _, late = _twin(tmp_path / "b", wl, step={**step, "request_path_s": 0.007})
@@ -221,7 +222,7 @@ def test_each_requests_path_is_drawn_from_the_spread_seeded(tmp_path):
     for another; a spread that decreases is refused with its index."""
     step = {"version": 1, "kind": "linear", "base_s": 0.01, "source": "hand",
             "request_path_s": 0.004, "request_path_quantiles_s": [0.002, 0.004, 0.012]}
-    wl = ta.AccuracyWorkload("alone", [ta._req(1.0 + i, "open", 16, 4) for i in range(20)],
+    wl = runs.AccuracyWorkload("alone", [runs._req(1.0 + i, "open", 16, 4) for i in range(20)],
                              "default: 100000\n")
 
     def ttfts(name, seed):
@@ -253,11 +254,11 @@ def test_the_twin_replays_what_each_real_run_sent():
     """``as_sent``: the workload with each request at the moment a replay's
     client sent it (by the client's id of it), limit changes kept; a
     request the replay did not send keeps its planned time."""
-    wl = ta.tiers(1, 30.0)
-    events = ta.replay_events(wl)
+    wl = runs.tiers(1, 30.0)
+    events = runs.replay_events(wl)
     requests = [(i, e) for i, (_, e) in enumerate(events) if not isinstance(e, str)]
-    sent = {ta.client_id(i, e["user"]): e["t"] + 0.2 for i, e in requests[:-1]}
-    moved = ta.as_sent(wl, sent)
+    sent = {runs.client_id(i, e["user"]): e["t"] + 0.2 for i, e in requests[:-1]}
+    moved = runs.as_sent(wl, sent)
     assert moved.changes == wl.changes and moved.limits == wl.limits
     assert len(moved.lines) == len(wl.lines)
     assert sorted(x["t"] for x in moved.lines) == sorted(
@@ -276,9 +277,9 @@ def test_the_twins_runs_median_is_compared():
 
 
 def test_the_kv_size_is_read_from_the_engine_log():
-    assert ta.kv_tokens_of("INFO ... [kv_cache_utils.py:1234] GPU KV cache size: 131,072 tokens") \
+    assert runs.kv_tokens_of("INFO ... [kv_cache_utils.py:1234] GPU KV cache size: 131,072 tokens") \
         == 131072
-    assert ta.kv_tokens_of("nothing") is None
+    assert runs.kv_tokens_of("nothing") is None
 
 
 from hypothesis import given, strategies as st  # noqa: E402
@@ -288,7 +289,7 @@ from hypothesis import given, strategies as st  # noqa: E402
 def test_counted_samples_give_the_quantile_of_the_samples(values, q):
     """The twin's spacings kept as value -> count: the same quantile as
     the list of samples, in the same order, with memory per distinct value."""
-    from vllm_output_rate.tools.stats import CountedSamples, quantile
+    from vllm_output_rate.tools.common.stats import CountedSamples, quantile
 
     counted = CountedSamples()
     for v in values[::2]:
@@ -318,12 +319,12 @@ def test_real_from_scores_the_twin_against_earlier_real_runs(tmp_path):
     data = REPO / "tests" / "data"
     shutil.copy(data / "calibration-events.jsonl", cal / "events.jsonl")
     shutil.copy(data / "calibration-prompts.jsonl", cal / "step_time.prompts.jsonl")
-    wl = ta.tiers(1, 6.0)
+    wl = runs.tiers(1, 6.0)
     step = {"version": 1, "kind": "linear", "base_s": 0.002, "source": "hand"}
     (tmp_path / "step.json").write_text(json.dumps(step))
-    planned = {ta.client_id(i, e["user"]): e["t"] for i, (_, e) in enumerate(ta.replay_events(wl))
+    planned = {runs.client_id(i, e["user"]): e["t"] for i, (_, e) in enumerate(runs.replay_events(wl))
                if not isinstance(e, str)}
-    summary = ta.twin_run(Twin, wl, tmp_path / "made", tiny_model(), tmp_path / "step.json",
+    summary = runs.twin_run(wl, tmp_path / "made", tiny_model(), tmp_path / "step.json",
                           False, None, 1)
     real = {"figures": summary["users"], "sent_s": planned, "errors": [],
             "async_scheduling": False, "kv_tokens": None}
@@ -332,7 +333,7 @@ def test_real_from_scores_the_twin_against_earlier_real_runs(tmp_path):
     out = tmp_path / "out"
     assert ta.main(["--out", str(out), "--real-from", str(earlier), "--workload", "tiers",
                     "--duration", "6", "--model", tiny_model(), "--step-time",
-                    str(tmp_path / "step.json")], Twin) == 0
+                    str(tmp_path / "step.json")]) == 0
     doc = json.loads((out / "accuracy.json").read_text())
     assert doc["real_from"] == str(earlier)
     wl_doc = doc["workloads"]["tiers"]
@@ -342,6 +343,6 @@ def test_real_from_scores_the_twin_against_earlier_real_runs(tmp_path):
     assert not (out / "tiers" / "real-1").exists()  # no engine ran
     # without --step-time: fitted again on the earlier calibration log
     assert ta.main(["--out", str(tmp_path / "out2"), "--real-from", str(earlier), "--workload",
-                    "tiers", "--duration", "6", "--model", tiny_model()], Twin) == 0
+                    "tiers", "--duration", "6", "--model", tiny_model()]) == 0
     refit = json.loads((tmp_path / "out2" / "calibration" / "step_time.json").read_text())
     assert refit["source"] == "measured" and "fitted again on earlier" in refit["note"]

@@ -12,12 +12,13 @@ import json
 import pytest
 
 from harness import REPO, tiny_model
-from vllm_output_rate.tools import twin, twin_calibrate, twin_scale, workload
-from vllm_output_rate.tools.step_time import TERMS, load_step_time
-from vllm_output_rate.tools.twin import Twin
-from vllm_output_rate.tools.twin_calibrate import CalibrationError, calibrate_from_log
-from vllm_output_rate.tools.twin_compare import CompareError, parse_configs, run_compare
-from vllm_output_rate.tools.workload import WorkloadError, convert_burstgpt, read_workload
+from vllm_output_rate.tools.twin import cli as twin
+from vllm_output_rate.tools.twin import calibrate as twin_calibrate, roofline, scale as twin_scale, workload
+from vllm_output_rate.tools.twin.step_time import TERMS, load_step_time
+from vllm_output_rate.tools.twin import Twin, TwinConfig
+from vllm_output_rate.tools.twin.calibrate import CalibrationError, calibrate_from_log
+from vllm_output_rate.tools.twin.compare import CompareError, parse_configs, run_compare
+from vllm_output_rate.tools.twin.workload import WorkloadError, convert_burstgpt, read_workload
 
 from test_twin import FLOOD, gen
 
@@ -37,7 +38,7 @@ def test_compare_puts_configurations_side_by_side(tmp_path, capsys):
         "--config", 'base=--default-user-output-tokens-per-second 1000 '
                     '--user-output-tokens-per-second \'{"flooder": 15}\'',
         "--config", f"strict=--output-rate-limits-file {tmp_path / 'strict.yaml'}",
-        "--config=none="], Twin, plots=True)
+        "--config=none="], plots=True)
     assert [c["name"] for c in doc["configs"]] == ["base", "strict", "none"]
     assert doc["baseline"] == "base"
     assert doc["configs"][2]["limits"] is None and doc["configs"][2]["scheduler"].endswith(
@@ -170,10 +171,11 @@ def test_the_fit_recovers_a_known_model_from_a_twin_log(tmp_path):
     step.write_text(json.dumps({"version": 1, "kind": "linear", **KNOWN, "source": "hand"}))
     wl = gen(tmp_path, ["clients", "--clients", "6", "--duration", "6", "--rate", "1.5",
                         "--prompt-tokens", "60", "--max-tokens", "40", "--cap", "200"], seed=4)
-    Twin(["--workload", str(wl), "--out", str(tmp_path / "out"), "--model", tiny_model(),
-          "--max-num-seqs", "32", "--max-model-len", "512", "--max-num-batched-tokens", "8192",
-          "--step-time", str(step), "--default-user-output-tokens-per-second", "100000",
-          "--no-plots"]).run()
+    Twin(TwinConfig.from_argv(
+        ["--workload", str(wl), "--out", str(tmp_path / "out"), "--model", tiny_model(),
+         "--max-num-seqs", "32", "--max-model-len", "512", "--max-num-batched-tokens", "8192",
+         "--step-time", str(step), "--default-user-output-tokens-per-second", "100000",
+         "--no-plots"])).run()
     prompts = tmp_path / "prompts.jsonl"
     with open(prompts, "w") as f:  # the twin's request ids: twin-<index>-<user>
         for i, r in enumerate(read_workload(str(wl)).requests):
@@ -235,7 +237,7 @@ def test_roofline_estimate_from_a_config_and_a_gpu(tmp_path):
     # 256x128) and a gated MLP (3 x 256x512), embeddings and head 1024x256
     assert model.estimate["params"] == 2 * (196_608 + 393_216) + 2 * 1024 * 256
     assert model.estimate["kv_bytes_per_token"] == 2 * 2 * 2 * 64 * 4  # float32
-    assert model.base_s > twin_calibrate.STEP_OVERHEAD_S
+    assert model.base_s > roofline.STEP_OVERHEAD_S
     assert 0 < model.per_context_token_s < model.per_decode_s
     llama7b = tmp_path / "llama7b"
     llama7b.mkdir()
@@ -243,18 +245,18 @@ def test_roofline_estimate_from_a_config_and_a_gpu(tmp_path):
         "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
         "num_attention_heads": 32, "intermediate_size": 11008, "vocab_size": 32000,
         "torch_dtype": "float16"}))
-    est = twin_calibrate.roofline_estimate(str(llama7b), "A100")
+    est = roofline.roofline_estimate(str(llama7b), "A100")
     assert est["estimate"]["params"] == pytest.approx(6.74e9, rel=0.01)
     # weights streamed once a step: 13.5 GB at 0.8 x 2039 GB/s, about 8 ms
     assert est["base_s"] == pytest.approx(0.002 + 13.48e9 / (0.8 * 2039e9), rel=0.01)
 
 
 def test_the_docs_page_holds_the_compare_schema():
-    from vllm_output_rate.tools.twin_compare import COMPARE_SCHEMA
+    from vllm_output_rate.tools.twin.compare import COMPARE_SCHEMA
 
     doc = (REPO / "docs" / "twin.md").read_text()
     assert f"```json\n{json.dumps(COMPARE_SCHEMA, indent=2)}\n```" in doc
-    assert " ".join(twin_calibrate.GPUS) in doc
+    assert " ".join(roofline.GPUS) in doc
 
 
 # --------------------------------------------------------------------------- scale
@@ -270,7 +272,7 @@ def test_scale_keeps_r_resident_and_samples_memory(tmp_path):
     doc = twin_scale.run_scale([
         "--out", str(out), "--sizes", "8", "--users", "2", "50", "--virtual-s", "3",
         "--memory-s", "4", "--memory-every-s", "1", "--memory-size", "8",
-        "--memory-users", "4", "--in-process"], Twin)
+        "--memory-users", "4", "--in-process"])
     cells = doc["cells"]
     assert [(c["size"], c["users"], c["arm"]) for c in cells] == [
         (8, 2, "limited"), (8, 2, "upstream"), (8, 50, "limited"), (8, 50, "upstream")]

@@ -17,17 +17,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_output_rate.tools import verify
-from vllm_output_rate.tools.loadgen import RequestRecord, RunRecord, parse_scenario
-from vllm_output_rate.tools.verify import (
-    Analysis,
-    EngineLog,
-    Metrics,
-    analyze_and_report,
-    base_request_id,
-    gcra_worst_window,
-    run_checks,
-)
+from vllm_output_rate.tools.verify import cli as verify
+from vllm_output_rate.tools.verify.checks import IDLE_GAUGES
+from vllm_output_rate.tools.verify.report import PLOTS
+from vllm_output_rate.tools.loadgen.run import RequestRecord, RunRecord
+from vllm_output_rate.tools.loadgen.scenario import parse_scenario
+from vllm_output_rate.tools.verify.analysis import Analysis, Metrics, base_request_id
+from vllm_output_rate.telemetry.events import EngineLog
+from vllm_output_rate.tools.verify.cli import analyze_and_report
+from vllm_output_rate.tools.verify.gcra import gcra_worst_window
+from vllm_output_rate.tools.verify.checks import run_checks
 
 SCENARIO = {
     "name": "synthetic",
@@ -151,7 +150,7 @@ def simulate(scenario_dict=SCENARIO, *, engine_limits=None, step_ms=5.0, compare
     before |= sample("vllm:prefix_cache_hits_total", 0)
     after |= sample("vllm:prefix_cache_hits_total", 64)
     final = {}
-    for name in verify.IDLE_GAUGES:
+    for name in IDLE_GAUGES:
         final |= sample(name, 0)
     return sc, run, log, Metrics(before, after, final)
 
@@ -293,7 +292,7 @@ def test_a_cancelled_request_left_in_the_engine_fails_freed(good):
     assert cancelled.rid in " ".join(checks["freed[all]"].details)
 
 
-@pytest.mark.parametrize("gauge", verify.IDLE_GAUGES)
+@pytest.mark.parametrize("gauge", IDLE_GAUGES)
 def test_anything_left_running_waiting_or_throttled_fails_freed(good, gauge):
     sc, run, log, metrics = copy.deepcopy(good)
     key = next(k for k in metrics.final if k[0] == gauge)
@@ -451,7 +450,7 @@ def test_report_and_exit_code(good, tmp_path):
     assert analyze_and_report(sc, run, log, metrics, tmp_path / "ok") == 0
     report = (tmp_path / "ok" / "report.md").read_text()
     assert report.startswith("# Engine-side ITL verification: PASS")
-    for png in verify.PLOTS:
+    for png in PLOTS:
         assert (tmp_path / "ok" / png).stat().st_size > 1000
         assert f"]({png})" in report
     assert "Step slack" in report or "step slack" in report.lower()
@@ -498,7 +497,7 @@ def test_the_reports_quantile_interpolates_linearly_between_ranks():
 
     import numpy as np
 
-    from vllm_output_rate.tools.stats import quantile
+    from vllm_output_rate.tools.common.stats import quantile
 
     assert math.isnan(quantile([], 0.5))
     assert quantile([3.0], 0.99) == 3.0
@@ -518,7 +517,7 @@ def test_the_reports_quantile_interpolates_linearly_between_ranks():
 def test_the_one_pass_excess_gives_the_same_verdict_as_every_window(steps, slack, rate, with_starts):
     """``gcra_max_excess`` (O(n), for soak-length runs) against the window
     by window check: a violation exactly when the other finds one."""
-    from vllm_output_rate.tools.verify import gcra_max_excess
+    from vllm_output_rate.tools.verify.gcra import gcra_max_excess
 
     events, t = [], 0
     for gap_ms, n in steps:

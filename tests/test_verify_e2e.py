@@ -21,8 +21,9 @@ import pytest
 import yaml
 
 from harness import second_model
-from vllm_output_rate.tools import verify
-from vllm_output_rate.tools.loadgen import load_scenario
+from vllm_output_rate.tools.verify import cli as verify
+from vllm_output_rate.tools.verify.report import PLOTS
+from vllm_output_rate.tools.loadgen.scenario import load_scenario
 
 pytestmark = pytest.mark.e2e
 
@@ -117,7 +118,7 @@ def test_verify_passes_on_a_correct_run(short_scenario, tmp_path, scheduling, mo
     # the GCRA check allowed the slack of the scheduling it ran with
     lag = "2 step(s) before" if scheduling == "async" else "1 step(s) before"
     assert lag in text
-    for png in verify.PLOTS:
+    for png in PLOTS:
         assert (report / png).stat().st_size > 1000
     for name in ("gcra_bound", "rate", "spacing", "resumed"):
         assert f"{name}[user-a]" in checks and f"{name}[user-b]" in checks

@@ -43,7 +43,7 @@ def spacing_us(ns: int) -> int:
 def quantile(sorted_values: list[int], q: float) -> int:
     """The sample nearest to rank q x (n - 1) of already sorted integers (0
     when empty). Not the tools' interpolating quantile
-    (``vllm_output_rate.tools.stats.quantile``) on purpose: a span attribute
+    (``vllm_output_rate.tools.common.stats.quantile``) on purpose: a span attribute
     is an integer number of microseconds and must be a spacing that occurred,
     and the engine side does not import the tools."""
     if not sorted_values:

@@ -453,7 +453,7 @@ def user_sources() -> tuple[str, ...]:
 def forget_identity() -> None:
     """Drop the identity options configured in this process (its keys-file
     watcher stopped): for tools that check one option set after another in
-    one process (``tools.stress``), never called while serving."""
+    one process (``tools.reliability.stress``), never called while serving."""
     global _identity, _options
     if _identity is not None:
         for watcher in (_identity.api_keys, _identity.admin_keys):

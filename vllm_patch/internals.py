@@ -42,7 +42,7 @@ Per-version differences (each read in that release's source):
   blocks; the next step's room check then leaves the throttled at the tail
   of ``running``, preemptible. ``EngineCoreProc._process_engine_step`` feeds a watchdog first; its shape
   (step, outputs, post-step, 1 ms nap when no model ran) is unchanged, so the
-  engine-loop wrap is the same. Tools only (``tools.scheduler_driver``, no
+  engine-loop wrap is the same. Tools only (``tools.common.scheduler_driver``, no
   engine): ``ModelRunnerOutput`` lost ``req_id_to_index`` (derived from
   ``req_ids``); the CPU platform refuses x86 without Triton when a config is
   built (``vllm.triton_utils.HAS_TRITON``), passed over while the driver

@@ -17,9 +17,9 @@ import json
 import sys
 from pathlib import Path
 
-from vllm_output_rate.tools.client import Server
-from vllm_output_rate.tools.tiny_model import ensure_tiny_model
-from vllm_output_rate.tools.twin_calibrate import main as calibrate
+from vllm_output_rate.tools.common.client import Server
+from vllm_output_rate.tools.common.tiny_model import ensure_tiny_model
+from vllm_output_rate.tools.twin.calibrate import main as calibrate
 
 SERVER_ARGS = ["--default-user-output-tokens-per-second", "100000", "--max-num-seqs", "16",
                "--max-model-len", "1024"]
