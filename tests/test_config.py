@@ -184,3 +184,9 @@ def test_the_prompt_option_needs_limits_and_is_not_beside_a_file():
     with pytest.raises(OutputRateConfigError,
                        match=r"--output-rate-default-prompt-tokens-per-second: .*got '-1'"):
         OutputRateConfig.from_options("20", default_prompt="-1")
+
+
+def test_prompt_budgets_are_refused_with_shared_budgets():
+    with pytest.raises(OutputRateConfigError, match="prompt budgets .* not available with shared"):
+        OutputRateConfig.from_options("20", shared_state="redis://127.0.0.1:6379/0",
+                                      default_prompt="500")

@@ -340,9 +340,10 @@ class OutputRateCore(SchedulerHost):
                     if num_new_tokens and prompts is not None:
                         self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
                     return num_new_tokens
-        elif not st.prefill_ahead and st.lender is None and step.charges.left(
-                request.output_rate_user) <= 0:
-            # just in time: a prompt is computed when its user may sample
+        elif not st.prefill_ahead and st.lender is None and not self._orl_in_time(
+                request, request.num_tokens - num_computed_tokens - num_new_tokens,
+                num_new_tokens):
+            # just in time: not computed before its user may sample
             return self._orl_refuse(request, request.output_rate_user, num_computed_tokens)
         if capped:
             step.active += 1
@@ -351,22 +352,37 @@ class OutputRateCore(SchedulerHost):
             self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
         return num_new_tokens
 
+    def _orl_in_time(self, request: Request, after: int, chunk: int) -> bool:
+        """Just in time: whether a prefill with ``after`` tokens still to
+        compute after this chunk (chunks of about ``chunk`` tokens, a step
+        each at the engine's step period) ends no earlier than its user's
+        next token: it has budget now, or its budget returns by then."""
+        st = self.output_rate
+        step = st.step
+        user = request.output_rate_user
+        if step.charges.left(user) > 0:
+            return True
+        steps = -(-after // max(chunk, 1)) + 1
+        return st.limiter.ready_at_ns(user) - step.now <= steps * (st.period_ns or 0)
+
     def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
         st = self.output_rate
         step = st.step
         step.refused[user] = 0  # ready time filled in when the step ends
         running = request.status == _RUNNING
-        if st.chunked and (st.prefill_ahead or st.lender is not None):
-            # Advance the prefill to the second-to-last position; the first
-            # token is sampled in a later step, when budget returns.
-            held = request.num_tokens - 1 - num_computed_tokens
-            if held > 0:
-                step.report.prefill_held += 1
-                if running:
-                    step.active += 1
-                step.charges.give(request, held)
-                return held
-        elif num_computed_tokens < request.num_tokens - 1:
+        held = request.num_tokens - 1 - num_computed_tokens
+        # Advance the prefill to the second-to-last position; the first token
+        # is sampled in a later step, when budget returns: ahead, or just in
+        # time (a waiting request is admitted only then: ``residency``; a 0
+        # here would end vLLM's waiting loop for everyone behind it)
+        if st.chunked and held > 0 and (st.prefill_ahead or st.lender is not None or not running
+                                        or self._orl_in_time(request, 0, held)):
+            step.report.prefill_held += 1
+            if running:
+                step.active += 1
+            step.charges.give(request, held)
+            return held
+        if held > 0:
             step.report.prefill_deferred += 1
         if running:
             step.throttled_running += 1

@@ -149,6 +149,9 @@ class StepLedger:
     #: it returns (ns; filled in when the step ends)
     prompt_charged: dict[str, tuple[str, int]] = field(default_factory=dict)
     prompt_waits: dict[str, int] = field(default_factory=dict)
+    #: users one of whose waiting requests was admitted just in time (one a
+    #: user a step, and only a user with no request running)
+    in_time: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.charged = self.report.charged

@@ -125,6 +125,15 @@ class ResidencyMixin(SchedulerHost):
             if ahead and st.chunked and self._orl_can_hold_prefill(request) and (
                     st.lender is None or lending.admit_room(request, n_running, st, step)):
                 return True
+            if not ahead and st.chunked and user not in step.in_time \
+                    and not step.streams_of(self.running).get(user) \
+                    and self._orl_can_hold_prefill(request) \
+                    and self._orl_in_time(request, request.num_tokens - request.num_computed_tokens,
+                                          st.token_budget):
+                # its user's next token returns by the time its prompt is
+                # computed, and no request of its user runs to take it
+                step.in_time.add(user)
+                return True
         else:
             step.refused[user] = 0
         step.report.waiting_skipped += 1
