@@ -143,3 +143,50 @@ def test_carried_trace_headers_are_read_only_when_well_formed():
     for bad in (None, {}, {TRACEPARENT_FIELD: ""}, {TRACEPARENT_FIELD: 5},
                 {TRACESTATE_FIELD: "a=1"}, ["not", "a", "dict"]):
         assert carried_trace_headers(bad) is None
+
+
+PROMPT_FILE = b"""\
+default: {rate: 100, prompt_rate: 20000}
+tiers: {free: {rate: 5, prompt_rate: 500}, plain: 7}
+users:
+  rag-co: {rate: 50, prompt_rate: 4000}
+  bob: free
+  carol: plain
+  alice: 10
+  eve: {rate: 3, prompt_rate: unlimited}
+"""
+
+
+def test_a_users_prompt_budget_is_its_own_its_tiers_or_the_defaults():
+    from vllm_output_rate.config import parse_limits_document
+
+    config = parse_limits_document(PROMPT_FILE, "limits.yaml")
+    assert config.prompt_budgets
+    assert {u: config.prompt_rate_of(u) for u in ("rag-co", "bob", "carol", "alice", "eve", "zed")} \
+        == {"rag-co": 4000, "bob": 500, "carol": 20000, "alice": 20000, "eve": None, "zed": 20000}
+    assert config.tier_prompt_rates == {"free": 500}
+    again = OutputRateConfig.from_dict(config.to_dict())
+    assert again.same_limits(config) and again.prompt_rate_of("bob") == 500
+    # changing only a prompt budget is a change of limits (a reload applies it)
+    other = parse_limits_document(PROMPT_FILE.replace(b"4000", b"4001"), "limits.yaml")
+    assert not other.same_limits(config)
+
+
+def test_the_prompt_option_needs_limits_and_is_not_beside_a_file():
+    config = OutputRateConfig.from_options("20", default_prompt="0.5")
+    assert config.prompt_rate_of("anyone") == Fraction(1, 2) and config.prompt_budgets
+    assert OutputRateConfig.from_options("20").prompt_budgets is False
+    assert OutputRateConfig.from_options("20", default_prompt="unlimited").prompt_rate_of("x") is None
+    with pytest.raises(OutputRateConfigError, match="needs --output-rate-default-tokens-per-second"):
+        OutputRateConfig.from_options(None, default_prompt="500")
+    with pytest.raises(OutputRateConfigError, match="cannot be combined with --output-rate-limits-file"):
+        OutputRateConfig.from_options(None, limits_file="x.yaml", default_prompt="500")
+    with pytest.raises(OutputRateConfigError,
+                       match=r"--output-rate-default-prompt-tokens-per-second: .*got '-1'"):
+        OutputRateConfig.from_options("20", default_prompt="-1")
+
+
+def test_prompt_budgets_are_refused_with_shared_budgets():
+    with pytest.raises(OutputRateConfigError, match="prompt budgets .* not available with shared"):
+        OutputRateConfig.from_options("20", shared_state="redis://127.0.0.1:6379/0",
+                                      default_prompt="500")

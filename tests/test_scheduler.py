@@ -49,7 +49,7 @@ def charge_path(request, monkeypatch):
 
 
 def test_each_charge_path_is_the_one_that_runs(charge_path):
-    sched, drv, _ = setup(limits(1000, a=1))
+    sched, drv, _ = setup(ahead(limits(1000, a=1)))
     drv.add(make_request("a", max_tokens=4), make_request("a", max_tokens=4))
     drv.step()
     drv.step()
@@ -72,6 +72,12 @@ def limits(default, **users):
         "default_user_output_tokens_per_second": default,
         "user_output_tokens_per_second": users,
     }
+
+
+def ahead(lim):
+    """``lim`` with ``--output-rate-prefill-ahead``: the prompts of users out
+    of budget computed ahead of it (short of their first token)."""
+    return {**lim, "prefill_ahead": True}
 
 
 def setup(lim, is_async=False, step_ms=10.0, **kw):
@@ -195,7 +201,7 @@ def test_throttled_user_never_delays_another(is_async):
 
 @pytest.mark.parametrize("is_async", MODES)
 def test_refused_user_is_asked_once_per_step(is_async, monkeypatch):
-    sched, drv, _ = setup(limits(1), is_async)
+    sched, drv, _ = setup(ahead(limits(1)), is_async)
     drv.add(*[make_request("a", max_tokens=10) for _ in range(8)])
     drv.run(3)
     calls = []
@@ -231,7 +237,7 @@ def _exhaust(sched, drv, user="a"):
 
 @pytest.mark.parametrize("is_async", MODES)
 def test_chunked_prefill_stops_one_short_without_budget(is_async):
-    sched, drv, clock = setup(limits(2), is_async)
+    sched, drv, clock = setup(ahead(limits(2)), is_async)
     _exhaust(sched, drv)
     req = make_request("a", prompt_len=50, max_tokens=3)
     drv.add(req)
@@ -347,7 +353,7 @@ def test_cache_aware_admission_never_admits_a_user_past_its_budget(is_async, chu
 
 @pytest.mark.parametrize("is_async", MODES)
 def test_throttled_requests_keep_kv_and_free_active_slots(is_async):
-    sched, drv, _ = setup(limits(1, b=1000), is_async, max_num_seqs=8, max_num_active_seqs=4)
+    sched, drv, _ = setup(ahead(limits(1, b=1000)), is_async, max_num_seqs=8, max_num_active_seqs=4)
     a = [make_request("a", max_tokens=20) for _ in range(4)]
     drv.add(*a)
     drv.step()
@@ -607,7 +613,7 @@ def test_a_user_within_budget_is_not_kept_out_by_throttled_residents(is_async):
     the heavy user's (preempted: its KV freed, back in ``waiting``), and the
     light user keeps its rate while the heavy one still asks for more than
     its own. Upstream keeps the light user waiting until a slot frees."""
-    sched, drv, clock = setup(limits(20), is_async, max_num_seqs=8, max_num_active_seqs=2)
+    sched, drv, clock = setup(ahead(limits(20)), is_async, max_num_seqs=8, max_num_active_seqs=2)
     heavy = [make_request("heavy", max_tokens=2000) for _ in range(12)]
     drv.add(*heavy)
     drv.run(100)  # 1 s: eight resident, four waiting, all of them throttled
@@ -645,7 +651,7 @@ def test_a_users_second_stream_takes_turns_with_its_first_in_a_full_engine(is_as
     next token and the two take turns. Before, the second waited for the
     first to end: 2.9 s at 20 tok/s for 60 tokens (the real engine showed
     it with a borrower in the slots)."""
-    lim = limits(5, light=20)
+    lim = ahead(limits(5, light=20))
     if ceiling is not None:
         lim["ceilings"] = {"heavy": ceiling}
     sched, drv, clock = setup(lim, is_async, step_ms=5.0, max_num_seqs=16,
@@ -680,7 +686,7 @@ def test_a_flood_of_prompts_computed_ahead_does_not_hold_back_a_user_with_budget
     token sampled in the first step, as without the flood. Before, the
     flood's prompts, first in the queue, took the 256-token budget of the
     first three steps and the user with budget waited behind them."""
-    sched, drv, _ = setup(limits(1, b=1000), is_async, max_num_seqs=32,
+    sched, drv, _ = setup(ahead(limits(1, b=1000)), is_async, max_num_seqs=32,
                           max_num_active_seqs=8, max_num_batched_tokens=256)
     _exhaust(sched, drv)
     flood = [make_request("a", prompt_len=64, max_tokens=50) for _ in range(12)]

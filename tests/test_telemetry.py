@@ -180,7 +180,8 @@ def test_spacing_per_label_matches_token_events_with_pauses_aborts_and_relabels(
 
 
 def test_throttled_gauges_follow_throttling(tmp_path):
-    sched, drv, tel = setup(tmp_path, limits(1000, a=2))
+    # (prompts computed ahead: all three resident and throttled at once)
+    sched, drv, tel = setup(tmp_path, {**limits(1000, a=2), "prefill_ahead": True})
     drv.add(*[make_request("a", prompt_len=40, max_tokens=6) for _ in range(3)])
     drv.run(5)
     tel.export()

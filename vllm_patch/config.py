@@ -30,7 +30,11 @@ USERS_OPTION = "--output-rate-user-tokens-per-second"
 #: Their first names, still accepted.
 DEFAULT_OPTION_ALIAS = "--default-user-output-tokens-per-second"
 USERS_OPTION_ALIAS = "--user-output-tokens-per-second"
+PROMPT_OPTION = "--output-rate-default-prompt-tokens-per-second"
+#: The spelling issue 48 and the older options use, still accepted.
+PROMPT_OPTION_ALIAS = "--default-user-prompt-tokens-per-second"
 LIMITS_FILE_OPTION = "--output-rate-limits-file"
+PREFILL_AHEAD_OPTION = "--output-rate-prefill-ahead"
 UNLISTED_OPTION = "--output-rate-unlisted-users"
 
 #: Key under ``VllmConfig.additional_config`` that carries the limits from
@@ -107,6 +111,10 @@ _CONFIG_KEYS = {
     "ceilings",
     "tier_ceilings",
     "default_ceiling",
+    "prompt_rates",
+    "tier_prompt_rates",
+    "default_prompt_rate",
+    "prefill_ahead",
 }
 
 @dataclass(frozen=True)
@@ -141,6 +149,12 @@ class OutputRateConfig:
     ceilings: dict[str, Fraction | str] = field(default_factory=dict)
     tier_ceilings: dict[str, Fraction | str] = field(default_factory=dict)
     default_ceiling: Fraction | str | None = None
+    prompt_rates: dict[str, Fraction | str] = field(default_factory=dict)
+    tier_prompt_rates: dict[str, Fraction | str] = field(default_factory=dict)
+    default_prompt_rate: Fraction | str | None = None
+    #: compute the prompts of users out of budget ahead of their budget
+    #: (off: just in time, ``PREFILL_AHEAD_OPTION``)
+    prefill_ahead: bool = False
 
     def __post_init__(self) -> None:
         if not self.digest:
@@ -161,6 +175,10 @@ class OutputRateConfig:
             if problem:
                 raise OutputRateConfigError(
                     f"{'default' if user is None else f'users.{user}'}: {problem}")
+        if self.shared_state is not None and self.prompt_budgets:
+            raise OutputRateConfigError(
+                f"{SHARED_STATE_OPTION}: prompt budgets (prompt_rate) are not available "
+                f"with shared budgets yet: each engine would keep its own")
         if self.shared_state is not None and self.borrowing:
             raise OutputRateConfigError(
                 f"{SHARED_STATE_OPTION}: borrowing (a limit with a ceiling) is not "
@@ -171,6 +189,22 @@ class OutputRateConfig:
         """Whether any user may borrow (a ceiling is set somewhere)."""
         return bool(self.ceilings) or self.default_ceiling is not None
 
+    @property
+    def prompt_budgets(self) -> bool:
+        """Whether any user's prompt work is budgeted (a ``prompt_rate`` set
+        somewhere, other than ``unlimited``)."""
+        return any(r != UNLIMITED for r in (*self.prompt_rates.values(),
+                                             self.default_prompt_rate) if r is not None)
+
+    def prompt_rate_of(self, user: str) -> Fraction | None:
+        """``user``'s prompt budget in prompt tokens per second, or None (its
+        prompts are not budgeted): its own ``prompt_rate`` (a tier's
+        included), else the default's."""
+        rate = self.prompt_rates.get(user) if user in self.user_rates else None
+        if rate is None:
+            rate = self.default_prompt_rate
+        return None if rate is None or rate == UNLIMITED else rate
+
     def ceiling_of(self, user: str) -> Fraction | str | None:
         """``user``'s ceiling: a rate, ``UNLIMITED``, or None (no borrowing)."""
         return self.ceilings.get(user) if user in self.user_rates else self.default_ceiling
@@ -178,11 +212,30 @@ class OutputRateConfig:
     @classmethod
     def from_options(
         cls, default: Any, users: Any = None, limits_file: Any = None,
-        unlisted_users: Any = None, shared_state: Any = None,
+        unlisted_users: Any = None, shared_state: Any = None, default_prompt: Any = None,
+        prefill_ahead: bool = False,
     ) -> OutputRateConfig | None:
         """From the CLI options; None (feature off) without a default limit
         or a limits file."""
+        prompt = default_prompt not in (None, "")
+        if prompt and limits_file not in (None, ""):
+            raise OutputRateConfigError(
+                f"{PROMPT_OPTION} cannot be combined with {LIMITS_FILE_OPTION}: the "
+                f"file's 'default' holds it ({{rate: R, prompt_rate: P}})")
         config = cls._from_limit_options(default, users, limits_file, unlisted_users)
+        if prefill_ahead:
+            if config is None:
+                raise OutputRateConfigError(
+                    f"{PREFILL_AHEAD_OPTION} needs {DEFAULT_OPTION} or {LIMITS_FILE_OPTION}: "
+                    f"without limits the feature is off")
+            config = replace(config, prefill_ahead=True)
+        if prompt:
+            if config is None:
+                raise OutputRateConfigError(
+                    f"{PROMPT_OPTION} needs {DEFAULT_OPTION}: without limits the feature "
+                    f"is off")
+            config = replace(config, default_prompt_rate=parse_ceiling(
+                default_prompt, PROMPT_OPTION))
         if shared_state in (None, ""):
             return config
         if config is None:
@@ -238,6 +291,12 @@ class OutputRateConfig:
             data["tier_ceilings"] = {t: str(c) for t, c in self.tier_ceilings.items()}
         if self.default_ceiling is not None:
             data["default_ceiling"] = str(self.default_ceiling)
+        if self.prompt_rates:
+            data["prompt_rates"] = {u: str(r) for u, r in self.prompt_rates.items()}
+        if self.tier_prompt_rates:
+            data["tier_prompt_rates"] = {t: str(r) for t, r in self.tier_prompt_rates.items()}
+        if self.default_prompt_rate is not None:
+            data["default_prompt_rate"] = str(self.default_prompt_rate)
         return data
 
     def to_dict(self) -> dict[str, Any]:
@@ -251,6 +310,8 @@ class OutputRateConfig:
             data["unlisted_users"] = self.unlisted_users
         if self.shared_state is not None:
             data["shared_state"] = self.shared_state
+        if self.prefill_ahead:
+            data["prefill_ahead"] = True
         return data
 
     @classmethod
@@ -283,12 +344,19 @@ class OutputRateConfig:
             digest=str(data.get("digest") or ""),
             unlisted_users=_unlisted_mode(data.get("unlisted_users") or "own"),
             shared_state=data.get("shared_state"),
+            prefill_ahead=bool(data.get("prefill_ahead", False)),
             ceilings={str(u): parse_ceiling(c, f"{where} (ceiling of {u!r})")
                       for u, c in (data.get("ceilings") or {}).items()},
             tier_ceilings={str(t): parse_ceiling(c, f"{where} (ceiling of tier {t!r})")
                            for t, c in (data.get("tier_ceilings") or {}).items()},
             default_ceiling=(None if data.get("default_ceiling") is None else
                              parse_ceiling(data["default_ceiling"], f"{where} (default ceiling)")),
+            prompt_rates={str(u): parse_ceiling(r, f"{where} (prompt rate of {u!r})")
+                          for u, r in (data.get("prompt_rates") or {}).items()},
+            tier_prompt_rates={str(t): parse_ceiling(r, f"{where} (prompt rate of tier {t!r})")
+                               for t, r in (data.get("tier_prompt_rates") or {}).items()},
+            default_prompt_rate=(None if data.get("default_prompt_rate") is None else parse_ceiling(
+                data["default_prompt_rate"], f"{where} (default prompt rate)")),
         )
 
     def rate_of(self, user: str) -> Fraction:

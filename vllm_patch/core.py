@@ -41,6 +41,7 @@ from vllm_output_rate.ledger import StepLedger
 from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.observers import LimitsChange, StepReport, create_observer
 from vllm_output_rate.planners import plan_residency, plan_running_order
+from vllm_output_rate.prompt_budget import PromptBudgets, prompt_work
 from vllm_output_rate.request_fields import resolve_user, trusted_source
 
 #: Idle users are dropped from the limiter every this many steps.
@@ -68,6 +69,8 @@ class OutputRateCore(SchedulerHost):
             )
         st.config = config
         choose(st, self._orl_new_limiter(config), Lender(config) if config.borrowing else None)
+        st.prompts = PromptBudgets(config) if config.prompt_budgets else None
+        st.prefill_ahead = config.prefill_ahead
         st.limiter_begin = getattr(st.limiter, "begin_step", None)
         if config.limits_file is not None:
             from vllm_output_rate.limits_watch import LimitsWatcher
@@ -194,6 +197,8 @@ class OutputRateCore(SchedulerHost):
                 self._orl_forget_states(set(dropped))
             if lender is not None:
                 lender.cleanup_idle_users(now)
+            if st.prompts is not None:
+                st.prompts.cleanup_idle_users(now)
         return step
 
     def _orl_apply_limits(self, config: OutputRateConfig, now: int) -> None:
@@ -209,6 +214,12 @@ class OutputRateCore(SchedulerHost):
         st.limiter.set_limits(config.default_rate, config.user_rates, now)
         st.config = config
         choose(st, st.limiter, lender_for(config, st.lender, now))
+        if not config.prompt_budgets:
+            st.prompts = None
+        elif st.prompts is None:
+            st.prompts = PromptBudgets(config)
+        else:
+            st.prompts.set_config(config, now)
         if "shared" in (old.unlisted_users, config.unlisted_users):
             charged_user = config.charged_user
             for request in self.requests.values():
@@ -293,8 +304,11 @@ class OutputRateCore(SchedulerHost):
 
     def _orl_charge(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         """vLLM is about to give ``request`` ``num_new_tokens`` (more than 0)
-        tokens: when the step samples, charge one token (once per step), or
-        lend one, or refuse (``_orl_refuse``); the tokens it may compute."""
+        tokens: a prompt budget cuts the chunk to what it allows (or puts
+        it off); when the step samples, charge one token (once per step),
+        or lend one, or refuse (``_orl_refuse``); a prefill chunk that
+        samples nothing waits for its user's budget (just in time) unless
+        prompts are computed ahead; the tokens it may compute."""
         st = self.output_rate
         step = st.step
         running = request.status == _RUNNING
@@ -302,6 +316,11 @@ class OutputRateCore(SchedulerHost):
         if capped and step.active >= st.base_active:
             step.report.cap_deferred += 1
             return 0
+        prompts = st.prompts
+        if prompts is not None and num_computed_tokens < request.num_prompt_tokens:
+            num_new_tokens = self._orl_prompt_cut(request, num_computed_tokens, num_new_tokens)
+            if num_new_tokens <= 0:
+                return 0
         # A step samples when it reaches the end of the known sequence. A
         # running request past its prefill always does (checked first: cheap).
         if (running and not request.is_prefill_chunk) or (
@@ -317,31 +336,107 @@ class OutputRateCore(SchedulerHost):
                 elif charges.lend(request, user, num_new_tokens):
                     step.report.borrowed[req_id] = user
                 else:
-                    return self._orl_refuse(request, user, num_computed_tokens)
+                    num_new_tokens = self._orl_refuse(request, user, num_computed_tokens)
+                    if num_new_tokens and prompts is not None:
+                        self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
+                    return num_new_tokens
+        elif not st.prefill_ahead and st.lender is None and not self._orl_in_time(
+                request, request.num_tokens - num_computed_tokens - num_new_tokens,
+                num_new_tokens):
+            # just in time: not computed before its user may sample
+            return self._orl_refuse(request, request.output_rate_user, num_computed_tokens)
         if capped:
             step.active += 1
         step.charges.give(request, num_new_tokens)  # (the room of a lending step)
+        if prompts is not None:
+            self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
         return num_new_tokens
+
+    def _orl_in_time(self, request: Request, after: int, chunk: int) -> bool:
+        """Just in time: whether a prefill with ``after`` tokens still to
+        compute after this chunk (chunks of about ``chunk`` tokens, a step
+        each at the engine's step period) ends no earlier than its user's
+        next token: it has budget now, or its budget returns by then."""
+        st = self.output_rate
+        step = st.step
+        user = request.output_rate_user
+        if step.charges.left(user) > 0:
+            return True
+        steps = -(-after // max(chunk, 1)) + 1
+        return st.limiter.ready_at_ns(user) - step.now <= steps * (st.period_ns or 0)
 
     def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
         st = self.output_rate
         step = st.step
         step.refused[user] = 0  # ready time filled in when the step ends
         running = request.status == _RUNNING
-        if st.chunked:
-            # Advance the prefill to the second-to-last position; the first
-            # token is sampled in a later step, when budget returns.
-            held = request.num_tokens - 1 - num_computed_tokens
-            if held > 0:
-                step.report.prefill_held += 1
-                if running:
-                    step.active += 1
-                step.charges.give(request, held)
-                return held
+        held = request.num_tokens - 1 - num_computed_tokens
+        # Advance the prefill to the second-to-last position; the first token
+        # is sampled in a later step, when budget returns: ahead, or just in
+        # time (a waiting request is admitted only then: ``residency``; a 0
+        # here would end vLLM's waiting loop for everyone behind it)
+        if st.chunked and held > 0 and (st.prefill_ahead or st.lender is not None or not running
+                                        or self._orl_in_time(request, 0, held)):
+            step.report.prefill_held += 1
+            if running:
+                step.active += 1
+            step.charges.give(request, held)
+            return held
+        if held > 0:
+            step.report.prefill_deferred += 1
         if running:
             step.throttled_running += 1
             self._orl_mark_throttled(request)
         return 0
+
+    # -- prompt budgets (``prompt_budget``) -------------------------------------------
+
+    def _orl_prompt_cut(self, request: Request, num_computed_tokens: int,
+                        num_new_tokens: int) -> int:
+        """The chunk's tokens within its user's prompt budget: cut to it
+        (chunked prefill), or all or none (without); 0 puts it off."""
+        st = self.output_rate
+        user = request.output_rate_user
+        prompts = st.prompts
+        if not prompts.budgeted(user):
+            return num_new_tokens
+        step = st.step
+        work = prompt_work(request.num_prompt_tokens, num_computed_tokens, num_new_tokens)
+        available = prompts.available(user, step.now)
+        short = work - available if st.chunked else (work if available < 1 else 0)
+        if short <= 0:
+            return num_new_tokens
+        if not st.chunked:
+            short = num_new_tokens  # (whole or not at all)
+        deferred = step.report.prompt_deferred
+        deferred[user] = deferred.get(user, 0) + short
+        step.prompt_waits[user] = 0  # ready time filled in when the step ends
+        if short >= num_new_tokens and request.status == _RUNNING:
+            step.throttled_running += 1
+        return num_new_tokens - short
+
+    def _orl_prompt_take(self, request: Request, num_computed_tokens: int,
+                         num_new_tokens: int) -> None:
+        """Charge the chunk's prompt tokens (within ``_orl_prompt_cut``'s
+        cut), kept until the refund point."""
+        st = self.output_rate
+        user = request.output_rate_user
+        prompts = st.prompts
+        if not prompts.budgeted(user):
+            return
+        work = prompt_work(request.num_prompt_tokens, num_computed_tokens, num_new_tokens)
+        if work <= 0:
+            return
+        step = st.step
+        if st.chunked:
+            work = prompts.grant(user, step.now, work)
+        elif not prompts.grant_whole(user, step.now, work):
+            return
+        req_id = request.request_id
+        old = step.prompt_charged.get(req_id)
+        step.prompt_charged[req_id] = (user, work + (old[1] if old else 0))
+        counted = step.report.prompt_tokens
+        counted[user] = counted.get(user, 0) + work
 
     def _orl_mark_throttled(self, request: Request) -> None:
         """Record a running request skipped in this step for lack of budget
@@ -385,6 +480,9 @@ class OutputRateCore(SchedulerHost):
             reason = "preempted" if req_id in preempted else "not_scheduled"
             record.refunded.append((req_id, user, reason))
         charges.settle(record, scheduled)  # (settled limiters: the step's net charges)
+        prompts = st.prompts
+        if prompts is not None:
+            self._orl_prompt_finish(prompts, scheduled)
         limiter = st.limiter
         refused = record.refused
         for user in refused:
@@ -396,3 +494,20 @@ class OutputRateCore(SchedulerHost):
             for req_id in (*charged, *record.borrowed):
                 requests[req_id].output_rate_served_ns = now
         st.last_step = record
+
+    def _orl_prompt_finish(self, prompts: PromptBudgets, scheduled: dict[str, int]) -> None:
+        """Prompt budgets at the refund point: what was granted to a chunk
+        not dispatched goes back; users put off learn when to come again."""
+        step = self.output_rate.step
+        counted = step.report.prompt_tokens
+        for req_id, (user, n) in step.prompt_charged.items():
+            if req_id not in scheduled:
+                prompts.refund(user, n)
+                left = counted[user] - n
+                if left:
+                    counted[user] = left
+                else:
+                    del counted[user]
+        waits = step.prompt_waits
+        for user in waits:
+            waits[user] = prompts.ready_at_ns(user)

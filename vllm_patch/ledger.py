@@ -144,6 +144,14 @@ class StepLedger:
     turn_ids: dict[str, str] = field(default_factory=dict)
     #: the lending step's room (None without borrowing)
     lending: LendingBook | None = None
+    #: prompt budgets: request id -> (user, prompt tokens granted) at the
+    #: charge point, and users whose prompt budget put a chunk off -> when
+    #: it returns (ns; filled in when the step ends)
+    prompt_charged: dict[str, tuple[str, int]] = field(default_factory=dict)
+    prompt_waits: dict[str, int] = field(default_factory=dict)
+    #: users one of whose waiting requests was admitted just in time (one a
+    #: user a step, and only a user with no request running)
+    in_time: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.charged = self.report.charged
@@ -212,6 +220,11 @@ class OutputRateState:
     charges: Any = None
     #: shared-budget mode: leases taken up at every step boundary
     limiter_begin: Callable[[int], None] | None = None
+    #: the users' prompt budgets (``prompt_budget.PromptBudgets``; None
+    #: when no limit has a ``prompt_rate``), and whether the prompts of
+    #: users out of output budget are computed ahead (``config.prefill_ahead``)
+    prompts: Any = None
+    prefill_ahead: bool = False
     #: vLLM's settings, read once
     chunked: bool = False
     prefix_caching: bool = False
@@ -251,16 +264,20 @@ class OutputRateState:
         """How long the engine loop may wait after a step that ran nothing:
         ``min(50 ms, earliest ready_at among users refused in the last step
         - now)``; None when no user was refused (then vLLM's own behaviour)."""
-        refused = self.step.refused
-        if not refused:
+        target = self.wake_target_ns()
+        if target is None:
             return None
-        wait = (min(refused.values()) - self.clock()) / 1e9
+        wait = (target - self.clock()) / 1e9
         return min(MAX_IDLE_WAIT_S, wait) if wait > 0 else 0.0
 
     def wake_target_ns(self) -> int | None:
-        """The earliest ready_at among users refused in the last step."""
-        refused = self.step.refused
-        return min(refused.values()) if refused else None
+        """The earliest ready_at among users refused in the last step (their
+        output budget, or their prompt budget)."""
+        step = self.step
+        refused, waits = step.refused, step.prompt_waits
+        if not waits:
+            return min(refused.values()) if refused else None
+        return min([*refused.values(), *waits.values()])
 
     def close(self) -> None:
         """The scheduler shuts down: the watcher, the observers and the

@@ -176,11 +176,12 @@ class OutputRateLimiter:
             now = now_ns * st.num
             st.tat = (st.tat if st.tat > now else now) + n * st.step
 
-    def refund(self, user: str) -> None:
-        """Give back one token taken by ``try_take`` (TAT -= 1/rate)."""
+    def refund(self, user: str, n: int = 1) -> None:
+        """Give back ``n`` tokens taken at once or by ``try_take`` (TAT -=
+        n/rate)."""
         st = self._users.get(user)
         if st is not None:
-            st.tat -= st.step
+            st.tat -= n * st.step
 
     def set_limits(
         self,

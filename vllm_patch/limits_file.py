@@ -17,6 +17,7 @@ above its rate, a limit at most ``10**9``) only the parser checks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, Callable
 
@@ -34,10 +35,24 @@ from vllm_output_rate.yaml_load import KeyPath, load_yaml
 
 #: Top-level keys of a limits file.
 LIMITS_FILE_KEYS = ("default", "tiers", "users")
-#: The keys of a limit written as a pair (``{rate: R, ceiling: C}``).
-PAIR_KEYS = ("rate", "ceiling")
+#: The keys of a limit written as a mapping (``{rate: R, ceiling: C,
+#: prompt_rate: P}``): ``rate`` required, the others optional.
+PAIR_KEYS = ("rate", "ceiling", "prompt_rate")
 
 Ceiling = Fraction | str | None
+#: A prompt budget: prompt tokens computed per second, ``UNLIMITED``, or
+#: None (not given: the default's applies).
+PromptRate = Fraction | str | None
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One parsed limit: the output rate, its ceiling (borrowing) and its
+    prompt budget."""
+
+    rate: Fraction
+    ceiling: Ceiling = None
+    prompt_rate: PromptRate = None
 
 
 class _Errors:
@@ -60,21 +75,31 @@ def _where(keys: KeyPath) -> str:
     return ".".join(str(k) for k in keys)
 
 
-def _limit(value: Any, keys: KeyPath, errors: _Errors) -> tuple[Fraction, Ceiling] | None:
-    """A rate, or a pair ``{rate: R, ceiling: C}``: (rate, ceiling); None
-    (errors added) when it is not a limit."""
-    where, ceiling, ok = _where(keys), None, True
+def _limit(value: Any, keys: KeyPath, errors: _Errors) -> Limit | None:
+    """A rate, or a mapping ``{rate: R, ceiling: C, prompt_rate: P}``;
+    None (errors added) when it is not a limit."""
+    where, ceiling, prompt_rate, ok = _where(keys), None, None, True
     rate_keys, rate_where = keys, where
     if isinstance(value, dict):
         if sorted(set(map(str, value)) - set(PAIR_KEYS)) or "rate" not in value:
-            errors.add(keys, f"{where}: expected a limit or {{rate: R, ceiling: C}}, got {value!r}")
+            errors.add(keys, f"{where}: expected a limit or {{rate: R, ceiling: C, "
+                             f"prompt_rate: P}}, got {value!r}")
             return None
-        if value.get("ceiling") is not None:
+        for key in ("ceiling", "prompt_rate"):
+            if value.get(key) is None:
+                continue
             try:
-                ceiling = parse_ceiling(value["ceiling"], f"{where}.ceiling")
+                parsed = parse_ceiling(value[key], f"{where}.{key}")
             except OutputRateConfigError as exc:
-                errors.add((*keys, "ceiling"), str(exc))
+                errors.add((*keys, key), str(exc).replace(
+                    "tokens per second", "prompt tokens per second") if key == "prompt_rate"
+                    else str(exc))
                 ok = False
+                continue
+            if key == "ceiling":
+                ceiling = parsed
+            else:
+                prompt_rate = parsed
         value, rate_keys, rate_where = value["rate"], (*keys, "rate"), f"{where}.rate"
     try:
         rate = parse_rate(value, rate_where)
@@ -84,7 +109,7 @@ def _limit(value: Any, keys: KeyPath, errors: _Errors) -> tuple[Fraction, Ceilin
     problem = ceiling_problem(rate, ceiling)
     if problem:
         errors.add(keys, f"{where}: {problem}")
-    return (rate, ceiling) if ok and not problem else None
+    return Limit(rate, ceiling, prompt_rate) if ok and not problem else None
 
 
 def parse_document(content: bytes, path: str) -> dict[str, Any]:
@@ -92,7 +117,8 @@ def parse_document(content: bytes, path: str) -> dict[str, Any]:
     which ``config.parse_limits_document`` makes the ``OutputRateConfig``).
     ``default``: the limit of users not listed (required); ``tiers``: named
     limits; ``users``: user id -> a limit or a tier name. Limits are numbers of tokens per second,
-    exact as on the command line (0.1 is 1/10), or pairs ``{rate, ceiling}``.
+    exact as on the command line (0.1 is 1/10), or mappings ``{rate, ceiling,
+    prompt_rate}``.
     Raises ``ConfigFileError`` with every error found."""
     import yaml  # JSON is YAML: one parser for both
 
@@ -122,13 +148,21 @@ def parse_document(content: bytes, path: str) -> dict[str, Any]:
         default = None
     else:
         default = _limit(data["default"], ("default",), errors)
-    tiers, tier_ceilings = _tiers(data.get("tiers"), errors)
-    user_rates, user_tiers, ceilings = _users(data.get("users"), tiers, tier_ceilings, errors)
+    tiers = _tiers(data.get("tiers"), errors)
+    users, user_tiers = _users(data.get("users"), tiers, errors)
     errors.raise_any()
     assert default is not None
-    return {"default_rate": default[0], "user_rates": user_rates, "tiers": tiers,
-            "user_tiers": user_tiers, "ceilings": ceilings, "tier_ceilings": tier_ceilings,
-            "default_ceiling": default[1]}
+    named = {t: limit for t, limit in tiers.items() if limit is not None}
+    return {"default_rate": default.rate, "user_rates": {u: l.rate for u, l in users.items()},
+            "tiers": {t: limit.rate for t, limit in named.items()}, "user_tiers": user_tiers,
+            "ceilings": {u: l.ceiling for u, l in users.items() if l.ceiling is not None},
+            "tier_ceilings": {t: l.ceiling for t, l in named.items() if l.ceiling is not None},
+            "default_ceiling": default.ceiling,
+            "prompt_rates": {u: l.prompt_rate for u, l in users.items()
+                             if l.prompt_rate is not None},
+            "tier_prompt_rates": {t: l.prompt_rate for t, l in named.items()
+                                  if l.prompt_rate is not None},
+            "default_prompt_rate": default.prompt_rate}
 
 
 def _mapping(value: Any, key: str, what: str, errors: _Errors) -> dict:
@@ -140,26 +174,22 @@ def _mapping(value: Any, key: str, what: str, errors: _Errors) -> dict:
     return value
 
 
-def _tiers(value: Any, errors: _Errors) -> tuple[dict[str, Fraction | None], dict[str, Ceiling]]:
-    """The tiers: name -> rate (None: named but not a limit, its error added)."""
-    tiers: dict[str, Fraction | None] = {}
-    tier_ceilings: dict[str, Ceiling] = {}
+def _tiers(value: Any, errors: _Errors) -> dict[str, Limit | None]:
+    """The tiers: name -> limit (None: named but not a limit, its error added)."""
+    tiers: dict[str, Limit | None] = {}
     for name, limit in _mapping(value, "tiers", "tier name -> limit", errors).items():
         if not isinstance(name, str) or not name:
             errors.add(("tiers", name), f"tiers: tier names must be non-empty strings, got {name!r}")
             continue
-        parsed = _limit(limit, ("tiers", name), errors)
-        tiers[name] = parsed and parsed[0]
-        if parsed and parsed[1] is not None:
-            tier_ceilings[name] = parsed[1]
-    return tiers, tier_ceilings
+        tiers[name] = _limit(limit, ("tiers", name), errors)
+    return tiers
 
 
-def _users(value: Any, tiers: dict[str, Fraction | None], tier_ceilings: dict[str, Ceiling],
-           errors: _Errors) -> tuple[dict[str, Fraction], dict[str, str], dict[str, Ceiling]]:
-    user_rates: dict[str, Fraction] = {}
+def _users(value: Any, tiers: dict[str, Limit | None],
+           errors: _Errors) -> tuple[dict[str, Limit], dict[str, str]]:
+    """The listed users: user -> limit (a tier's resolved), user -> tier."""
+    limits: dict[str, Limit] = {}
     user_tiers: dict[str, str] = {}
-    ceilings: dict[str, Ceiling] = {}
     spelled: dict[str, Any] = {}
     for key, limit in _mapping(value, "users", "user id -> limit or tier", errors).items():
         keys = ("users", key)
@@ -179,9 +209,7 @@ def _users(value: Any, tiers: dict[str, Fraction | None], tier_ceilings: dict[st
         tier = limit.strip() if isinstance(limit, str) else None
         if tier in tiers:
             if tiers[tier] is not None:  # (a bad tier's error is said once, at the tier)
-                user_tiers[user], user_rates[user] = tier, tiers[tier]
-                if tier in tier_ceilings:
-                    ceilings[user] = tier_ceilings[tier]
+                user_tiers[user], limits[user] = tier, tiers[tier]
             continue
         if tier is not None:
             try:
@@ -192,10 +220,8 @@ def _users(value: Any, tiers: dict[str, Fraction | None], tier_ceilings: dict[st
                 continue
         parsed = _limit(limit, keys, errors)
         if parsed:
-            user_rates[user] = parsed[0]
-            if parsed[1] is not None:
-                ceilings[user] = parsed[1]
-    return user_rates, user_tiers, ceilings
+            limits[user] = parsed
+    return limits, user_tiers
 
 
 # -- the JSON Schema ----------------------------------------------------------------
@@ -221,9 +247,15 @@ def schema() -> dict[str, Any]:
                          {"type": "null"}]}
     nothing = {"description": "nothing listed", "anyOf": [{"type": "null"},
                                                           {"type": "array", "maxItems": 0}]}
+    prompt_rate = {"description": "prompt tokens computed per second (prefix-cache hits are "
+                                  f"free), or \"{UNLIMITED}\"; not given: the default's",
+                   "anyOf": [{"$ref": "#/$defs/rate"},
+                             {"type": "string", "pattern": rf"^\s*{any_case}\s*$"},
+                             {"type": "null"}]}
     pair = {"type": "object", "required": [PAIR_KEYS[0]], "additionalProperties": False,
             "properties": {PAIR_KEYS[0]: {"$ref": "#/$defs/rate"},
-                           PAIR_KEYS[1]: {"$ref": "#/$defs/ceiling"}}}
+                           PAIR_KEYS[1]: {"$ref": "#/$defs/ceiling"},
+                           PAIR_KEYS[2]: {"$ref": "#/$defs/prompt_rate"}}}
     properties = {
         "default": {"description": "the limit of users not listed", "$ref": "#/$defs/limit"},
         "tiers": {"description": "named limits: tier name -> limit",
@@ -244,6 +276,6 @@ def schema() -> dict[str, Any]:
         "required": ["default"],
         "additionalProperties": False,
         "properties": properties,
-        "$defs": {"rate": rate, "ceiling": ceiling,
+        "$defs": {"rate": rate, "ceiling": ceiling, "prompt_rate": prompt_rate,
                   "limit": {"anyOf": [{"$ref": "#/$defs/rate"}, pair]}},
     }

@@ -208,7 +208,8 @@ class LimitsWatcher(WatchedFile):
 
     def accept(self, old: OutputRateConfig, new: OutputRateConfig,
                digest: str) -> OutputRateConfig:
-        config = replace(new, unlisted_users=old.unlisted_users, shared_state=old.shared_state)
+        config = replace(new, unlisted_users=old.unlisted_users, shared_state=old.shared_state,
+                         prefill_ahead=old.prefill_ahead)
         added, removed, changed = diff_limits(old, config)
         logger.info("output-rate: limits reloaded from %s (sha256 %s): default %s tok/s, "
                     "%d user(s) added, %d removed, %d changed",

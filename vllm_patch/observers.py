@@ -63,6 +63,13 @@ class StepReport:
     prefill_held: int = 0
     #: waiting requests left waiting for lack of budget
     waiting_skipped: int = 0
+    #: prefill chunks not computed in this step because their user had no
+    #: output budget (just in time: ``--output-rate-prefill-ahead`` off)
+    prefill_deferred: int = 0
+    #: user -> prompt tokens computed, and prompt tokens whose computing the
+    #: user's prompt budget put off, in this step (prompt budgets only)
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    prompt_deferred: dict[str, int] = field(default_factory=dict)
     #: running requests left out because the active cap was full
     cap_deferred: int = 0
     #: ids of throttled requests (or borrowers, which go first) preempted in

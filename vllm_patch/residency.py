@@ -2,10 +2,12 @@
 resident slots kept for waiting requests with budget, the preemptions that
 free them, the turns of waiting requests) and admission (``_orl_admit``,
 behind hook 3 of ``internals``, ``_handle_blocked_waiting_request``): a
-waiting request of a user with budget passes; one of a user without budget
-is admitted to borrow (``lending.admit_borrower``) or to compute its prefill
-short of its last position (chunked prefill) beside the resident slots kept
-for others, else skipped for the step. vLLM's waiting loop then admits the
+waiting request of a user with budget passes (within its prompt budget,
+if it has one); one of a user without budget is admitted to borrow
+(``lending.admit_borrower``), or, with ``--output-rate-prefill-ahead`` or
+borrowing, to compute its prefill short of its last position (chunked
+prefill) beside the resident slots kept for others, else skipped for the
+step (just in time: its prompt waits for its budget). vLLM's waiting loop then admits the
 requests with budget in its own order.
 
 ``ResidencyMixin`` is mixed by ``scheduler`` over vLLM's ``Scheduler``; it
@@ -100,6 +102,13 @@ class ResidencyMixin(SchedulerHost):
         charges = step.charges
         if step.turn_ids:
             charges.put_back(request.request_id)  # its turn: the token set aside for it
+        prompts = st.prompts
+        if prompts is not None and request.num_computed_tokens < request.num_prompt_tokens \
+                and prompts.available(user, step.now) < 1:
+            # its prompt budget is spent: nothing of its prompt may be computed now
+            step.prompt_waits[user] = 0
+            step.report.waiting_skipped += 1
+            return False
         if charges.left(user) > 0:
             self._orl_take_kept(request, any_slot=True)
             return True
@@ -111,8 +120,19 @@ class ResidencyMixin(SchedulerHost):
             if st.lender is not None and lending.admit_borrower(request, n_running, st, step):
                 return True
             step.refused[user] = 0
-            if st.chunked and self._orl_can_hold_prefill(request) and (
+            # (just in time, the default without borrowing: not before its budget)
+            ahead = st.prefill_ahead or st.lender is not None
+            if ahead and st.chunked and self._orl_can_hold_prefill(request) and (
                     st.lender is None or lending.admit_room(request, n_running, st, step)):
+                return True
+            if not ahead and st.chunked and user not in step.in_time \
+                    and not step.streams_of(self.running).get(user) \
+                    and self._orl_can_hold_prefill(request) \
+                    and self._orl_in_time(request, request.num_tokens - request.num_computed_tokens,
+                                          st.token_budget):
+                # its user's next token returns by the time its prompt is
+                # computed, and no request of its user runs to take it
+                step.in_time.add(user)
                 return True
         else:
             step.refused[user] = 0

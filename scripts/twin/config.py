@@ -53,6 +53,10 @@ class TwinLimits:
     limits_text: str | None = None
     #: ``--output-rate-unlisted-users``
     unlisted_users: str | None = None
+    #: ``--output-rate-default-prompt-tokens-per-second``
+    default_prompt_rate: Any = None
+    #: ``--output-rate-prefill-ahead``
+    prefill_ahead: bool = False
 
 
 @dataclass
@@ -101,7 +105,9 @@ class TwinConfig:
         limits = TwinLimits(default_rate=args.default_user_output_tokens_per_second,
                             user_rates=args.user_output_tokens_per_second,
                             limits_file=args.output_rate_limits_file,
-                            unlisted_users=args.output_rate_unlisted_users)
+                            unlisted_users=args.output_rate_unlisted_users,
+                            default_prompt_rate=args.default_user_prompt_tokens_per_second,
+                            prefill_ahead=args.output_rate_prefill_ahead)
         # as ``serve`` takes them: the plugin checks its own options here too
         # (the run puts its limits in from ``limits``, its copy of the file)
         engine = EngineArgs.from_cli_args(args)

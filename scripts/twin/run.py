@@ -110,8 +110,9 @@ class Twin:
         limits = config.limits
         #: the run's own copy of the limits file (the workload rewrites it)
         self.limits_file = self._limits_copy(limits)
-        limiter = OutputRateConfig.from_options(limits.default_rate, limits.user_rates,
-                                                self.limits_file, limits.unlisted_users)
+        limiter = OutputRateConfig.from_options(
+            limits.default_rate, limits.user_rates, self.limits_file, limits.unlisted_users,
+            default_prompt=limits.default_prompt_rate, prefill_ahead=limits.prefill_ahead)
         engine_args = copy.copy(config.engine)
         engine_args.additional_config = {
             k: v for k, v in (engine_args.additional_config or {}).items()

@@ -1,0 +1,174 @@
+"""A user's prompts under the real vLLM scheduler (issue 48), in virtual time.
+
+- Just in time (the default without borrowing): the prompt of a user with
+  no output budget is not computed (no prefill, no KV) until its user may
+  sample; ``--output-rate-prefill-ahead`` computes it ahead, short of its
+  first token, as before.
+- Prompt budgets (``prompt_rate``): each prefill chunk is cut to its user's
+  budget (chunked prefill) or waits whole (without); the prompt tokens
+  computed hold the bound in every window; prefix-cache hits are free; the
+  other users' requests are admitted and decoded as before.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+from vllm.v1.request import RequestStatus
+
+from harness import Driver, VirtualClock, make_request, make_scheduler, observe_steps
+from vllm_output_rate.limiter import BURST_NS, NS_PER_S
+
+MODES = [False, True]
+
+
+def limits(default, prompt=None, prefill_ahead=False, prompt_rates=None, **users):
+    lim = {"default_user_output_tokens_per_second": default,
+           "user_output_tokens_per_second": users}
+    if prompt is not None:
+        lim["default_prompt_rate"] = str(prompt)
+    if prompt_rates:
+        lim["prompt_rates"] = {u: str(r) for u, r in prompt_rates.items()}
+    if prefill_ahead:
+        lim["prefill_ahead"] = True
+    return lim
+
+
+def setup(lim, is_async=False, step_ms=10.0, **kw):
+    clock = VirtualClock()
+    sched = make_scheduler(lim, clock=clock, async_scheduling=is_async, **kw)
+    return sched, Driver(sched, clock, step_ms=step_ms, is_async=is_async), clock
+
+
+def prefill_scheduled(drv, req_ids) -> int:
+    """Tokens vLLM scheduled for ``req_ids`` over the driver's steps."""
+    return sum(n for out in drv.outputs for r, n in out.num_scheduled_tokens.items()
+               if r in req_ids)
+
+
+# -- just in time ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_async", MODES)
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_throttled_users_prompt_waits_for_its_budget(is_async, ahead):
+    """User a (1 tok/s) has spent its budget; its next request's 300-token
+    prompt is not computed, nor given KV, while a has none: just in time.
+    With prefill ahead it is computed at once, short of its first token."""
+    sched, drv, clock = setup(limits(1000, prefill_ahead=ahead, a=1), is_async)
+    first = make_request("a", prompt_len=8, max_tokens=3)
+    drv.add(first)
+    drv.run(2)  # a's only token of its burst
+    second = make_request("a", prompt_len=300, max_tokens=2)
+    other = make_request("b", prompt_len=300, max_tokens=20)
+    drv.add(second, other)
+    drv.run(21)  # 0.21 s: a has no budget yet
+    if ahead:
+        assert second.num_computed_tokens == 299 and second.status == RequestStatus.RUNNING
+    else:
+        assert second.num_computed_tokens == 0 and second.status == RequestStatus.WAITING
+        assert second not in sched.running  # no KV blocks, no slot
+    assert drv.count(other.request_id) == 20  # b was never held up
+    drv.run_until_done()
+    assert drv.count(second.request_id) == 2 and drv.count(first.request_id) == 3
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_a_flood_of_prompts_of_a_throttled_user_is_not_computed_ahead(is_async):
+    """User f (2 tok/s) sends eight 400-token prompts with 2 tokens out
+    each, beside user b decoding: just in time, f's prompt work over 2 s
+    is at most the prompts its budget lets sample (its burst and 2 tok/s,
+    a prompt each, and the one in progress); ahead, all eight at once."""
+    reports = []
+    for ahead in (False, True):
+        sched, drv, clock = setup(limits(1000, prefill_ahead=ahead, f=2), is_async,
+                                  max_num_seqs=16)
+        flood = [make_request("f", prompt_len=400, max_tokens=2) for _ in range(8)]
+        b = make_request("b", prompt_len=16, max_tokens=150)
+        drv.add(b, *flood)
+        drv.run(200)  # 2 s
+        reports.append((prefill_scheduled(drv, {r.request_id for r in flood}),
+                        drv.count(b.request_id)))
+    (jit, b_jit), (ahead, b_ahead) = reports
+    # f samples at most 1 + 2 x 2 tokens in 2 s: at most as many prompts started
+    # (each 400 tokens), and the one the step after begins
+    assert jit <= (1 + 2 * 2 + 1) * 400, jit
+    assert ahead >= 8 * 399, ahead
+    assert b_jit == b_ahead == 150
+
+
+# -- prompt budgets ---------------------------------------------------------------
+
+
+def _prompt_grants(sched, drv, steps, user):
+    """(now_ns, prompt tokens) of ``user`` per step, from the step reports."""
+    grants = []
+    observe_steps(sched, lambda r: grants.append((r.now_ns, r.prompt_tokens.get(user, 0))))
+    drv.run(steps)
+    return grants
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_a_prompt_budget_cuts_chunks_and_holds_the_bound(is_async):
+    """p's prompts at 2,000 tokens/s (10 ms steps): each chunk cut to what
+    its budget allows; in every window W at most floor((W + burst) x 2000)
+    + 1 prompt tokens; b (no budget of prompts beyond the default's) is
+    served as before; the prompts complete."""
+    rate = 2000
+    lim = limits(1000, prompt_rates={"p": rate}, p=1000)
+    sched, drv, clock = setup(lim, is_async, max_num_seqs=16)
+    prompts = [make_request("p", prompt_len=900, max_tokens=2) for _ in range(4)]
+    b = make_request("b", prompt_len=900, max_tokens=40)
+    drv.add(*prompts, b)
+    grants = _prompt_grants(sched, drv, 250, "p")
+    computed = sum(n for _, n in grants)
+    assert computed == 4 * 900  # all computed, none twice (refunds included)
+    grants = [g for g in grants if g[1]]
+    burst = Fraction(BURST_NS, NS_PER_S)
+    for i in range(len(grants)):
+        total = 0
+        for j in range(i, len(grants)):
+            total += grants[j][1]
+            window = Fraction(grants[j][0] - grants[i][0], NS_PER_S)
+            assert total <= math.floor((window + burst) * rate) + 1, (i, j, total)
+    # the four prompts took about 3,600 / 2,000 s: not computed in one step
+    span_s = (grants[-1][0] - grants[0][0]) / NS_PER_S
+    assert span_s >= (4 * 900 - rate * float(burst) - 1) / rate - 0.011
+    assert drv.count(b.request_id) == 40  # b's prompt and tokens were not held up
+    assert all(drv.count(r.request_id) == 2 for r in prompts)
+
+
+def test_prefix_cache_hits_are_free():
+    """Two requests with the same 640-token prompt: the second computes only
+    what the cache did not hold (its last block at most)."""
+    lim = limits(1000, prompt=100000)
+    sched, drv, clock = setup(lim)
+    tokens = [(i * 7) % 900 + 10 for i in range(640)]
+    one = make_request("p", prompt=list(tokens), max_tokens=2)
+    drv.add(one)
+    grants = _prompt_grants(sched, drv, 5, "p")
+    assert sum(n for _, n in grants) == 640
+    two = make_request("p", prompt=list(tokens), max_tokens=2)
+    drv.add(two)
+    drv.run(5)  # (the same observer goes on counting)
+    assert two.num_computed_tokens > 640  # its prompt computed and a token sampled
+    assert sum(n for _, n in grants) - 640 <= 16  # only past the cached blocks
+
+
+def test_without_chunked_prefill_a_prompt_goes_whole_or_waits():
+    """No chunked prefill, 500 prompt tokens/s: a 400-token prompt goes whole
+    (the budget into debt by it); the next waits out the debt, whole; b
+    (another user, its own budget) is admitted meanwhile."""
+    lim = limits(1000, prompt=500)
+    sched, drv, clock = setup(lim, enable_chunked_prefill=False)
+    a1, a2 = (make_request("a", prompt_len=400, max_tokens=2) for _ in range(2))
+    b = make_request("b", prompt_len=100, max_tokens=2)
+    drv.add(a1, a2, b)
+    grants = _prompt_grants(sched, drv, 120, "a")
+    steps_with = [(t, n) for t, n in grants if n]
+    assert [n for _, n in steps_with] == [400, 400]  # whole, never cut
+    gap_s = (steps_with[1][0] - steps_with[0][0]) / NS_PER_S
+    assert gap_s >= 400 / 500 - 0.1 - 0.011  # the debt, less the burst
+    assert drv.count(b.request_id) == 2

@@ -1,0 +1,121 @@
+"""Prompt budgets: prompt tokens computed per second per user (issue 48).
+
+A user's ``prompt_rate`` (its own, its tier's, or the default's:
+``OutputRateConfig.prompt_rate_of``) is a GCRA of the same arithmetic and
+burst as the output limit (``limiter.OutputRateLimiter``), charged in prompt
+tokens when a prefill chunk is dispatched and given back at the step's
+single refund point when it is not. Prefix-cache hits are free: the charge
+point sees only the tokens a chunk computes.
+
+- With chunked prefill a chunk is cut to what the budget allows now
+  (``grant``): in any window of W seconds a user's prompts compute at most
+  ``floor((W + burst) * prompt_rate) + 1`` tokens, the output limit's bound.
+- Without it a prompt is computed whole or not at all (``grant_whole``): it
+  goes when the user's budget is not in debt and takes the whole prompt at
+  once, so the bound gains the largest prompt, less one:
+  ``floor((W + burst) * prompt_rate) + max_prompt``.
+
+Nothing is refused: a chunk the budget does not cover waits for it.
+
+Pure logic: imports nothing from vLLM.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import TYPE_CHECKING
+
+from vllm_output_rate.limiter import BURST_NS, OutputRateLimiter
+
+if TYPE_CHECKING:
+    from vllm_output_rate.config import OutputRateConfig
+
+
+def prompt_work(num_prompt_tokens: int, num_computed_tokens: int, num_new_tokens: int) -> int:
+    """The prompt tokens a chunk of ``num_new_tokens`` from position
+    ``num_computed_tokens`` computes: the part of it within the prompt (a
+    resumed request recomputing its own output tokens is not charged for
+    them; a decode step computes none)."""
+    end = min(num_computed_tokens + num_new_tokens, num_prompt_tokens)
+    return max(0, end - num_computed_tokens)
+
+
+class PromptBudgets:
+    """The prompt budgets of one engine's users, from one configuration."""
+
+    def __init__(self, config: OutputRateConfig, burst_ns: int = BURST_NS) -> None:
+        self.burst_ns = burst_ns
+        self.config = config
+        self._limiter = self._make_limiter(config)
+        #: user -> budgeted or not, for the configuration in force
+        self._budgeted: dict[str, bool] = {}
+
+    @staticmethod
+    def _make_limiter(config: OutputRateConfig) -> OutputRateLimiter:
+        default = config.default_prompt_rate
+        default = default if isinstance(default, Fraction) else None
+        rates = {u: r for u in config.user_rates
+                 if (r := config.prompt_rate_of(u)) is not None}
+        # (users without a budget never reach the limiter: its default then
+        # only has to be a rate)
+        return OutputRateLimiter(default if default is not None else Fraction(1), rates)
+
+    def budgeted(self, user: str) -> bool:
+        """Whether ``user``'s prompts are budgeted."""
+        known = self._budgeted.get(user)
+        if known is None:
+            if len(self._budgeted) > 65536:  # user ids are unbounded: forget, then ask again
+                self._budgeted.clear()
+            known = self._budgeted[user] = self.config.prompt_rate_of(user) is not None
+        return known
+
+    def rate_of(self, user: str) -> Fraction | None:
+        return self.config.prompt_rate_of(user)
+
+    def available(self, user: str, now_ns: int) -> int:
+        """Prompt tokens ``user`` may compute at ``now_ns`` (a large number
+        for a user without a budget)."""
+        if not self.budgeted(user):
+            return 1 << 62
+        return self._limiter.available(user, now_ns)
+
+    def grant(self, user: str, now_ns: int, want: int) -> int:
+        """Chunked prefill: take up to ``want`` prompt tokens now; how many."""
+        if want <= 0 or not self.budgeted(user):
+            return max(want, 0)
+        n = min(want, self._limiter.available(user, now_ns))
+        self._limiter.take(user, now_ns, n)
+        return n
+
+    def grant_whole(self, user: str, now_ns: int, want: int) -> bool:
+        """Without chunked prefill: the whole ``want`` now (the budget may go
+        into debt by it) if the budget is not in debt, else nothing."""
+        if want <= 0 or not self.budgeted(user):
+            return True
+        if self._limiter.available(user, now_ns) < 1:
+            return False
+        self._limiter.take(user, now_ns, want)
+        return True
+
+    def refund(self, user: str, n: int) -> None:
+        """Give back ``n`` prompt tokens granted in this step and not computed."""
+        if n > 0 and self.budgeted(user):
+            self._limiter.refund(user, n)
+
+    def ready_at_ns(self, user: str) -> int:
+        """The earliest time ``user`` may compute a prompt token (0: now)."""
+        return self._limiter.ready_at_ns(user) if self.budgeted(user) else 0
+
+    def set_config(self, config: OutputRateConfig, now_ns: int) -> None:
+        """Put reloaded limits in force: each user keeps its debt in tokens
+        (``OutputRateLimiter.set_limits``)."""
+        fresh = self._make_limiter(config)
+        self._limiter.set_limits(fresh.default_rate, fresh.user_rates, now_ns)
+        self.config = config
+        self._budgeted.clear()
+
+    def cleanup_idle_users(self, now_ns: int) -> list[str]:
+        return self._limiter.cleanup_idle_users(now_ns)
+
+    def __len__(self) -> int:
+        return len(self._limiter)
