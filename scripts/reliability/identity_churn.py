@@ -35,7 +35,7 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
 
     import psutil
 
-    from vllm_output_rate.scheduler import CLEANUP_EVERY_STEPS
+    from vllm_output_rate.core import CLEANUP_EVERY_STEPS
     from vllm_output_rate.telemetry.books import USER_STATES_CAP
     from vllm_output_rate.tools.common.scheduler_driver import (
         VirtualClock,
@@ -136,7 +136,7 @@ async def http_churn_case(live: Live, n_users: int, server_pid: int) -> CaseResu
     import psutil
 
     from vllm_output_rate import settings
-    from vllm_output_rate.scheduler import CLEANUP_EVERY_STEPS
+    from vllm_output_rate.core import CLEANUP_EVERY_STEPS
     from vllm_output_rate.telemetry.books import USER_STATES_CAP
     from vllm_output_rate.tools.common.client import rss_mib
     from vllm_output_rate.tools.bench.profile_engine import find_engine_core
