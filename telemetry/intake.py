@@ -182,7 +182,14 @@ class Intake(Inbox, OutputRateObserver):
         end_ns = self._cur_ns
         ended_by = self._cur_by
         prev = self._cur
-        if prev:
+        # A steady step at the limit: the requests dispatched inside an
+        # episode in the step before are exactly those throttled now and not
+        # then (every user pacing: each throttled again after its token).
+        # None of them ends its episode, and none opens one (each has one
+        # open): the passes below are skipped.
+        again = record.throttled_new
+        steady = seen and (again == prev if prev else not again)
+        if prev and not steady:
             again = record.throttled_new if seen else throttled
             if again:
                 ended = list(filter(episodes.__contains__, filterfalse(set(again).__contains__, prev)))
@@ -204,7 +211,9 @@ class Intake(Inbox, OutputRateObserver):
         self._cur_ns = now
         self._cur_by = charged
         opened: Any = ()
-        if throttled:
+        if steady:
+            self._thr_prev_list = throttled if throttled else []
+        elif throttled:
             # (the same requests throttled as in the step before, in the
             # same order: a heavily throttled engine; nothing opens)
             if throttled != self._thr_prev_list:

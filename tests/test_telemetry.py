@@ -770,6 +770,11 @@ def test_throttle_episodes_follow_the_scheduler_step_by_step(tmp_path_factory, s
 
     def reference(record):
         nonlocal prev, prev_ns
+        # (before the intake's step: whether it takes its steady path, every
+        # request dispatched inside an episode throttled again, none new)
+        dispatched, again = tel._cur, record.throttled_new
+        if dispatched and record.step - 1 == tel._last_step:
+            _STEADY_PATHS.add(again == dispatched)
         throttled = set(record.throttled)
         for req_id in prev:
             if req_id not in throttled:
@@ -800,6 +805,21 @@ def test_throttle_episodes_follow_the_scheduler_step_by_step(tmp_path_factory, s
         if count:
             assert hist.sum == pytest.approx(sum(took[user]) / 1e9)
     assert any(took.values())
+
+
+#: whether the intake took its steady path (True) or looked at the step's
+#: requests (False), over the examples above, at steps with requests
+#: dispatched inside an episode
+_STEADY_PATHS: set[bool] = set()
+
+
+def test_the_episode_examples_took_both_ways():
+    """The examples above had steady steps at the limit (every request
+    dispatched inside an episode throttled again: the intake's passes
+    skipped) and steps where episodes ended or opened (derandomized)."""
+    if not _STEADY_PATHS:
+        pytest.skip("run with the test above")
+    assert _STEADY_PATHS == {True, False}
 
 
 def _step_folding_at_random(tel, drv, rng):

@@ -168,9 +168,9 @@ class SpacingSeries:
                 runs[req_id] = joining[req_id]
         if back:  # (on_tokens in C: requests back after a pause)
             series = self._series
-            missing = set(back).difference(series)
-            if missing:  # (they had a first token: never, unless cut short)
-                series.update({req_id: array("I") for req_id in missing})
+            if not all(map(series.__contains__, back)):
+                # (they had a first token: never, unless cut short)
+                series.update({req_id: array("I") for req_id in back if req_id not in series})
             # each one's spacing (whole us within uint32, as spacing_us)
             # onto its series; cut to the cap every TRIM_EVERY updates
             gaps = map(min, map(floordiv, map(sub, repeat(now, len(prevs)), prevs), repeat(1000)),

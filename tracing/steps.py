@@ -10,11 +10,16 @@ here, on the emitter (``emit``).
 
 from __future__ import annotations
 
+from itertools import filterfalse
 from typing import Any
 
+from vllm_output_rate import user_label
 from vllm_output_rate.observers import IdleWait
 from vllm_output_rate.tracing.attributes import shown_id, shown_ids
 from vllm_output_rate.tracing.emit import SpanEmitter
+
+#: Users whose shown ids the step spans keep (beyond: worked out afresh).
+SHOWN_CAP = 8192
 
 
 class StepSpans:
@@ -25,6 +30,23 @@ class StepSpans:
     def __init__(self, emitter: SpanEmitter, steps_per_span: int) -> None:
         self.emitter = emitter
         self.steps_per_span = steps_per_span
+        #: user -> its id as spans show it (None: not shown), under the
+        #: label policy it was worked out with: a steady engine refuses the
+        #: same users step after step (a hashed id is an HMAC each)
+        self._shown: dict[str, str | None] = {}
+        self._policy: Any = None
+
+    def shown_refused(self, refused: list[str]) -> list[str]:
+        """The refused users' ids as spans show them, sorted, the first 32."""
+        policy = user_label.current()
+        shown = self._shown
+        if policy is not self._policy or len(shown) > SHOWN_CAP:
+            self._policy = policy
+            shown = self._shown = {}
+        new = list(filterfalse(shown.__contains__, refused))
+        if new:
+            shown.update(zip(new, map(policy.public_id, new)))
+        return sorted([s for s in map(shown.__getitem__, refused) if s is not None])[:32]
 
     def build_step(self, now: int, step: int, charged: int, refunded: list[tuple[str, str, str]],
                    throttled: int, refused: list[str]) -> None:
@@ -36,7 +58,7 @@ class StepSpans:
             "output_rate.charged": charged,
             "output_rate.refunded": len(refunded),
             "output_rate.throttled": throttled,
-            "output_rate.refused_users": sorted(shown_ids(refused))[:32],
+            "output_rate.refused_users": self.shown_refused(refused),
             "output_rate.refusal_steps_per_span": 1 if refunded else self.steps_per_span,
         }
         span = emitter.tracer.start_span("output_rate.step", start_time=now + emitter.offset,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter, defaultdict, deque
 from functools import partial
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import le, lt
 from typing import Any
 
@@ -41,6 +41,9 @@ PERIOD_SWEEP_NS = 200_000_000
 #: A request's throttle episode durations kept before a sweep folds them
 #: into its count, total and longest (bounds them per live request).
 THROTTLE_FOLD_AT = 64
+#: Steps' charges logged before they are counted (when nothing reads them
+#: sooner: a period that opens or ends, a trim of the books).
+CHARGE_LOG_CAP = 256
 #: Sweeps between two trims of the span builder's per-user and per-request
 #: books.
 BOOKS_EVERY = 10
@@ -108,6 +111,9 @@ class ThrottleSpans:
         #: user -> tokens charged (users with an open period, and those
         #: charged since the last sweep)
         self._charged: Counter[str] = Counter()
+        #: the steps' charges (request -> user) not yet counted in
+        #: ``_charged``: counted together when it is read (``_tokens``)
+        self._charge_log: list[dict[str, str]] = []
         #: the same for tokens lent (borrowing only)
         self._borrowed: Counter[str] = Counter()
         #: the last step's time (scheduler clock), the period sweeps so far
@@ -125,8 +131,11 @@ class ThrottleSpans:
         ``at_ceiling`` are the step's, see ``StepReport``)."""
         self._now = now
         periods = self._periods
-        if charged:  # tokens per user: the users of the step's charges, counted in C
-            self._charged.update(charged.values())
+        if charged:  # tokens per user: counted in C when next read (``_tokens``)
+            log = self._charge_log
+            log.append(charged)
+            if len(log) >= CHARGE_LOG_CAP:
+                self._tokens()
         if borrowed:
             self._borrowed.update(borrowed.values())
         if opened_users:
@@ -134,7 +143,7 @@ class ThrottleSpans:
             # next step on); the others' are open (found in C)
             new = set(opened_users).difference(periods)
             if new:
-                tokens, lent, last_end = self._charged, self._borrowed, self._last_end
+                tokens, lent, last_end = self._tokens(), self._borrowed, self._last_end
                 for user in new:
                     period = periods[user] = _Period(user, now, tokens[user])
                     period.borrowed_before = lent[user]
@@ -188,6 +197,15 @@ class ThrottleSpans:
                 period.max_requests = max(period.max_requests, requests)
                 period.max_blocks = max(period.max_blocks, blocks)
 
+    def _tokens(self) -> Counter[str]:
+        """user -> tokens charged (``_charged``), the logged steps counted
+        in first (one pass in C)."""
+        log = self._charge_log
+        if log:
+            self._charge_log = []
+            self._charged.update(chain.from_iterable(map(dict.values, log)))
+        return self._charged
+
     # -- over-limit periods ---------------------------------------------------
 
     def sweep(self, now: int, open_users: Any = (), idle: bool = False) -> None:
@@ -205,11 +223,12 @@ class ThrottleSpans:
                              map(le, last_end.values(), repeat(now - int(PERIOD_QUIET_S * 1e9))))
             ending = [user for user in quiet if user not in open_users and user in periods]
         lists = self._episode_ns
+        charged = self._tokens() if ending else self._charged
         for user in ending:
             period = periods.pop(user)
             end = min(last_end.pop(user, now), now)
             self._build_period(period, max(end, period.start_ns),
-                               self._charged[user] - period.tokens_before, lists.pop(user, []))
+                               charged[user] - period.tokens_before, lists.pop(user, []))
         self._sweeps += 1
         if self._sweeps % BOOKS_EVERY == 0 or idle:
             self._trim_books()
@@ -239,7 +258,7 @@ class ThrottleSpans:
         if len(last_end) > len(periods):
             for user in last_end.keys() - periods.keys():
                 del last_end[user]
-        if len(self._charged) > 2 * len(periods) + 64:
+        if len(self._tokens()) > 2 * len(periods) + 64:
             tokens = self._charged
             self._charged = Counter({user: tokens[user] for user in periods})
         if len(self._borrowed) > 2 * len(periods) + 64:
