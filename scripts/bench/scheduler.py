@@ -217,8 +217,11 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
 
     Limiter on/off: an "off" step runs vLLM's own ``schedule()`` and
     ``update_from_output()`` (the classes under the mixin) on the instance,
-    with vLLM's own ``_reserve_prefill_lookahead`` and ``allocate_slots``:
-    upstream code on the same state. Telemetry: an "off" step is the same
+    with vLLM's own ``_reserve_prefill_lookahead``,
+    ``_handle_blocked_waiting_request`` and ``allocate_slots``: upstream
+    code on the same state (a request the limiter keeps waiting, its
+    prompt just in time for its user's budget, is admitted by the first
+    "off" step and stays resident after, throttled in "on" steps). Telemetry: an "off" step is the same
     scheduler with its telemetry observers unset. Shared state: an "off"
     step is the same scheduler with a plain limiter of the same limits in
     place of the shared-budget one (whose lease thread keeps running against
@@ -251,10 +254,14 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
             took = step(sched, clock)
             sched.output_rate_observer = telemetry
             return took
+        # (vLLM's own hooks too: its admission admits a waiting request the
+        # limiter holds back just in time, as vLLM without the limiter would)
         sched._reserve_prefill_lookahead = upstream._reserve_prefill_lookahead
+        sched._handle_blocked_waiting_request = upstream._handle_blocked_waiting_request
         sched.kv_cache_manager.__dict__.pop("allocate_slots", None)
         took = step(sched, clock, via=upstream)
         del sched._reserve_prefill_lookahead
+        del sched._handle_blocked_waiting_request
         return took
 
     spans = telemetry.spans if telemetry is not None else None
