@@ -212,11 +212,10 @@ class Folds:
                 spans.on_ended(closing)
         if outputs is not None:
             self.events.outputs(outputs, now)
-        paused, back, prevs, first, zeros, ends, finished = self.spacing.update(cur, special, now)
+        timing = self.spacing.update(cur, special, now)
         if spans is not None:
-            facts = self.handles.facts_of
-            spans.on_outputs(now, paused, back, prevs, list(first), [facts(r) for r in first],
-                             zeros, ends)
+            spans.on_outputs(timing, list(map(self.handles.facts_of, timing.first)))
+        finished = timing.finished
         if finished:
             self.handles.forget(finished)
             if not running:

@@ -7,6 +7,10 @@
   same record, durations and users included;
 - ``StepEpisodes``: what the intake worked out of one step's episodes, for
   the worker's step fold (``telemetry.folds``);
+- ``TokenUpdate``: one update's token timing, worked out once by the
+  metrics' token spacing (``telemetry.spacing``) and read by the spans'
+  spacing series and generation spans (``tracing.series``,
+  ``tracing.generation``);
 - ``EngineReads``: the reads of the engine that only the scheduler's thread
   may make, at export steps and when the engine goes idle.
 """
@@ -69,6 +73,25 @@ class StepEpisodes(NamedTuple):
     #: the step's throttled requests and ``inside`` are exactly those with
     #: an episode open (the worker counts skips by episode then)
     every: bool
+
+
+class TokenUpdate(NamedTuple):
+    """One ``update_from_output``'s token timing (``TokenSpacing.update``)."""
+
+    #: when the update returned (ns)
+    now: int
+    #: requests that had a token at the previous update and none now
+    paused: Any
+    #: requests back after a pause, and when each one's last token came
+    back: list[str]
+    prevs: list[int]
+    #: requests with their first tokens
+    first: list[str]
+    #: (request, extra tokens in this update beyond its first)
+    zeros: list[tuple[str, int]]
+    #: (request, finish reason) of those that finished, and their ids
+    ends: list[tuple[str, str]]
+    finished: set[str] | None
 
 
 class EngineReads(NamedTuple):

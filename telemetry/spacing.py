@@ -32,6 +32,7 @@ from typing import Any
 from vllm_output_rate.telemetry.histograms import Histogram, observe_by_label
 from vllm_output_rate.telemetry.labels import OTHER
 from vllm_output_rate.telemetry.metrics import SPACING_BUCKETS
+from vllm_output_rate.telemetry.records import TokenUpdate
 
 
 class TokenSpacing:
@@ -70,12 +71,10 @@ class TokenSpacing:
         #: histograms: (update ns, previous token ns of each, label of each)
         self.resume_runs: list[tuple[int, list[int], list[str | None]]] = []
 
-    def update(self, cur: set[str], special: list[Any], now: int) -> tuple:
+    def update(self, cur: set[str], special: list[Any], now: int) -> TokenUpdate:
         """One update's timing (``cur``: the requests with a token,
         ``special``: the outputs finished or with more than one token,
-        ``now``: when it returned). Returns what its spans need: (paused,
-        back, their previous token ns, first tokens, zeros, ends,
-        finished)."""
+        ``now``: when it returned), as the spans read it too."""
         labels = self.request_label
         prev_ids, prev_now = self.prev_ids, self._prev_now
         last = self.last_token_ns
@@ -103,7 +102,7 @@ class TokenSpacing:
         resumed = cur - prev_ids
         back: list[str] = []
         prevs: list[int] = []
-        first: Any = ()
+        first: list[str] = []
         if resumed:
             if last:
                 back = list(resumed & last.keys())
@@ -111,7 +110,7 @@ class TokenSpacing:
                     prevs = list(map(last.pop, back))
                     self.resume_runs.append((now, prevs, list(map(labels.get, back))))
             if len(back) < len(resumed):
-                first = resumed.difference(back) if back else resumed
+                first = list(resumed.difference(back) if back else resumed)
                 user_of, label = self._user_of, self._label
                 for req_id in first:
                     user = user_of(req_id)
@@ -140,7 +139,7 @@ class TokenSpacing:
         self.prev_ids = cur - finished if finished else cur
         self.joining = resumed - finished if finished else resumed
         self._prev_now = now
-        return paused, back, prevs, first, zeros, ends, finished
+        return TokenUpdate(now, paused, back, prevs, first, zeros, ends, finished)
 
     def forget(self, req_ids: list[str]) -> None:
         """Requests finished from outside the scheduler (aborts)."""

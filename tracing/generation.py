@@ -12,9 +12,9 @@ span.
 from __future__ import annotations
 
 from array import array
-from typing import Any
 
 from vllm_output_rate.observers import EngineView, RequestFacts
+from vllm_output_rate.telemetry.records import TokenUpdate
 from vllm_output_rate.tracing.attributes import (
     GEN_AI_REQUEST_ID,
     GEN_AI_RESPONSE_FINISH_REASONS,
@@ -43,17 +43,15 @@ class GenerationSpans:
         #: identity source), from its first token or throttle episode to its end
         self._who: dict[str, RequestFacts] = {}
 
-    def replay_outputs(self, now: int, paused: Any, back: list[str], prevs: list[int],
-                       first: list[str], first_facts: list[RequestFacts | None],
-                       zeros: list[tuple[str, int]], finished: list[tuple[str, str]]) -> None:
-        """One ``update_from_output`` (``SpanRecorder.on_outputs`` tells what
-        each argument holds)."""
-        self.series.update(now, paused, back, prevs, first, zeros)
+    def replay_outputs(self, timing: TokenUpdate, first_facts: list[RequestFacts | None]) -> None:
+        """One ``update_from_output`` (``SpanRecorder.on_outputs``)."""
+        self.series.update(timing)
         who = self._who
-        for req_id, facts in zip(first, first_facts):
+        for req_id, facts in zip(timing.first, first_facts):
             if facts is not None:
                 who[req_id] = facts
-        for req_id, reason in finished:
+        now = timing.now
+        for req_id, reason in timing.ends:
             self.finish(req_id, reason, now)
 
     def finish(self, req_id: str, reason: str, now: int,

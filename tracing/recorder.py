@@ -26,7 +26,7 @@ from typing import Any
 
 from vllm_output_rate import settings
 from vllm_output_rate.observers import EngineView, IdleWait, RequestFacts, StepReport
-from vllm_output_rate.telemetry.records import Episodes
+from vllm_output_rate.telemetry.records import Episodes, TokenUpdate
 from vllm_output_rate.tracing.drops import TraceDrops, max_queue_from_env
 from vllm_output_rate.tracing.emit import SpanEmitter
 from vllm_output_rate.tracing.generation import GenerationSpans
@@ -185,17 +185,12 @@ class SpanRecorder:
 
     # -- per update_from_output: spacing series, generation spans -------------
 
-    def on_outputs(self, now: int, paused: Any, back: list[str], prevs: list[int],
-                   first: list[str], first_facts: list[RequestFacts | None],
-                   zeros: list[tuple[str, int]], finished: list[tuple[str, str]]) -> None:
-        """One ``update_from_output`` (the scheduler's thread: one append):
-        the requests that had a token at the previous update and none now
-        (``paused``), those back after a pause with when their last token
-        came (``back``, ``prevs``), those with their first tokens and their
-        facts (read now, while the request is there), extra tokens in this
-        update (``zeros``), and those finished with their reason."""
-        self._queue(self._replay_outputs, now, paused, back, prevs, first, first_facts,
-                    zeros, finished)
+    def on_outputs(self, timing: TokenUpdate, first_facts: list[RequestFacts | None]) -> None:
+        """One ``update_from_output`` (``telemetry.folds``, on the worker:
+        one append): its token timing as the metrics worked it out
+        (``telemetry.records.TokenUpdate``), and the facts of the requests
+        with their first tokens (read by their handles)."""
+        self._queue(self._replay_outputs, timing, first_facts)
 
     def on_aborted(self, aborted: list[tuple[str, str]], now: int,
                    ended: Episodes | None = None,

@@ -23,6 +23,7 @@ from itertools import repeat
 from operator import floordiv, sub
 from typing import Any
 
+from vllm_output_rate.telemetry.records import TokenUpdate
 from vllm_output_rate.tracing.attributes import spacing_us
 
 MAX_SERIES = 2048
@@ -150,10 +151,10 @@ class SpacingSeries:
             return 0
         return self.spacings(req_id) + 1
 
-    def update(self, now: int, paused: Any, back: list[str], prevs: list[int],
-               first: list[str], zeros: list[tuple[str, int]]) -> None:
-        """One ``update_from_output`` replayed (``SpanRecorder.on_outputs``
-        tells what each argument holds)."""
+    def update(self, timing: TokenUpdate) -> None:
+        """One ``update_from_output`` replayed, its token timing as the
+        metrics worked it out (``telemetry.records.TokenUpdate``)."""
+        now, paused, back, prevs = timing.now, timing.paused, timing.back, timing.prevs
         self.on_update(now)
         # Requests back after a pause at the previous update begin a run
         # only if they did not pause again (a user pacing at its limit: one
@@ -179,9 +180,9 @@ class SpacingSeries:
             self._joining_runs = dict.fromkeys(back, self._index)
         elif joining:
             self._joining_runs = {}
-        for req_id in first:
+        for req_id in timing.first:
             self.on_tokens(req_id, 1, None, now)
-        for req_id, k in zeros:
+        for req_id, k in timing.zeros:
             self.on_zeros(req_id, k)
 
     def close(self, req_id: str) -> tuple[array, int]:
