@@ -30,7 +30,7 @@ Pure logic: imports nothing from vLLM.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from vllm_output_rate.borrowing import NO_CEILING
 from vllm_output_rate.limiter import OutputRateLimiter, take_from
@@ -45,6 +45,10 @@ Request = Any
 
 class Charges(Protocol):
     """One step's charges (see the module)."""
+
+    #: whether ``give`` keeps books (a lending step's room): the charge
+    #: point calls it only then (a call per request a step saved otherwise)
+    gives: ClassVar[bool]
 
     def left(self, user: str) -> int:
         """How many tokens ``user`` may still take in this step."""
@@ -83,6 +87,7 @@ class DirectCharges:
     """The plain limiter, charged token by token (see the module)."""
 
     __slots__ = ("limiter", "now")
+    gives: ClassVar[bool] = False
 
     def __init__(self, st: OutputRateState, step: StepLedger) -> None:
         self.limiter = st.limiter
@@ -116,6 +121,7 @@ class SettledCharges:
     """Each user's budget asked once per step, settled once (see the module)."""
 
     __slots__ = ("limiter", "now", "allow", "allow_start")
+    gives: ClassVar[bool] = False
 
     def __init__(self, st: OutputRateState, step: StepLedger) -> None:
         self.limiter = st.limiter
@@ -161,6 +167,7 @@ class CeilingCharges(SettledCharges):
     and tokens lent within the step's room (see the module)."""
 
     __slots__ = ("lender", "step", "ceil_left", "ceil_start", "lent", "at_ceiling")
+    gives: ClassVar[bool] = True
 
     def __init__(self, st: OutputRateState, step: StepLedger) -> None:
         super().__init__(st, step)

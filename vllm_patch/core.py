@@ -347,7 +347,9 @@ class OutputRateCore(SchedulerHost):
             return self._orl_refuse(request, request.output_rate_user, num_computed_tokens)
         if capped:
             step.active += 1
-        step.charges.give(request, num_new_tokens)  # (the room of a lending step)
+        charges = step.charges
+        if charges.gives:  # (the room of a lending step)
+            charges.give(request, num_new_tokens)
         if prompts is not None:
             self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
         return num_new_tokens
@@ -380,7 +382,8 @@ class OutputRateCore(SchedulerHost):
             step.report.prefill_held += 1
             if running:
                 step.active += 1
-            step.charges.give(request, held)
+            if step.charges.gives:
+                step.charges.give(request, held)
             return held
         if held > 0:
             step.report.prefill_deferred += 1
