@@ -156,14 +156,11 @@ class SpanRecorder:
         ``opened_users``: the users of the episodes that began in this step;
         ``sweep`` (every ``sweep_ns``): the users with an episode open, for
         periods to end."""
-        now = record.now_ns
         if ended is not None or opened_users or record.refused or record.preempted_throttled \
                 or sweep is not None or record.borrowed or record.at_ceiling:
-            self._queue(self._replay_step, now, opened_users, ended, record.charged,
-                        record.preempted_throttled, sweep, record.borrowed, record.at_ceiling)
+            self._queue(self._replay_step, record, opened_users, ended, sweep)
         if record.refunded or (record.refused and self._sample_refusal()):
-            self._queue(self._build_step, now, record.step, len(record.charged), record.refunded,
-                        len(record.throttled), list(record.refused))
+            self._queue(self._build_step, record)
 
     def _sample_refusal(self) -> bool:
         self._refusal_steps += 1

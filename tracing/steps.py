@@ -14,7 +14,7 @@ from itertools import filterfalse
 from typing import Any
 
 from vllm_output_rate import user_label
-from vllm_output_rate.observers import IdleWait
+from vllm_output_rate.observers import IdleWait, StepReport
 from vllm_output_rate.tracing.attributes import shown_id, shown_ids
 from vllm_output_rate.tracing.emit import SpanEmitter
 
@@ -48,17 +48,17 @@ class StepSpans:
             shown.update(zip(new, map(policy.public_id, new)))
         return sorted([s for s in map(shown.__getitem__, refused) if s is not None])[:32]
 
-    def build_step(self, now: int, step: int, charged: int, refunded: list[tuple[str, str, str]],
-                   throttled: int, refused: list[str]) -> None:
-        """A step: charged / refunded counts and one event per refund with
-        its reason."""
+    def build_step(self, record: StepReport) -> None:
+        """A step (its report): charged / refunded counts and one event per
+        refund with its reason."""
         emitter = self.emitter
+        now, refunded = record.now_ns, record.refunded
         attributes = {
-            "output_rate.step": step,
-            "output_rate.charged": charged,
+            "output_rate.step": record.step,
+            "output_rate.charged": len(record.charged),
             "output_rate.refunded": len(refunded),
-            "output_rate.throttled": throttled,
-            "output_rate.refused_users": self.shown_refused(refused),
+            "output_rate.throttled": len(record.throttled),
+            "output_rate.refused_users": self.shown_refused(list(record.refused)),
             "output_rate.refusal_steps_per_span": 1 if refunded else self.steps_per_span,
         }
         span = emitter.tracer.start_span("output_rate.step", start_time=now + emitter.offset,

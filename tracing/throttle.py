@@ -20,7 +20,7 @@ from operator import le, lt
 from typing import Any
 
 from vllm_output_rate.config import UNLIMITED
-from vllm_output_rate.observers import EngineView, RequestFacts
+from vllm_output_rate.observers import EngineView, RequestFacts, StepReport
 from vllm_output_rate.telemetry.records import Episodes
 from vllm_output_rate.tracing.attributes import (
     GEN_AI_REQUEST_ID,
@@ -122,15 +122,15 @@ class ThrottleSpans:
 
     # -- replayed per step ------------------------------------------------
 
-    def replay_step(self, now: int, opened_users: list[str], ended: Episodes | None,
-                    charged: dict[str, str], preempted: list[str],
-                    sweep: set[str | None] | None, borrowed: dict[str, str] | None = None,
-                    at_ceiling: list[str] | None = None) -> None:
-        """A step's episode events (``SpanRecorder.on_step`` tells what each
-        argument holds; ``charged``, ``preempted``, ``borrowed`` and
-        ``at_ceiling`` are the step's, see ``StepReport``)."""
-        self._now = now
+    def replay_step(self, record: StepReport, opened_users: list[str], ended: Episodes | None,
+                    sweep: set[str | None] | None) -> None:
+        """A step's episode events: the step's report (its charges,
+        preemptions, loans and users held at their ceilings), and what
+        ``SpanRecorder.on_step`` tells of the other arguments."""
+        now = self._now = record.now_ns
         periods = self._periods
+        charged, borrowed = record.charged, record.borrowed
+        at_ceiling, preempted = record.at_ceiling, record.preempted_throttled
         if charged:  # tokens per user: counted in C when next read (``_tokens``)
             log = self._charge_log
             log.append(charged)
