@@ -99,6 +99,28 @@ def test_a_flood_of_prompts_of_a_throttled_user_is_not_computed_ahead(is_async):
     assert b_jit == b_ahead == 150
 
 
+@pytest.mark.parametrize("is_async", MODES)
+@pytest.mark.parametrize("prompt", [30, 47, 70])
+def test_just_in_time_never_gives_more_than_the_steps_token_budget(is_async, prompt):
+    """A token budget (``--max-num-batched-tokens 24``) smaller than the
+    prompt: user a's second request, sent once a's burst is spent, waits,
+    and is admitted when a's budget returns in time for its prompt; the
+    charge
+    point may then find the first chunk early, and gives that chunk, never
+    the rest of the prompt (vLLM asserts the step's sum against its token
+    budget: the engine would stop)."""
+    sched, drv, clock = setup(limits(1000, a=10), is_async, max_num_seqs=8,
+                              max_num_batched_tokens=24)
+    first = make_request("a", prompt_len=8, max_tokens=2)
+    second = make_request("a", prompt_len=prompt, max_tokens=3)
+    drv.add(first)
+    drv.run(2)  # a's burst spent, its first request done
+    drv.add(second)
+    drv.run_until_done()
+    assert max(sum(out.num_scheduled_tokens.values()) for out in drv.outputs) <= 24
+    assert drv.count(first.request_id) == 2 and drv.count(second.request_id) == 3
+
+
 # -- prompt budgets ---------------------------------------------------------------
 
 
