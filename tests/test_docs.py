@@ -130,7 +130,8 @@ def test_docs_pages_are_linked_from_the_readme():
 COMMIT = re.compile(r"(?<![\w.-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w-])")
 #: the documents that state the current truth and cite no commit (history
 #: goes to the history pages)
-NO_COMMITS = ("README.md", "tests/README.md", "dashboards/README.md", "FAIRNESS.md", "RELIABILITY.md")
+NO_COMMITS = ("README.md", "tests/README.md", "dashboards/README.md", "FAIRNESS.md", "RELIABILITY.md",
+              "BENCHMARKS.md")
 
 
 def commits_cited(text: str) -> list[str]:
