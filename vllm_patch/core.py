@@ -342,7 +342,7 @@ class OutputRateCore(SchedulerHost):
                     return num_new_tokens
         elif not st.prefill_ahead and st.lender is None and not self._orl_in_time(
                 request, request.num_tokens - num_computed_tokens - num_new_tokens,
-                num_new_tokens):
+                num_new_tokens, spent=num_new_tokens):
             # just in time: not computed before its user may sample
             return self._orl_refuse(request, request.output_rate_user, num_computed_tokens)
         if capped:
@@ -352,18 +352,38 @@ class OutputRateCore(SchedulerHost):
             self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
         return num_new_tokens
 
-    def _orl_in_time(self, request: Request, after: int, chunk: int) -> bool:
+    def _orl_in_time(self, request: Request, after: int, chunk: int, claimed: int = 0,
+                     spent: int = 0) -> bool:
         """Just in time: whether a prefill with ``after`` tokens still to
         compute after this chunk (chunks of about ``chunk`` tokens, a step
-        each at the engine's step period) ends no earlier than its user's
-        next token: it has budget now, or its budget returns by then."""
+        each at the engine's step period; no faster than its user's prompt
+        budget grants them) ends no earlier than the token it waits for:
+        its user's next one (it has budget now, or its budget returns by
+        then), or, ``claimed`` tokens of its user's running requests still
+        to come first, the one after those (``spent``: prompt tokens of its
+        user's budget this chunk takes now)."""
         st = self.output_rate
         step = st.step
         user = request.output_rate_user
-        if step.charges.left(user) > 0:
+        if not claimed and step.charges.left(user) > 0:
             return True
         steps = -(-after // max(chunk, 1)) + 1
-        return st.limiter.ready_at_ns(user) - step.now <= steps * (st.period_ns or 0)
+        takes = steps * (st.period_ns or 0)
+        prompts = st.prompts
+        if prompts is not None:
+            takes = max(takes, prompts.eta_ns(user, step.now, after + spent))
+        due = max(st.limiter.ready_at_ns(user), step.now)
+        if claimed:
+            rate = st.limiter.rate_of(user)
+            due += claimed * rate.denominator * 1_000_000_000 // rate.numerator
+        if due - step.now <= takes:
+            return True
+        # put off: the engine wakes when it is in time
+        jit = step.jit_waits
+        at = due - takes
+        if at < jit.get(user, at + 1):
+            jit[user] = at
+        return False
 
     def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
         st = self.output_rate
@@ -509,5 +529,11 @@ class OutputRateCore(SchedulerHost):
                 else:
                     del counted[user]
         waits = step.prompt_waits
-        for user in waits:
-            waits[user] = prompts.ready_at_ns(user)
+        now = step.now
+        for user in list(waits):
+            at = waits[user] = prompts.ready_at_ns(user)
+            if at <= now:
+                # its budget is there: a chunk it cut went no further for
+                # another reason (just in time, its output budget), whose
+                # own time wakes the engine
+                del waits[user]
