@@ -407,6 +407,7 @@ def run_arm(lines: list[dict[str, Any]], arm: str, work: Path, *, model: str, vo
     result["errors"] = sum(1 for rec in records if rec.error)
     if ours and events.exists():
         result["engine_ttft"] = engine_ttft(events, records)
+        result["engine_itl"] = engine_spacing(events, records)
     return result
 
 
@@ -448,6 +449,31 @@ def engine_ttft(events: Path, records: list[Record]) -> dict[str, list[int]]:
     for cid, t in first.items():
         user, sent_ns = sent[cid]
         out[user].append(t - since.get(cid, sent_ns))
+    return dict(out)
+
+
+def engine_spacing(events: Path, records: list[Record]) -> dict[str, list[int]]:
+    """Per user, the spacing of its requests' tokens engine-side (ns): from
+    one step that gave a request tokens to the next (its tokens of a step
+    sharing the wait), in the engine's event log, without the API server's
+    work and the client's."""
+    from vllm_output_rate.telemetry.events import EngineLog
+    from vllm_output_rate.tools.twin.calibrate import _matcher
+
+    ids = [rec.cid for rec in records if rec.cid and not rec.refused and rec.error is None]
+    users = {rec.cid: rec.user for rec in records if rec.cid}
+    match = _matcher({cid: i for i, cid in enumerate(ids)})
+    last: dict[str, int] = {}
+    out: dict[str, list[int]] = defaultdict(list)
+    for t, tokens in EngineLog.read(events).steps:  # (in time order)
+        for rid, _, k in tokens:
+            i = match(rid) if k else None
+            if i is None:
+                continue
+            cid = ids[i]
+            if cid in last:
+                out[users[cid]] += [(t - last[cid]) // k] * k
+            last[cid] = t
     return dict(out)
 
 
