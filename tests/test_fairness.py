@@ -86,6 +86,17 @@ def test_the_long_prompts_scenario_is_seeded_and_has_its_own_arms():
         "  flooder: {rate: 5, prompt_rate: 4000}\n")
     assert arm_limits(sc, "capped") == "default: 100\nusers:\n  flooder: 5\n"
     assert arm_limits(sc, "fcfs") is None
+    # the twin's generator makes the same load: ``twin workload long_prompts``
+    import argparse
+
+    from vllm_output_rate.tools.twin import workload
+
+    parser = argparse.ArgumentParser()
+    workload.add_generator_args(parser)
+    args = parser.parse_args(["long_prompts", "--out", "x", "--users", "4", "--rate", "0.5",
+                              "--prompt-tokens", "200", "--max-tokens", "150",
+                              "--duration", "30"])
+    assert workload.generate("long_prompts", args) == sc.lines
     cpu = scenarios.long_prompts(scenarios.ENGINE_SCALE, scenarios.random.Random(0))
     assert {x["prompt_tokens"] for x in cpu.lines if x["user"] == "flooder"} == {900}
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm_output_rate.tools.fairness import engine as fe
 from vllm_output_rate.tools.twin.step_time import StepTimeModel
-from vllm_output_rate.tools.twin.workload import _poisson, gen_clients
+from vllm_output_rate.tools.twin.workload import _poisson, gen_clients, long_prompt_lines
 
 NS = 1_000_000_000
 #: the step time of every run: 25 ms a step whatever it holds (a GPU's
@@ -216,25 +216,18 @@ def long_prompts(scale: Scale, rng: random.Random) -> Scenario:
     size = LONG_PROMPTS[scale.name]
     steady_rate = scale.capacity * 100 / 640
     flood_rate = scale.capacity * 5 / 640
-    lines: list[dict[str, Any]] = []
+    names = ["flooder"] if size.flooders == 1 else [f"flooder-{i}" for i in range(size.flooders)]
+    lines = long_prompt_lines(rng, size.steady, 2.0, 200, 150, names, size.prompt, 20, size.per_s,
+                              2.0, scale.duration_s)
+    lines.sort(key=lambda line: line["t"])
     rates, tier_of, prompt_rates = {}, {}, {}
     for i in range(size.steady):
         user = f"steady-{i}"
-        t = rng.uniform(0.0, 2.0)
-        while t < scale.duration_s:
-            lines.append(_req(t, user, 200, 150))
-            t += 2.0
         rates[user], tier_of[user] = steady_rate, "steady"
         prompt_rates[user] = PROMPT_SHARE_DEFAULT / size.per_prefill_token_s
-    names = ["flooder"] if size.flooders == 1 else [f"flooder-{i}" for i in range(size.flooders)]
     for user in names:
-        t = 2.0 + rng.uniform(0.0, 1.0 / size.per_s)
-        while t < scale.duration_s:
-            lines.append(_req(t, user, size.prompt, 20))
-            t += 1.0 / size.per_s
         rates[user], tier_of[user] = flood_rate, "flooder"
         prompt_rates[user] = PROMPT_SHARE_FLOODER / size.per_prefill_token_s
-    lines.sort(key=lambda line: line["t"])
     return Scenario(
         "long_prompts", long_prompts.__doc__, lines, rates, tier_of, {"steady": 0, "flooder": 1},
         baseline_without=tuple(names), arms=LONG_PROMPT_ARMS,
