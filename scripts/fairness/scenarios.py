@@ -210,12 +210,12 @@ def long_prompts(scale: Scale, rng: random.Random) -> Scenario:
     """Long prompts, short answers (issue 48): steady users sending a
     request every 2 s each (200-token prompts, 150 tokens out) beside a
     user that sends a long prompt with 20 tokens out several times a
-    second from 2 s on; rates 100 and 5 tok/s at the small scale (the
-    same shares of capacity at the others); the twin's step 25 ms plus a
-    prompt token's cost per prefill token."""
+    second from 2 s on; limits 100 and 5 tok/s; the twin's step 25 ms
+    plus a prompt token's cost per prefill token."""
     size = LONG_PROMPTS[scale.name]
-    steady_rate = scale.capacity * 100 / 640
-    flood_rate = scale.capacity * 5 / 640
+    # the issue's limits at every scale: the steady users within theirs
+    # (they ask for 75 tok/s each), the flooder far over its own
+    steady_rate, flood_rate = 100.0, 5.0
     names = ["flooder"] if size.flooders == 1 else [f"flooder-{i}" for i in range(size.flooders)]
     lines = long_prompt_lines(rng, size.steady, 2.0, 200, 150, names, size.prompt, 20, size.per_s,
                               2.0, scale.duration_s)
