@@ -146,7 +146,9 @@ a process where the feature is on (engine loop) or to add options (CLI):
   - ``ChatCompletionRequest.to_beam_search_params`` /
     ``CompletionRequest.to_beam_search_params``: refuse beam search (HTTP 400).
   - ``ChatCompletionRequest.to_sampling_params`` /
-    ``CompletionRequest.to_sampling_params``: put the trusted user (header or
+    ``CompletionRequest.to_sampling_params`` /
+    ``ResponsesRequest.to_sampling_params`` (``/v1/responses``, in
+    ``vllm.entrypoints.openai.responses.protocol`` on 0.32-0.34): put the trusted user (header or
     API key, ``vllm_output_rate.frontend``) in ``vllm_xargs``, or refuse a
     user field that is not a string or a number (HTTP 400); with the
     project's traces on, put the request's W3C ``traceparent`` /
