@@ -9,13 +9,26 @@ scheduler reports of it, step by step, in virtual time.
   budget), with the tokens it had left to compute; with
   ``--output-rate-prefill-ahead`` nothing is put off just in time.
 - The step's make-up (tokens and requests scheduled) is vLLM's own.
+- The telemetry's per-user series of them (``telemetry.prompt_work``):
+  computed and put-off tokens equal to the step reports, with exact engine
+  totals and the capped user label; each step's measured time split by the
+  step-time model between users' prompts.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from harness import Driver, VirtualClock, make_request, make_scheduler, observe_steps
+from harness import (
+    Driver,
+    VirtualClock,
+    attach_telemetry,
+    make_request,
+    make_scheduler,
+    observe_steps,
+)
+from vllm_output_rate.telemetry.labels import OTHER
+from vllm_output_rate.telemetry.prompt_work import ESTIMATE, StepCost, load_step_cost
 
 MODES = [False, True]
 
@@ -30,12 +43,24 @@ def limits(default, prompt_rates=None, prefill_ahead=False, **users):
     return lim
 
 
-def setup(lim, is_async=False, **kw):
+def setup(lim, is_async=False, tel_dir=None, top_k=100, step_cost=None, **kw):
     clock = VirtualClock()
     sched = make_scheduler(lim, clock=clock, async_scheduling=is_async, **kw)
+    if tel_dir is not None:
+        attach_telemetry(sched, str(tel_dir), top_k=top_k, start_thread=False,
+                         step_cost=step_cost)
     reports = []
     observe_steps(sched, reports.append)
     return sched, Driver(sched, clock, step_ms=10.0, is_async=is_async), reports
+
+
+def telemetry_of(sched):
+    return sched.output_rate.observer.inner
+
+
+def counters_of(tel, name):
+    """labels -> value of every series of counter ``name``."""
+    return {labels: v for (n, labels), v in tel.counters.items() if n == name}
 
 
 def computed(reports, user):
@@ -118,3 +143,105 @@ def test_a_prompt_put_off_just_in_time_is_reported_once(is_async, ahead):
         assert computed(reports, "a") == 8  # nothing of it computed yet
     drv.run_until_done()
     assert computed(reports, "a") == 308 and computed(reports, "b") == 300
+
+
+# -- the telemetry's series ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_the_series_equal_the_step_reports(tmp_path, is_async):
+    """Computed and put-off prompt tokens per user (and reason) as the step
+    reports say, the engine totals exact, configured users' series there
+    from the start."""
+    lim = limits(1000, prompt_rates={"p": 2000}, p=1000, a=1, quiet=10)
+    sched, drv, reports = setup(lim, is_async, tel_dir=tmp_path, max_num_seqs=8)
+    tel = telemetry_of(sched)
+    assert counters_of(tel, "prompt_tokens_computed")[("quiet",)] == 0
+    drv.add(make_request("a", prompt_len=8, max_tokens=3))
+    drv.run(2)
+    drv.add(*[make_request("p", prompt_len=900, max_tokens=2) for _ in range(2)],
+            make_request("a", prompt_len=300, max_tokens=2), make_request("b", prompt_len=50))
+    drv.run_until_done()
+    tel.drain()
+    computed_ = counters_of(tel, "prompt_tokens_computed")
+    assert {u: computed_.get((u,), 0) for u in ("p", "a", "b")} == {"p": 1800, "a": 308, "b": 50}
+    assert tel.counters[("engine_prompt_tokens_computed", ())] == 2158
+    put_off = counters_of(tel, "prompt_tokens_deferred")
+    want = {}
+    for _r, user, reason, n in deferred(reports):
+        want[(user, reason)] = want.get((user, reason), 0) + n
+    assert want[("a", "just_in_time")] == 300 and want[("p", "prompt_budget")] > 0
+    assert {k: v for k, v in put_off.items() if v} == want
+    for reason in ("prompt_budget", "just_in_time"):
+        assert tel.counters[("engine_prompt_tokens_deferred", (reason,))] == sum(
+            n for (_u, why), n in want.items() if why == reason)
+
+
+def test_step_time_is_split_between_users_prompts_by_the_model(tmp_path):
+    """Every step 10 ms apart (the driver's virtual clock): the engine's step
+    seconds are 10 ms a step that computed anything; a user's prompt
+    seconds are its prompt tokens' part of each step by the model (here
+    2 ms a step, 1 ms a decode, 0.1 ms a prompt token), times 10 ms."""
+    cost = StepCost(0.002, 0.001, 0.0001, "test")
+    sched, drv, reports = setup(limits(1000), tel_dir=tmp_path, step_cost=cost,
+                                max_num_batched_tokens=128, max_num_seqs=8)
+    tel = telemetry_of(sched)
+    drv.add(make_request("long", prompt_len=600, max_tokens=4),
+            make_request("short", prompt_len=20, max_tokens=30))
+    drv.run_until_done()
+    tel.drain()
+    busy = [r for r in reports if r.scheduled_tokens]
+    want = {"long": 0.0, "short": 0.0}
+    for r in busy:
+        by_user = r.prompt_tokens
+        decodes = r.scheduled_requests - len(r.prompt_chunks)
+        step = 0.002 + 0.001 * decodes + 0.0001 * sum(by_user.values())
+        for user, n in by_user.items():
+            want[user] += 0.010 * 0.0001 * n / step
+    got = counters_of(tel, "prompt_step_seconds")
+    assert got[("long",)] == pytest.approx(want["long"]) and got[("short",)] == pytest.approx(
+        want["short"])
+    # the last busy step ends when its outputs come (the engine then idle)
+    assert tel.counters[("engine_step_seconds", ())] == pytest.approx(0.010 * len(busy), rel=0.1)
+    # the long prompt's steps were mostly its prompt: 128 tokens, 12.8 ms of 14.8 ms modelled
+    assert got[("long",)] > 4 * 0.010 * 0.8
+
+
+def test_prompt_series_stay_under_the_label_cap_with_exact_totals(tmp_path):
+    """200 users' prompts with one label free (top_k=1): their series are
+    at most the pinned user, one other and ``__other__``; the engine total
+    is exact (a label's series ends when it is taken away, as every
+    per-user counter's)."""
+    sched, drv, reports = setup(limits(1000, vip=5), tel_dir=tmp_path, top_k=1,
+                                max_num_seqs=64, num_blocks=4000)
+    tel = telemetry_of(sched)
+    for i in range(0, 200, 50):
+        drv.add(*[make_request(f"u{j}", prompt_len=20 + j, max_tokens=1) for j in range(i, i + 50)])
+        drv.run_until_done()
+        tel.export()
+        drv.step()
+    total = sum(20 + j for j in range(200))
+    computed_ = counters_of(tel, "prompt_tokens_computed")
+    assert len(computed_) <= 3 and (OTHER,) in computed_
+    assert tel.counters[("engine_prompt_tokens_computed", ())] == total
+    assert sum(computed_.values()) <= total
+    assert len(counters_of(tel, "prompt_step_seconds")) <= 3
+
+
+def test_a_step_time_file_from_twin_calibrate_is_read(tmp_path, monkeypatch):
+    """``OUTPUT_RATE_STEP_TIME`` names ``twin calibrate``'s JSON; a bad one
+    is named and the estimate used."""
+    from vllm_output_rate.telemetry.prompt_work import step_cost_from_settings
+
+    good = tmp_path / "step_time.json"
+    good.write_text('{"version": 1, "kind": "linear", "base_s": 0.002, "per_decode_s": 1e-05, '
+                    '"per_prefill_token_s": 3.5e-05, "source": "measured", "note": "cpu"}')
+    assert load_step_cost(str(good)) == StepCost(0.002, 1e-05, 3.5e-05, str(good))
+    monkeypatch.setenv("OUTPUT_RATE_STEP_TIME", str(good))
+    assert step_cost_from_settings().per_prefill_token_s == 3.5e-05
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 1, "kind": "linear", "base_s": -1}')
+    with pytest.raises(ValueError, match="bad.json: base_s: expected a number >= 0"):
+        load_step_cost(str(bad))
+    monkeypatch.setenv("OUTPUT_RATE_STEP_TIME", str(bad))
+    assert step_cost_from_settings() == ESTIMATE

@@ -547,10 +547,13 @@ def test_the_metrics_page_lists_every_renamed_metric():
     assert PREFIX == "vllm_output_rate_"
     assert set(RENAMED_FROM) == {m.full_name for m in METRICS if m.renamed}
     # metrics added after the rename: shared-budget mode's, borrowing's,
-    # the preemptions for a request with budget and the state sizes
+    # the preemptions for a request with budget, prompt work and the state sizes
     added = [m.name for m in METRICS if not m.renamed]
     assert [n for n in added if not n.startswith("shared_")] == [
-        "tokens_borrowed", "engine_tokens_borrowed", "engine_throttled_preempted", "state_entries"]
+        "tokens_borrowed", "engine_tokens_borrowed", "engine_throttled_preempted",
+        "prompt_tokens_computed", "engine_prompt_tokens_computed", "prompt_tokens_deferred",
+        "engine_prompt_tokens_deferred", "prompt_step_seconds", "engine_step_seconds",
+        "state_entries"]
     for new, old in RENAMED_FROM.items():
         assert f"| `{old}` | `{new}` |" in readme, new
     shares = [m for m in METRICS if m.unit == "ratio"]

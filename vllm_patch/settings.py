@@ -115,6 +115,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("EVENTS", None, _text, "telemetry",
             "a file: the engine appends its per-step token events there (JSON lines), "
             "for `vllm-output-rate verify`"),
+    Setting("STEP_TIME", None, _text, "telemetry",
+            "a step-time model (the JSON `vllm-output-rate twin calibrate` writes): how the "
+            "telemetry splits each step's measured time between its fixed cost, its decodes and "
+            "each user's prompt tokens (`prompt_step_seconds`); without it a built-in estimate"),
     Setting("TRACES_FILE", None, _text, "tracing",
             "a file: spans appended as OTLP/JSON lines (offline use, no collector)"),
     Setting("TRACE_REFUSAL_STEP_EVERY", 50, _positive_int, "tracing",
