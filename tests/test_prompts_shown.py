@@ -245,3 +245,36 @@ def test_a_step_time_file_from_twin_calibrate_is_read(tmp_path, monkeypatch):
         load_step_cost(str(bad))
     monkeypatch.setenv("OUTPUT_RATE_STEP_TIME", str(bad))
     assert step_cost_from_settings() == ESTIMATE
+
+
+def test_the_introspection_names_the_prompt_budget(tmp_path):
+    """``GET /output-rate/users/NAME`` from the engine's snapshot: a user's
+    prompt budget (its own, or the default's; none for ``unlimited``) and
+    how far behind it is; the RateLimit headers then carry it as a second
+    policy."""
+    from fractions import Fraction
+
+    from vllm_output_rate import access
+    from vllm_output_rate.telemetry import introspect
+
+    lim = limits(1000, prompt_rates={"p": 2000, "free": "unlimited"}, p=1000, free=1000)
+    lim["default_prompt_rate"] = "500"
+    sched, drv, reports = setup(lim, tel_dir=tmp_path, max_num_seqs=8)
+    tel = telemetry_of(sched)
+    drv.add(*[make_request("p", prompt_len=900, max_tokens=20) for _ in range(3)])
+    drv.run(5)  # p's prompt budget spent (chunks cut to it: never more than a token behind)
+    tel.export()
+    drv.step()  # (the step after an export reads the user states)
+    snapshot = tel.snapshot()
+    assert snapshot["limits"]["prompt_rates"] == {"p": 2000.0, "free": "unlimited"}
+    views = {u: introspect.user_view([snapshot], u)[1] for u in ("p", "free", "nobody")}
+    assert views["p"]["prompt_rate"] == 2000.0 and 0 < views["p"]["prompt_ready_in_s"] < 0.01
+    assert views["free"]["prompt_rate"] == "unlimited"
+    assert views["nobody"]["prompt_rate"] == 500.0 and views["nobody"]["prompt_ready_in_s"] == 0
+    p = views["p"]
+    headers = dict(access.ratelimit_headers(Fraction(1000), None, True, 0.0,
+                                            access.limit_fraction(p["prompt_rate"]),
+                                            p["prompt_ready_in_s"]))
+    assert headers[b"ratelimit-policy"].endswith(b'"user-prompt";q=2000;w=1;qu="prompt-tokens"')
+    assert b'"user-prompt";r=' in headers[b"ratelimit"]
+    assert not headers[b"ratelimit"].endswith(b'"user-prompt";r=2000;t=0')  # behind

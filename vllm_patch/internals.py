@@ -324,6 +324,10 @@ class SchedulerView(EngineView):
     def ready_at_ns(self, user: str) -> int:
         return self._state.limiter.ready_at_ns(user)
 
+    def prompt_ready_at_ns(self, user: str) -> int:
+        prompts = self._state.prompts
+        return 0 if prompts is None else prompts.ready_at_ns(user)
+
     def limiter_stats(self) -> dict[str, Any]:
         limiter = self._state.limiter
         out: dict[str, Any] = {"users": len(limiter)}

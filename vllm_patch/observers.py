@@ -296,6 +296,11 @@ class EngineView(ABC):
         """When the user's budget next allows a token (monotonic ns; 0: now)."""
         return 0
 
+    def prompt_ready_at_ns(self, user: str) -> int:
+        """When the user's prompt budget next allows a prompt token
+        (monotonic ns; 0: now, or no prompt budget). Any thread."""
+        return 0
+
     def limiter_stats(self) -> dict[str, Any]:
         """The limiter's own counters (any thread, one reader): ``users``,
         the users with live state; in shared-budget mode also ``shared``,
