@@ -156,7 +156,8 @@ class Folds:
                 sweep = set(map(users.get, book.bases))
             opened = episodes.opened
             spans.on_step(record, episodes.ended,
-                          list(map(users.__getitem__, opened)) if opened else (), sweep)
+                          list(map(users.__getitem__, opened)) if opened else (), sweep,
+                          self.handles.facts_of)
         if record.limiter_share is not None:
             self.series.histograms[_LIMITER_SHARE].observe(record.limiter_share)
         if self.pending() > PENDING_STEPS_CAP:

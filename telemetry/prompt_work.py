@@ -44,6 +44,9 @@ _STEP_SECONDS = ENGINE_STEP_SECONDS.key()
 _DEFERRED = {reason: ENGINE_PROMPT_TOKENS_DEFERRED.key(reason) for reason in PROMPT_DEFER_REASONS}
 #: the terms of a step-time model the split reads
 TERMS = ("base_s", "per_decode_s", "per_prefill_token_s")
+#: A step's time ends when its outputs come, if the engine then goes idle,
+#: and only within this long (else it is dropped: not one step's time).
+MAX_STEP_NS = 10_000_000_000
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,6 @@ class PromptWork:
         came at ``now_ns``, which ends the last step; None: unknown): the
         time until the next step is no step's."""
         opened = self._open
-        if opened is not None and now_ns is not None and now_ns > opened[0]:
+        if opened is not None and now_ns is not None and 0 < now_ns - opened[0] <= MAX_STEP_NS:
             self.fold_step(StepReport(0, now_ns))  # (the open step ends then)
         self._open = None

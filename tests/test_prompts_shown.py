@@ -18,6 +18,7 @@ scheduler reports of it, step by step, in virtual time.
 from __future__ import annotations
 
 import pytest
+from vllm.v1.request import RequestStatus
 
 from harness import (
     Driver,
@@ -27,6 +28,7 @@ from harness import (
     make_scheduler,
     observe_steps,
 )
+from vllm_output_rate.telemetry.clock import Clock
 from vllm_output_rate.telemetry.labels import OTHER
 from vllm_output_rate.telemetry.prompt_work import ESTIMATE, StepCost, load_step_cost
 
@@ -43,12 +45,20 @@ def limits(default, prompt_rates=None, prefill_ahead=False, **users):
     return lim
 
 
+class DriverClock(Clock):
+    """The telemetry's monotonic clock: the driver's virtual one (as the
+    twin's, and as the engine's are the same system clock)."""
+
+    def __init__(self, clock) -> None:
+        self.monotonic_ns = clock
+
+
 def setup(lim, is_async=False, tel_dir=None, top_k=100, step_cost=None, **kw):
     clock = VirtualClock()
     sched = make_scheduler(lim, clock=clock, async_scheduling=is_async, **kw)
     if tel_dir is not None:
         attach_telemetry(sched, str(tel_dir), top_k=top_k, start_thread=False,
-                         step_cost=step_cost)
+                         step_cost=step_cost, clock=DriverClock(clock))
     reports = []
     observe_steps(sched, reports.append)
     return sched, Driver(sched, clock, step_ms=10.0, is_async=is_async), reports
@@ -278,3 +288,65 @@ def test_the_introspection_names_the_prompt_budget(tmp_path):
     assert headers[b"ratelimit-policy"].endswith(b'"user-prompt";q=2000;w=1;qu="prompt-tokens"')
     assert b'"user-prompt";r=' in headers[b"ratelimit"]
     assert not headers[b"ratelimit"].endswith(b'"user-prompt";r=2000;t=0')  # behind
+
+
+# -- spans ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_deferred_prefill_is_a_span(tmp_path, defer):
+    """One ``output_rate.prefill_deferred`` span per request whose prompt
+    was put off: from the step that first put it off to the step that
+    computed its prompt's last token (just in time: when its user's budget
+    returned), or its abort; none for prompts never put off."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from vllm_output_rate.internals import SchedulerView
+    from vllm_output_rate.tracing.recorder import SpanRecorder
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    clock = VirtualClock()
+    sched = make_scheduler(limits(1000, prompt_rates={"p": 2000}, p=1000, a=1), clock=clock,
+                           max_num_seqs=8)
+    recorder = SpanRecorder(provider.get_tracer("test"), SchedulerView(sched), clock_offset_ns=0,
+                            background=False)
+    tel = attach_telemetry(sched, str(tmp_path), start_thread=False, spans=recorder, defer=defer)
+    reports = []
+    observe_steps(sched, reports.append)
+    drv = Driver(sched, clock, step_ms=10.0)
+    drv.add(make_request("a", prompt_len=8, max_tokens=3))
+    drv.run(2)
+    waits, gone = make_request("a", prompt_len=300, max_tokens=2), make_request("a", prompt_len=40)
+    budgeted = [make_request("p", prompt_len=900, max_tokens=2) for _ in range(2)]
+    quick = make_request("b", prompt_len=50, max_tokens=2)
+    drv.add(waits, *budgeted, quick)
+    drv.run(3)
+    drv.add(gone)
+    drv.run(2)
+    sched.finish_requests([gone.request_id], RequestStatus.FINISHED_ABORTED)
+    drv.run_until_done()
+    tel.drain()
+    recorder.flush()
+    made = {s.attributes["output_rate.request_id"]: s for s in exporter.get_finished_spans()
+            if s.name == "output_rate.prefill_deferred"}
+    put_off = {r for r, *_ in deferred(reports)}
+    assert set(made) == put_off and quick.request_id not in made and waits.request_id in made
+    span = made[waits.request_id]
+    assert span.attributes["output_rate.prompt_deferred_reasons"] == ("just_in_time",)
+    assert span.attributes["output_rate.prompt_tokens_deferred"] == 300
+    assert span.attributes["output_rate.outcome"] == "computed"
+    assert span.attributes["output_rate.user"] == "a"
+    # it waited for a's budget (1 tok/s): about a second, ended by its prompt's last chunk
+    last = max(r.now_ns for r in reports
+               if r.prompt_chunks.get(waits.request_id, (0, 0, False))[2])
+    first = min(r.now_ns for r in reports if any(d[0] == waits.request_id
+                                                 for d in r.prompt_deferred))
+    assert (span.start_time, span.end_time) == (first, last) and last - first > 0.5e9
+    assert made[gone.request_id].attributes["output_rate.outcome"] == "aborted"
+    assert {made[r.request_id].attributes["output_rate.prompt_deferred_reasons"]
+            for r in budgeted if r.request_id in made} == {("prompt_budget",)}
+    assert recorder.prefill.open == {}  # nothing kept once the requests are gone
