@@ -104,8 +104,8 @@ class Folds:
         self.handles = handles
         self._user_of = handles.user_of
         #: each user's prompt work and its share of step time
-        self.prompt_work = PromptWork(series, books,
-                                      step_cost or step_cost_from_settings())
+        self.prompt_work = PromptWork(series, books, step_cost or step_cost_from_settings(),
+                                      events)
         #: the last step that sent the users with an episode open to the
         #: span recorder, for over-limit periods to end
         self._ticked = 0

@@ -117,8 +117,11 @@ class PromptWork:
     the capped user label) and the labeler's activity (a user whose prompts
     are heavy gets a label of its own, as one with many output tokens)."""
 
-    def __init__(self, series: Any, books: Any, cost: StepCost) -> None:
+    def __init__(self, series: Any, books: Any, cost: StepCost, events: Any = None) -> None:
         self.series = series
+        #: the event log (``telemetry.eventlog``; None: off): a ``prompt``
+        #: line per step that computed prompt tokens, for ``verify``
+        self.events = events
         #: ``telemetry.books.UserBooks``: its ``activity``, the labeler's
         self.books = books
         self.cost = cost
@@ -155,6 +158,8 @@ class PromptWork:
                 series.prompt_computed(user, n)
                 activity[user] += n
             counters[_COMPUTED] += sum(by_user.values())
+            if self.events is not None:
+                self.events.prompt(now, by_user)
             shares = self.cost.shares(record.scheduled_requests - len(chunks), by_user)
         self._open = (now, shares)
 

@@ -350,3 +350,37 @@ def test_a_deferred_prefill_is_a_span(tmp_path, defer):
     assert {made[r.request_id].attributes["output_rate.prompt_deferred_reasons"]
             for r in budgeted if r.request_id in made} == {("prompt_budget",)}
     assert recorder.prefill.open == {}  # nothing kept once the requests are gone
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_the_event_log_carries_the_prompt_budget_and_its_bound_holds(tmp_path, chunked):
+    """With the event log on: the start line names the prompt budgets, a
+    ``prompt`` line per step that computed prompts; read back as ``verify``
+    reads it, p's prompt tokens hold the prompt budget's bound (+1 chunked,
+    + the largest prompt whole) in every window, and b has no budget."""
+    from fractions import Fraction
+
+    from vllm_output_rate.telemetry.events import EngineLog
+    from vllm_output_rate.tools.verify.gcra import gcra_worst_window
+
+    clock = VirtualClock()
+    sched = make_scheduler(limits(1000, prompt_rates={"p": 3000}, p=1000), clock=clock,
+                           max_num_seqs=8, enable_chunked_prefill=chunked)
+    path = tmp_path / "events.jsonl"
+    tel = attach_telemetry(sched, str(tmp_path), start_thread=False, events_path=str(path),
+                           clock=DriverClock(clock))
+    drv = Driver(sched, clock, step_ms=10.0)
+    drv.add(*[make_request("p", prompt_len=700, max_tokens=2) for _ in range(4)],
+            make_request("b", prompt_len=300, max_tokens=2))
+    drv.run_until_done()
+    tel.export()
+    log = EngineLog.read(path)
+    (start,) = log.starts
+    assert start["prompt_limits"] == {"p": 3000.0} and start["default_prompt_limit"] is None
+    assert start["chunked_prefill"] is chunked
+    spends = log.user_prompt_spends("p")
+    assert sum(n for _, n in spends) == 2800 and sum(n for _, n in log.user_prompt_spends("b")) == 300
+    worst = gcra_worst_window(spends, Fraction(3000), extra=1 if chunked else 700)
+    assert worst["excess"] <= 0 and worst["windows"] > 1
+    if not chunked:  # whole prompts: over the chunked bound, within the whole one
+        assert gcra_worst_window(spends, Fraction(3000))["excess"] > 0

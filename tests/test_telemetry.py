@@ -481,12 +481,12 @@ def test_event_queue_overflow_is_counted(tmp_path, monkeypatch):
     monkeypatch.setattr(eventlog_mod, "EVENTS_QUEUE_CAP", 3)
     sched, drv, tel, path = events_setup(tmp_path, limits(1000), monkeypatch)
     drv.add(make_request("a", max_tokens=10))
-    # 1 queued + 1 throttled (none) + 10 token lines + 1 finish line, 3 kept
+    # 1 queued + 1 throttled (none) + 1 prompt line + 10 token lines + 1 finish line, 3 kept
     drv.run_until_done()
-    assert counter(tel, "telemetry_dropped", "events_queue_full") == 10
+    assert counter(tel, "telemetry_dropped", "events_queue_full") == 11
     tel.export()
     kinds = [e["kind"] for e in read_events(path)]
-    assert sorted(kinds) == ["queued", "start", "throttled", "tokens"]
+    assert sorted(kinds) == ["prompt", "queued", "start", "throttled"]
 
 
 def test_unwritable_event_log_is_counted_not_raised(tmp_path, monkeypatch):

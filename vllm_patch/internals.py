@@ -297,6 +297,7 @@ class SchedulerView(EngineView):
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
         self.async_scheduling = isinstance(scheduler, AsyncScheduler)
+        self.chunked_prefill = bool(vllm_config.scheduler_config.enable_chunked_prefill)
         self._options_status = LimitsStatus(
             "command line", config.digest, time.time(), {}, None)
 

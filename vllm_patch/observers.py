@@ -240,6 +240,9 @@ class EngineView(ABC):
     #: whether the scheduler runs a step ahead of the outputs (vLLM's
     #: ``AsyncScheduler``): a token is charged two updates before it shows
     async_scheduling: bool = False
+    #: whether prompts are computed in chunks (vLLM's chunked prefill): a
+    #: prompt budget then cuts a chunk, else it takes a prompt whole
+    chunked_prefill: bool = True
 
     @abstractmethod
     def limits(self) -> OutputRateConfig:
