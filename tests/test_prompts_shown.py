@@ -293,12 +293,13 @@ def test_the_introspection_names_the_prompt_budget(tmp_path):
 # -- spans ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_a_deferred_prefill_is_a_span(tmp_path, defer):
+@pytest.mark.parametrize("defer, min_s", [(False, 0), (True, 0), (False, 60)])
+def test_a_deferred_prefill_is_a_span(tmp_path, defer, min_s):
     """One ``output_rate.prefill_deferred`` span per request whose prompt
     was put off: from the step that first put it off to the step that
     computed its prompt's last token (just in time: when its user's budget
-    returned), or its abort; none for prompts never put off."""
+    returned), or its abort; none for prompts never put off, nor for those
+    put off for less than ``OUTPUT_RATE_TRACE_THROTTLE_MIN_S``."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -314,6 +315,7 @@ def test_a_deferred_prefill_is_a_span(tmp_path, defer):
                            max_num_seqs=8)
     recorder = SpanRecorder(provider.get_tracer("test"), SchedulerView(sched), clock_offset_ns=0,
                             background=False)
+    recorder.throttle_min_ns = min_s * 10**9
     tel = attach_telemetry(sched, str(tmp_path), start_thread=False, spans=recorder, defer=defer)
     reports = []
     observe_steps(sched, reports.append)
@@ -333,6 +335,10 @@ def test_a_deferred_prefill_is_a_span(tmp_path, defer):
     recorder.flush()
     made = {s.attributes["output_rate.request_id"]: s for s in exporter.get_finished_spans()
             if s.name == "output_rate.prefill_deferred"}
+    assert recorder.prefill.open == {}  # nothing kept once the requests are gone
+    if min_s:
+        assert made == {}  # none put off for a minute
+        return
     put_off = {r for r, *_ in deferred(reports)}
     assert set(made) == put_off and quick.request_id not in made and waits.request_id in made
     span = made[waits.request_id]
@@ -349,7 +355,6 @@ def test_a_deferred_prefill_is_a_span(tmp_path, defer):
     assert made[gone.request_id].attributes["output_rate.outcome"] == "aborted"
     assert {made[r.request_id].attributes["output_rate.prompt_deferred_reasons"]
             for r in budgeted if r.request_id in made} == {("prompt_budget",)}
-    assert recorder.prefill.open == {}  # nothing kept once the requests are gone
 
 
 @pytest.mark.parametrize("chunked", [True, False])

@@ -171,7 +171,7 @@ class SpanRecorder:
             self._queue(self._build_step, now, record.step, len(record.charged), record.refunded,
                         len(record.throttled), list(record.refused))
         if record.prompt_deferred or (record.prompt_chunks and self.prefill.open):
-            self._queue_prefill(self.prefill.on_step(record, facts_of))
+            self._queue_prefill(self.prefill.on_step(record, facts_of, self.throttle_min_ns))
 
     def _queue_prefill(self, closed: list[tuple]) -> None:
         build = self.prefill.build
@@ -210,7 +210,8 @@ class SpanRecorder:
         self._queue(self._replay_outputs, now, paused, back, prevs, first, first_facts,
                     zeros, finished)
         if finished and self.prefill.open:
-            self._queue_prefill(self.prefill.on_ended(finished, now, "finished"))
+            self._queue_prefill(self.prefill.on_ended(finished, now, "finished",
+                                                      min_ns=self.throttle_min_ns))
 
     def on_aborted(self, aborted: list[tuple[str, str]], now: int,
                    ended: Episodes | None = None,
@@ -225,7 +226,8 @@ class SpanRecorder:
             facts = [view.request_facts(req_id) for req_id, _ in aborted]
         self._queue(self._replay_aborted, aborted, facts, ended, now)
         if self.prefill.open:
-            self._queue_prefill(self.prefill.on_ended(aborted, now, "aborted", facts))
+            self._queue_prefill(self.prefill.on_ended(aborted, now, "aborted", facts,
+                                                      self.throttle_min_ns))
 
     def _replay_aborted(self, aborted: list[tuple[str, str]], facts: list[RequestFacts | None],
                         ended: Episodes | None, now: int) -> None:

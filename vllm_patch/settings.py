@@ -126,7 +126,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRACE_THROTTLE_MIN_S", 1.0, _non_negative_float, "tracing",
             "a request whose longest throttle episode lasted this long (seconds) or longer gets "
             "a span for it (every episode is counted in its generation span and its user's "
-            "over-limit period)"),
+            "over-limit period), and so does a request whose prompt was put off this long"),
     Setting("PY_SPY", None, _text, "tools",
             "the py-spy executable `vllm-output-rate profile` runs (default: on PATH)"),
     Setting("EXTRA", "cpu", _text, "bootstrap",
