@@ -74,17 +74,24 @@ class StepCost:
 ESTIMATE = StepCost(0.025, 0.0001, 0.00002)
 
 
+def read_json(path: str, error: type[ValueError] = ValueError) -> Any:
+    """The data of the JSON file ``path`` (a step-time model: here and in
+    ``tools.twin.step_time``); ``error`` naming the file when it cannot be
+    read or is not JSON."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except OSError as exc:
+        raise error(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise error(f"{path}: not JSON ({exc})") from None
+
+
 def load_step_cost(path: str) -> StepCost:
     """The terms of the step-time model in ``path`` (``twin calibrate``'s
     JSON: version 1, kind linear). Raises ValueError naming the file and
     the field."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise ValueError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
+    data = read_json(path)
     if not isinstance(data, dict) or data.get("version") != 1 or data.get("kind") != "linear":
         raise ValueError(f"{path}: expected a step-time model (version 1, kind linear: "
                          f"`vllm-output-rate twin calibrate` writes one)")
