@@ -287,7 +287,7 @@ def prompt_panels(c: Config) -> list[Panel | Row]:
             "(prompt_rate). The label-cap overflow (__other__) is left out.",
             "percentunit",
             [Target(prompt_share_expr(c, dashboard=True),
-                    "{{user}} engine {{engine}}" + c.on_group(), "data")], stack=True),
+                    "{{user}} engine {{engine}}" + c.on_group(), "data")]),
         Panel(
             "Prompt tokens/s per user: computed, and put off",
             "Prompt tokens each user's prefill chunks computed per second (prefix-cache hits "
