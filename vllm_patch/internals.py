@@ -299,6 +299,7 @@ class SchedulerView(EngineView):
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
         self.async_scheduling = isinstance(scheduler, AsyncScheduler)
+        self.chunked_prefill = bool(vllm_config.scheduler_config.enable_chunked_prefill)
         self._options_status = LimitsStatus(
             "command line", config.digest, time.time(), {}, None)
 
@@ -325,6 +326,10 @@ class SchedulerView(EngineView):
 
     def ready_at_ns(self, user: str) -> int:
         return self._state.limiter.ready_at_ns(user)
+
+    def prompt_ready_at_ns(self, user: str) -> int:
+        prompts = self._state.prompts
+        return 0 if prompts is None else prompts.ready_at_ns(user)
 
     def limiter_stats(self) -> dict[str, Any]:
         limiter = self._state.limiter
