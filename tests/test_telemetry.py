@@ -481,12 +481,12 @@ def test_event_queue_overflow_is_counted(tmp_path, monkeypatch):
     monkeypatch.setattr(eventlog_mod, "EVENTS_QUEUE_CAP", 3)
     sched, drv, tel, path = events_setup(tmp_path, limits(1000), monkeypatch)
     drv.add(make_request("a", max_tokens=10))
-    # 1 queued + 1 throttled (none) + 10 token lines + 1 finish line, 3 kept
+    # 1 queued + 1 throttled (none) + 1 prompt line + 10 token lines + 1 finish line, 3 kept
     drv.run_until_done()
-    assert counter(tel, "telemetry_dropped", "events_queue_full") == 10
+    assert counter(tel, "telemetry_dropped", "events_queue_full") == 11
     tel.export()
     kinds = [e["kind"] for e in read_events(path)]
-    assert sorted(kinds) == ["queued", "start", "throttled", "tokens"]
+    assert sorted(kinds) == ["prompt", "queued", "start", "throttled"]
 
 
 def test_unwritable_event_log_is_counted_not_raised(tmp_path, monkeypatch):
@@ -547,10 +547,13 @@ def test_the_metrics_page_lists_every_renamed_metric():
     assert PREFIX == "vllm_output_rate_"
     assert set(RENAMED_FROM) == {m.full_name for m in METRICS if m.renamed}
     # metrics added after the rename: shared-budget mode's, borrowing's,
-    # the preemptions for a request with budget and the state sizes
+    # the preemptions for a request with budget, prompt work and the state sizes
     added = [m.name for m in METRICS if not m.renamed]
     assert [n for n in added if not n.startswith("shared_")] == [
-        "tokens_borrowed", "engine_tokens_borrowed", "engine_throttled_preempted", "state_entries"]
+        "tokens_borrowed", "engine_tokens_borrowed", "engine_throttled_preempted",
+        "prompt_tokens_computed", "engine_prompt_tokens_computed", "prompt_tokens_deferred",
+        "engine_prompt_tokens_deferred", "prompt_step_seconds", "engine_step_seconds",
+        "state_entries"]
     for new, old in RENAMED_FROM.items():
         assert f"| `{old}` | `{new}` |" in readme, new
     shares = [m for m in METRICS if m.unit == "ratio"]
@@ -818,11 +821,11 @@ def _step_folding_at_random(tel, drv, rng):
 _SKIP_PATHS: set[bool] = set()
 
 
-@hsettings(max_examples=12, deadline=None, derandomize=True)
+@hsettings(max_examples=16, deadline=None, derandomize=True)
 @given(seed=st.integers(0, 2**16), active=st.sampled_from([None, 3, 5]),
-       batched=st.sampled_from([2048, 40, 24]), defer=st.booleans())
+       batched=st.sampled_from([2048, 40, 24]), defer=st.booleans(), ahead=st.booleans())
 def test_skips_counted_by_episode_equal_skips_counted_per_request(tmp_path_factory, seed, active,
-                                                                   batched, defer):
+                                                                   batched, defer, ahead):
     """Skips are counted by throttle episode when a step's throttled
     requests are exactly those with an episode open, request by request
     otherwise (the active cap or the token budget left some out, a prefill
@@ -836,10 +839,10 @@ def test_skips_counted_by_episode_equal_skips_counted_per_request(tmp_path_facto
 
     rng = random.Random(seed)
     clock = VirtualClock()
-    # (prompts computed ahead: the mixes of held prefills and episodes this
-    # property was written for; just in time its coverage is open work)
+    # prompts just in time (the default) or computed ahead (the mixes of
+    # held prefills and open episodes differ)
     sched = make_scheduler({**limits(1000, a=rng.choice([10, 30]), b=rng.choice([15, 60]), c=200),
-                            "prefill_ahead": True},
+                            "prefill_ahead": ahead},
                            clock=clock, max_num_seqs=8, max_num_active_seqs=active,
                            max_num_batched_tokens=batched)
     tel = attach_telemetry(sched, str(tmp_path_factory.mktemp("skips")), start_thread=False,

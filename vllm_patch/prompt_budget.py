@@ -114,8 +114,9 @@ class PromptBudgets:
         return -(-short * rate.denominator * 1_000_000_000 // rate.numerator)
 
     def ready_at_ns(self, user: str) -> int:
-        """The earliest time ``user`` may compute a prompt token (0: now)."""
-        return self._limiter.ready_at_ns(user) if self.budgeted(user) else 0
+        """The earliest time ``user`` may compute a prompt token (0: now).
+        Changes nothing (the telemetry's worker reads it too)."""
+        return self._limiter.ready_at_ns(user) if self.rate_of(user) is not None else 0
 
     def set_config(self, config: OutputRateConfig, now_ns: int) -> None:
         """Put reloaded limits in force: each user keeps its debt in tokens
