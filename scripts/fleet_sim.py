@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from vllm_output_rate.cluster_store import ClusterStore
 from vllm_output_rate.fleet_math import fleet_bound
 from vllm_output_rate.lease_store import RedisStore
 from vllm_output_rate.limiter import NS_PER_S
@@ -65,14 +66,21 @@ class Fleet:
         self.engines: list[SimEngine] = []
         #: user -> [(ns, tokens)] spent by the whole fleet
         self.spends: dict[str, list[tuple[int, int]]] = {}
-
+        #: a cluster's node clients, shared by the engines' stores
+        self.cluster_clients: dict = {}
 
     def clock(self) -> int:
         return self.now_ns
 
     def add_engine(self, name: str | None = None, client=None) -> SimEngine:
+        """An engine; its store a ``RedisStore`` (on ``client``, if given),
+        or over a cluster a ``ClusterStore`` (its node clients shared by the
+        fleet's engines)."""
         name = name or f"engine-{len(self.engines)}"
-        store = RedisStore(self.settings, client=client)
+        if self.settings.cluster:
+            store = ClusterStore(self.settings, clients=self.cluster_clients)
+        else:
+            store = RedisStore(self.settings, client=client)
         limiter = SharedBudgetLimiter(self.default_rate, self.user_rates, self.settings,
                                       store=store, clock=self.clock, engine_id=name,
                                       start_thread=False)

@@ -68,7 +68,8 @@ def user_key(user: str) -> str:
 class ClusterStore:
     """The shared store over a cluster: one call per shard per round."""
 
-    def __init__(self, settings: SharedStateSettings) -> None:
+    def __init__(self, settings: SharedStateSettings,
+                 clients: dict[tuple[str, int], Any] | None = None) -> None:
         try:
             import redis
             from redis.crc import key_slot
@@ -81,8 +82,8 @@ class ClusterStore:
         self.settings = settings
         self._password = _password(settings.url)
         self._tls = settings.url.split(":", 1)[0] in ("rediss-cluster", "valkeys-cluster")
-        #: (host, port) -> client
-        self._clients: dict[tuple[str, int], Any] = {}
+        #: (host, port) -> client (a simulation's engines may share them)
+        self._clients: dict[tuple[str, int], Any] = {} if clients is None else clients
         #: slot -> shard (its first slot); shard -> its master, its key tag
         self._slot_shard: list[int] | None = None
         self.masters: dict[int, tuple[str, int]] = {}

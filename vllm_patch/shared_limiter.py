@@ -46,16 +46,33 @@ from vllm_output_rate.shared_settings import SharedStateSettings
 
 
 class _FallbackLimiter(OutputRateLimiter):
-    """Each user's limit divided by the engines last seen sharing it."""
+    """Each user's limit divided by the engines last seen sharing it; for
+    every user, or (a cluster with some shards down) for the users of the
+    shards in ``scope``."""
 
-    def __init__(self, base: OutputRateLimiter, sharing: Mapping[str, int], live: int) -> None:
+    def __init__(self, base: OutputRateLimiter, sharing: Mapping[str, int], live: int,
+                 scope: frozenset[Any] | None = None,
+                 shard_of: Callable[[str], Any] | None = None) -> None:
         super().__init__(base.default_rate, base.user_rates, base.burst_ns)
         self._base_rate = base.rate_of
         self._sharing = dict(sharing)
         self._live = max(1, live)
+        self.scope = scope
+        self._shard_of = shard_of
 
     def rate_of(self, user: str) -> Fraction:
         return self._base_rate(user) / max(1, self._sharing.get(user, self._live))
+
+    def covers(self, user: str) -> bool:
+        """Whether ``user`` is in fallback."""
+        return self.scope is None or self._shard_of(user) in self.scope
+
+    def inherit(self, old: _FallbackLimiter) -> None:
+        """Keep the states of users still covered at the same share (the
+        scope changed: a shard went down or came back)."""
+        for user, st in old._users.items():
+            if self.covers(user) and self.rate_of(user) == old.rate_of(user):
+                self._users[user] = st
 
 
 _plain_available = OutputRateLimiter.available
@@ -93,6 +110,9 @@ class SharedBudgetLimiter(OutputRateLimiter):
         #: that lost its data); seen at the next step boundary
         self.clear_requests = 0
         self._clears_seen = 0
+        #: (a cluster) shards whose leases to drop: (scope, shard_of), one
+        #: per shard that lost its data
+        self.shard_clears: deque[tuple[frozenset[Any], Callable[[str], Any]]] = deque()
         self._starved_step: set[str] = set()
         self.thread = LeaseThread(self, settings, store=store, clock=clock,
                                   engine_id=engine_id)
@@ -103,10 +123,22 @@ class SharedBudgetLimiter(OutputRateLimiter):
     def in_fallback(self) -> bool:
         return self._fallback is not None
 
-    def begin_fallback(self, sharing: Mapping[str, int], live: int) -> None:
+    def begin_fallback(self, sharing: Mapping[str, int], live: int,
+                       scope: frozenset[Any] | None = None,
+                       shard_of: Callable[[str], Any] | None = None) -> None:
         """(Lease thread) From the next step on: each user's limit divided
-        by the engines last seen sharing it (``live`` for users never seen)."""
-        self.fallback_next = _FallbackLimiter(self, sharing, live)
+        by the engines last seen sharing it (``live`` for users never seen);
+        every user's, or those of the shards in ``scope`` (``shard_of``)."""
+        self.fallback_next = _FallbackLimiter(self, sharing, live, scope, shard_of)
+
+    def clear_leases(self, scope: frozenset[Any] | None,
+                     shard_of: Callable[[str], Any] | None) -> None:
+        """(Lease thread) At the next step: drop the leases of the users of
+        the shards in ``scope`` (every lease: ``None``)."""
+        if scope is None or shard_of is None:
+            self.clear_requests += 1
+        else:
+            self.shard_clears.append((scope, shard_of))
 
     def end_fallback(self) -> None:
         """(Lease thread) From the next step on: shared budgets again."""
@@ -121,18 +153,29 @@ class SharedBudgetLimiter(OutputRateLimiter):
             book.add_grant(user, tokens, deadline)
         fallback = self.fallback_next
         if fallback is not self._fallback:
-            self._fallback = fallback
+            old, self._fallback = self._fallback, fallback
             if fallback is not None:
-                book.clear()
+                if fallback.scope is None:
+                    book.clear()
+                else:
+                    if old is not None:
+                        fallback.inherit(old)
+                    covered = fallback.covers
+                    book.clear_users(covered if old is None else
+                                     (lambda u: covered(u) and not old.covers(u)))
         if self.clear_requests != self._clears_seen:
             self._clears_seen = self.clear_requests
             book.clear()
+        clears = self.shard_clears
+        while clears:
+            scope, shard_of = clears.popleft()
+            book.clear_users(lambda u: shard_of(u) in scope)
         book.expire(now_ns)
         self._starved_step.clear()
 
     def available(self, user: str, now_ns: int) -> int:
         fallback = self._fallback
-        if fallback is not None:
+        if fallback is not None and (fallback.scope is None or fallback.covers(user)):
             return fallback.available(user, now_ns)
         held = self._balance.get(user, 0)
         if held <= 0:
@@ -151,6 +194,14 @@ class SharedBudgetLimiter(OutputRateLimiter):
 
     def settle(self, now_ns: int, taken: Mapping[str, int]) -> None:
         fallback = self._fallback
+        if fallback is not None and fallback.scope is not None:
+            # some shards down: their users' tokens in fallback, the rest leased
+            down = {u: n for u, n in taken.items() if fallback.covers(u)}
+            if down:
+                fallback.settle(now_ns, down)
+                self.usage.append((now_ns, down, True))
+                taken = {u: n for u, n in taken.items() if u not in down}
+            fallback = None
         if fallback is not None:
             fallback.settle(now_ns, taken)
         else:
@@ -166,14 +217,15 @@ class SharedBudgetLimiter(OutputRateLimiter):
         # Only the plain limiter's try_take callers refund; the scheduler
         # settles net charges. A refunded token is not handed back to the
         # store (over-charging is allowed).
-        if self._fallback is not None:
-            self._fallback.refund(user)
+        fallback = self._fallback
+        if fallback is not None and fallback.covers(user):
+            fallback.refund(user)
         else:
             super().refund(user)
 
     def ready_at_ns(self, user: str) -> int:
         fallback = self._fallback
-        if fallback is not None:
+        if fallback is not None and (fallback.scope is None or fallback.covers(user)):
             return fallback.ready_at_ns(user)
         local = _plain_ready_at(self, user)
         if self._balance.get(user, 0) > 0:
