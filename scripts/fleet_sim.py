@@ -205,42 +205,84 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines-per-user", type=int, default=4,
                         help="each user's streams land on this many engines (random)")
     parser.add_argument("--rate", type=float, default=20.0, help="every user's limit (tok/s)")
-    parser.add_argument("--seconds", type=float, default=10.0, help="simulated time")
+    parser.add_argument("--seconds", type=float, default=10.0, help="simulated time measured")
+    parser.add_argument("--warmup", type=float, default=2.0,
+                        help="simulated time before the measured part (long slices start "
+                        "after two whole slices of steady spending)")
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--tick-ms", type=float, default=50.0)
     parser.add_argument("--horizon-ms", type=float, default=500.0)
     parser.add_argument("--lookahead-ms", type=float, default=250.0)
+    parser.add_argument("--slice-ms", default="0",
+                        help="long slices (0: off); several, comma-separated: one arm each, "
+                        "run in turn on the same store (before/after in one run)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the arms this many times, alternating")
     parser.add_argument("--latency-ms", type=float, default=0.0,
                         help="added to every store call (a store across a network)")
-    parser.add_argument("--url", default=None, help="a Redis to use (default: start one)")
+    parser.add_argument("--shards", type=int, default=0,
+                        help="start a Redis Cluster of this many masters (0: one plain redis-server)")
+    parser.add_argument("--url", default=None, help="a Redis (or redis-cluster://) to use (default: start one)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    from vllm_output_rate.tools.redis_server import RedisServer
+    from vllm_output_rate.tools.redis_server import RedisCluster, RedisServer
 
-    server = None if args.url else RedisServer().start()
+    server = None
+    if not args.url:
+        server = RedisCluster(args.shards).start() if args.shards else RedisServer().start()
     url = args.url or server.url
+    results = []
     try:
-        result = run_large(url, args)
+        slices = [float(x) for x in args.slice_ms.split(",")]
+        for _ in range(args.repeat):
+            for slice_ms in slices:
+                result = run_large(url, args, slice_ms)
+                print(json.dumps(result), flush=True)
+                results.append(result)
     finally:
         if server is not None:
             server.close()
-    print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(results, f, indent=2)
     return 0
 
 
-def run_large(url: str, args: argparse.Namespace) -> dict:
+def _store_nodes(url: str, settings: SharedStateSettings) -> list:
+    """A client per store node (a cluster: per master)."""
     import redis
 
+    if not settings.cluster:
+        return [redis.Redis.from_url(url.split("?", 1)[0])]
+    probe = ClusterStore(settings)
+    probe.refresh()
+    return [redis.Redis(host=h, port=p) for h, p in probe.masters.values()]
+
+
+def _node_counters(client) -> tuple[float, int, float]:
+    """Script seconds and calls (INFO commandstats), CPU seconds (INFO cpu)."""
+    stats, cpu = client.info("commandstats"), client.info("cpu")
+    script_s, calls = 0.0, 0
+    for key in ("cmdstat_evalsha", "cmdstat_eval"):
+        if key in stats:
+            script_s += stats[key]["usec"] / 1e6
+            calls += stats[key]["calls"]
+    return script_s, calls, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+
+
+def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict:
     settings = SharedStateSettings(url, tick_s=args.tick_ms / 1000, horizon_s=args.horizon_ms / 1000,
-                                   lookahead_s=args.lookahead_ms / 1000)
+                                   lookahead_s=args.lookahead_ms / 1000, slice_s=slice_ms / 1000)
+    if url.split(":", 1)[0].endswith("-cluster"):
+        settings = SharedStateSettings(url, tick_s=settings.tick_s, horizon_s=settings.horizon_s,
+                                       lookahead_s=settings.lookahead_s, slice_s=settings.slice_s,
+                                       nodes=parse_shared_state(url).nodes)
     rate = Fraction(args.rate).limit_denominator(1000)
     fleet = Fleet(url, rate, settings=settings, step_s=args.step_ms / 1000, seed=1)
-    client = redis.Redis.from_url(url)
-    client.flushdb()
+    nodes = _store_nodes(url, settings)
+    for node in nodes:
+        node.flushdb()
+    client = None if settings.cluster else nodes[0]
     for _ in range(args.engines):
         fleet.add_engine(client=client)
     rng = random.Random(2)
@@ -252,44 +294,56 @@ def run_large(url: str, args: argparse.Namespace) -> dict:
         delay = args.latency_ms / 1000
         for engine in fleet.engines:
             store = engine.limiter.thread.store
-            lease = store.lease
+            lease = store.lease_shards
 
             def slow(*a, __lease=lease, **k):
                 time.sleep(delay)
                 return __lease(*a, **k)
 
-            store.lease = slow
-    info0 = client.info("commandstats")
+            store.lease_shards = slow
+    fleet.run(args.warmup)
+    start_ns = fleet.now_ns
+    calls0, entries0 = fleet.store_ops()
+    before = [_node_counters(n) for n in nodes]
     wall0 = time.perf_counter()
-    script_s = 0.0
     fleet.run(args.seconds)
     wall = time.perf_counter() - wall0
-    info1 = client.info("commandstats")
-    for key in ("cmdstat_evalsha", "cmdstat_eval"):
-        if key in info1:
-            script_s += (info1[key]["usec"] - info0.get(key, {}).get("usec", 0)) / 1e6
-    calls, entries = fleet.store_ops()
-    warm = T0_NS + int(2 * NS_PER_S)
-    span = (fleet.now_ns - warm) / NS_PER_S
-    rates = sorted(fleet.spent(f"user-{u}", warm) / span for u in range(args.users))
+    after = [_node_counters(n) for n in nodes]
+    calls, entries = (a - b for a, b in zip(fleet.store_ops(), (calls0, entries0)))
+    script_s = sum(a[0] - b[0] for a, b in zip(after, before))
+    cpu_s = [a[2] - b[2] for a, b in zip(after, before)]
+    shard_calls = [a[1] - b[1] for a, b in zip(after, before)]
+    span = (fleet.now_ns - start_ns) / NS_PER_S
+    rates = sorted(fleet.spent(f"user-{u}", start_ns) / span for u in range(args.users))
     sample = [f"user-{u}" for u in range(0, args.users, max(1, args.users // 200))]
     ratios: dict[str, float] = {}
     for user in sample:
-        for k, v in worst_window_ratio(sorted(fleet.spends.get(user, [])), rate, settings.horizon_s,
-                                       settings.lookahead_s).items():
+        for k, v in worst_window_ratio(sorted(fleet.spends.get(user, [])), rate, settings.long_horizon_s,
+                                       settings.long_lookahead_s).items():
             ratios[k] = max(ratios.get(k, 0.0), v)
-    sim_s = args.seconds
+    shard_entries = [0] * len(nodes)
+    if settings.cluster:
+        masters = list(fleet.engines[0].limiter.thread.store.masters)
+        for e in fleet.engines:
+            for shard, n in e.limiter.thread.store.shard_entries.items():
+                shard_entries[masters.index(shard)] += n
+    for node in nodes:
+        node.close()
     return {
         "engines": args.engines, "users": args.users, "engines_per_user": args.engines_per_user,
-        "rate": float(rate), "simulated_s": sim_s, "wall_s": round(wall, 2),
+        "shards": len(nodes) if settings.cluster else 0,
+        "rate": float(rate), "measured_s": span, "wall_s": round(wall, 2),
         "tick_ms": args.tick_ms, "horizon_ms": args.horizon_ms, "lookahead_ms": args.lookahead_ms,
-        "latency_ms": args.latency_ms,
-        "store_calls_per_s_per_engine": round(calls / sim_s / args.engines, 2),
-        "store_calls_per_s": round(calls / sim_s, 1),
-        "user_entries_per_s": round(entries / sim_s, 1),
-        "store_busy_share_at_simulated_speed": round(script_s / sim_s, 4),
-        "store_us_per_call": round(script_s * 1e6 / max(calls, 1), 1),
-        "store_us_per_user_entry": round(script_s * 1e6 / max(entries, 1), 2),
+        "slice_ms": slice_ms, "latency_ms": args.latency_ms,
+        "store_calls_per_s_per_engine": round(calls / span / args.engines, 2),
+        "store_calls_per_s": round(calls / span, 1),
+        "user_entries_per_s": round(entries / span, 1),
+        "user_entries_per_s_per_user": round(entries / span / args.users, 3),
+        "store_script_us_per_user_entry": round(script_s * 1e6 / max(entries, 1), 2),
+        "store_cpu_us_per_user_entry": round(sum(cpu_s) * 1e6 / max(entries, 1), 2),
+        "store_cpu_share_per_node_at_simulated_speed": [round(c / span, 3) for c in cpu_s],
+        "script_calls_per_s_per_node": [round(c / span, 1) for c in shard_calls],
+        "user_entries_per_s_per_shard": [round(n / span, 1) for n in shard_entries] if settings.cluster else [],
         "fleet_rate_over_limit": {"min": round(rates[0] / float(rate), 4),
                                   "median": round(rates[len(rates) // 2] / float(rate), 4),
                                   "max": round(rates[-1] / float(rate), 4)},

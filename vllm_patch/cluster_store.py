@@ -98,6 +98,8 @@ class ClusterStore:
         #: script calls made, and user entries sent in them
         self.calls = 0
         self.entries = 0
+        #: shard -> user entries sent to it
+        self.shard_entries: dict[int, int] = {}
 
     # -- the slot map -----------------------------------------------------------
 
@@ -208,6 +210,7 @@ class ClusterStore:
                 args.extend(ask_args(ask, s))
             self.calls += 1
             self.entries += len(asks)
+            self.shard_entries[shard] = self.shard_entries.get(shard, 0) + len(asks)
             self._last_call_ns[shard] = now_ns
             command = ["EVALSHA", self._lease_sha or "0", 2, *keys, *args]
             try:

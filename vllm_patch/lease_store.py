@@ -95,7 +95,7 @@ for i = 1, @USERS@ do
     elseif f == my_share then
       share_tat = tonumber(fields[j + 1])
     elseif kind == 'w:' and f ~= my_wait then
-      if tonumber(fields[j + 1]) >= now - lookahead then
+      if tonumber(fields[j + 1]) >= now - ahead then
         others_waiting = true
       end
     elseif kind == 'e:' and f ~= me then

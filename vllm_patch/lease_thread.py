@@ -64,6 +64,13 @@ class LeasingLimiter(Protocol):
     #: thread -> scheduler: (user, tokens, deadline_ns), and a count bumped
     #: to have every lease dropped
     grants: deque[tuple[str, int, int]]
+    #: thread -> scheduler: long slices, (user, tokens, deadline_ns,
+    #: sent_ns, span_ns), released over the span; user -> tokens not
+    #: released yet
+    long_grants: deque[tuple[str, int, int, int, int]]
+    #: scheduler -> thread: users that waited for their slice's release
+    paced: deque[str]
+    unreleased: dict[str, int]
     clear_requests: int
     book: LeaseBook
 
@@ -264,9 +271,14 @@ class LeaseThread:
         limiter = self.limiter
         now_ns = self.clock()
         recent, short = self._drain(now_ns)
+        held = limiter.book.balance
+        if self.settings.slice_s and limiter.unreleased:
+            held = _Held(held, limiter.unreleased)
+        paced: set[str] = set()
+        while limiter.paced:
+            paced.add(limiter.paced.popleft())
         asks = self.sizer.asks(now_ns, recent, short, self._usage_to_report(),
-                               limiter.book.balance, self.sharing, self.retry_at,
-                               limiter.rate_of)
+                               held, self.sharing, self.retry_at, limiter.rate_of, paced)
         sent_ns = self.clock()
         t0 = time.perf_counter()
         try:
@@ -366,6 +378,8 @@ class LeaseThread:
                 if ask.long:
                     deadline += slice_ns
                     long_until[ask.user] = deadline
+                    # released over the slice by the scheduler's thread
+                    limiter.long_grants.append((ask.user, tokens, deadline, sent_ns, slice_ns))
                 elif long_until:
                     last = long_until.get(ask.user)
                     if last is not None:
@@ -373,7 +387,10 @@ class LeaseThread:
                             deadline = last
                         else:
                             del long_until[ask.user]
-                limiter.grants.append((ask.user, tokens, deadline))
+                if not ask.long:
+                    limiter.grants.append((ask.user, tokens, deadline))
+            if ask.long:
+                self.sizer.long_granted(ask.user, tokens, ask.want, now_ns)
             if tokens < ask.want:
                 retry_at[ask.user] = retry
             else:
@@ -490,6 +507,19 @@ class LeaseThread:
         self.limiter.end_fallback()
         logger.warning("output-rate shared state: the store at %s answers again; shared "
                        "budgets resumed", self.settings.redacted_url)
+
+
+class _Held:
+    """Tokens an engine holds per user for the sizer: its leases and what
+    of its long slices is not released yet (``get`` only)."""
+
+    __slots__ = ("balance", "unreleased")
+
+    def __init__(self, balance: Mapping[str, int], unreleased: Mapping[str, int]) -> None:
+        self.balance, self.unreleased = balance, unreleased
+
+    def get(self, user: str, default: int = 0) -> int:
+        return self.balance.get(user, default) + self.unreleased.get(user, 0)
 
 
 def _shard_text(shard: Any) -> str:

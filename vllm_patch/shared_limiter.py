@@ -33,6 +33,7 @@ lease thread's (``lease_thread``).
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -103,6 +104,18 @@ class SharedBudgetLimiter(OutputRateLimiter):
         self.starved: deque[str] = deque()
         #: lease thread -> scheduler: (user, tokens, deadline_ns)
         self.grants: deque[tuple[str, int, int]] = deque()
+        #: lease thread -> scheduler: long slices (user, tokens, deadline_ns,
+        #: sent_ns, span_ns), released over the span (at most ``slice_s``)
+        #: in parts (``_release``)
+        self.long_grants: deque[tuple[str, int, int, int, int]] = deque()
+        #: user -> tokens of its long slice not released yet, and the parts
+        #: to come: [deadline_ns, deque of (release_ns, tokens)]
+        self.unreleased: dict[str, int] = {}
+        #: scheduler -> lease thread: users that waited for their slice's release
+        self.paced: deque[str] = deque()
+        self._parts: dict[str, tuple[int, deque[tuple[int, int]]]] = {}
+        self._due: list[tuple[int, str]] = []
+        self._part_ns = max(1, int(settings.tick_s * 1e9))
         #: set by the lease thread; taken up at the next step boundary
         self.fallback_next: _FallbackLimiter | None = None
         self._fallback: _FallbackLimiter | None = None
@@ -148,30 +161,98 @@ class SharedBudgetLimiter(OutputRateLimiter):
         """Take up grants and a mode change, drop expired leases."""
         grants = self.grants
         book = self.book
+        parts = self._parts
         while grants:
             user, tokens, deadline = grants.popleft()
+            if parts and user in parts:
+                self._release(user, None)  # (its leases stay in deadline order)
             book.add_grant(user, tokens, deadline)
+        if self.long_grants:
+            self._take_long_grants()
+        if self._due:
+            self._release_due(now_ns)
         fallback = self.fallback_next
         if fallback is not self._fallback:
             old, self._fallback = self._fallback, fallback
             if fallback is not None:
                 if fallback.scope is None:
-                    book.clear()
+                    self._drop_leases(None)
                 else:
                     if old is not None:
                         fallback.inherit(old)
                     covered = fallback.covers
-                    book.clear_users(covered if old is None else
-                                     (lambda u: covered(u) and not old.covers(u)))
+                    self._drop_leases(covered if old is None else
+                                      (lambda u: covered(u) and not old.covers(u)))
         if self.clear_requests != self._clears_seen:
             self._clears_seen = self.clear_requests
-            book.clear()
+            self._drop_leases(None)
         clears = self.shard_clears
         while clears:
             scope, shard_of = clears.popleft()
-            book.clear_users(lambda u: shard_of(u) in scope)
+            self._drop_leases(lambda u: shard_of(u) in scope)
         book.expire(now_ns)
         self._starved_step.clear()
+
+    # -- long slices: released over the slice, in parts --------------------------
+
+    def _take_long_grants(self) -> None:
+        """A long slice: a part at once, the rest every tick or so over its
+        span (``slice_s``, or the part of it a cut slice covers) from its
+        ask (the user's spending on this engine stays even); every part
+        lives until the slice's deadline."""
+        parts, unreleased = self._parts, self.unreleased
+        while self.long_grants:
+            user, tokens, deadline, sent_ns, span = self.long_grants.popleft()
+            if user in parts:
+                self._release(user, None)
+            k = max(1, min(tokens, span // self._part_ns))
+            each, extra = divmod(tokens, k)
+            queue = deque((sent_ns + i * span // k, each + (1 if i < extra else 0))
+                          for i in range(k))
+            _, first = queue.popleft()
+            self.book.add_grant(user, first, deadline)
+            if queue:
+                parts[user] = (deadline, queue)
+                unreleased[user] = tokens - first
+                heapq.heappush(self._due, (queue[0][0], user))
+
+    def _release_due(self, now_ns: int) -> None:
+        due = self._due
+        while due and due[0][0] <= now_ns:
+            _, user = heapq.heappop(due)
+            part = self._parts.get(user)
+            if part is not None and part[1][0][0] <= now_ns:  # (else a stale entry)
+                self._release(user, now_ns)
+
+    def _release(self, user: str, now_ns: int | None) -> None:
+        """Release the parts of ``user``'s slice due by ``now_ns`` (None:
+        all of them)."""
+        deadline, queue = self._parts[user]
+        n = 0
+        while queue and (now_ns is None or queue[0][0] <= now_ns):
+            n += queue.popleft()[1]
+        if n:
+            self.book.add_grant(user, n, deadline)
+        if queue:
+            self.unreleased[user] -= n
+            heapq.heappush(self._due, (queue[0][0], user))
+        else:
+            del self._parts[user]
+            del self.unreleased[user]
+
+    def _drop_leases(self, drop: Callable[[str], bool] | None) -> None:
+        """Drop the leases (and slices not released yet) of the users
+        ``drop`` says, or of all (None)."""
+        if drop is None:
+            self.book.clear()
+            self._parts.clear()
+            self.unreleased.clear()
+            self._due.clear()
+            return
+        self.book.clear_users(drop)
+        for user in [u for u in self._parts if drop(u)]:
+            del self._parts[user]
+            del self.unreleased[user]
 
     def available(self, user: str, now_ns: int) -> int:
         fallback = self._fallback
@@ -236,6 +317,14 @@ class SharedBudgetLimiter(OutputRateLimiter):
             # The engine's own pacing binds (a user throttled at its limit
             # on this engine): no lease is needed before then.
             return local
+        part = self._parts.get(user) if self._parts else None
+        if part is not None:
+            # The next part of its long slice is released then (no ask; the
+            # thread hears it waited, once a step).
+            if user not in self._starved_step:
+                self._starved_step.add(user)
+                self.paced.append(user)
+            return max(part[1][0][0], local)
         retry = thread.retry_at.get(user)
         if retry is not None:
             # The store said the fleet's budget of this user is spent for
