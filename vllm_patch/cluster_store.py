@@ -28,15 +28,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_output_rate.lease_store import (ARGS_PER_USER, KEY_PREFIX, LIVE_S, _LEASE_BODY, LeaseAsk,
+from vllm_output_rate.lease_store import (ARGS_PER_USER, HEARTBEAT_S, KEY_PREFIX, _LEASE_BODY, LeaseAsk,
                                           LeaseReply, ask_args, call_args, parse_reply)
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, SharedStateSettings
 
 #: Slots of a Redis Cluster.
 SLOTS = 16384
-#: A shard with no users in a round is still called this often (s): its
-#: heartbeat (an engine counts as live for ``LIVE_S``) and its epoch.
-HEARTBEAT_S = LIVE_S / 4
 #: An epoch no shard has: sent after a shard's master changed, so that the
 #: engine handles the shard as one that lost its data.
 MOVED_EPOCH = "master-changed"

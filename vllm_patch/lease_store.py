@@ -24,6 +24,9 @@ from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateErr
 LIVE_S = 2.0
 #: Store key prefix.
 KEY_PREFIX = "output_rate:"
+#: With long slices (or over a cluster: per shard), a round with nothing
+#: to ask still calls the store this often (s): its heartbeat, its epoch.
+HEARTBEAT_S = LIVE_S / 4
 
 #: One call per engine per tick (per shard of a cluster: ``cluster_store``).
 #: KEYS: the engines' heartbeat set, the epoch key, then (one store) one hash
@@ -257,6 +260,7 @@ class RedisStore:
         #: script calls made, and user entries sent in them
         self.calls = 0
         self.entries = 0
+        self._last_call_ns = -(10**18)
 
     def lease(self, engine: str, asks: list[LeaseAsk], known_epoch: str,
               now_us: float | None = None) -> LeaseReply:
@@ -276,12 +280,19 @@ class RedisStore:
         return None
 
     def plan(self, asks: list[LeaseAsk], now_ns: int) -> dict[Any, list[LeaseAsk]]:
-        """The calls of one round: one store, called every tick."""
+        """The calls of one round: one store, called every tick; with long
+        slices (``slice_ms``), a round with nothing to ask only when the
+        heartbeat is due (``HEARTBEAT_S``), as a cluster's shards are."""
+        if not asks and self.settings.slice_s and now_ns - self._last_call_ns < HEARTBEAT_S * 1e9:
+            return {}
+        self._last_call_ns = now_ns
         return {None: asks}
 
     def lease_shards(self, engine: str, plan: dict[Any, list[LeaseAsk]], epochs: dict[Any, str],
                      now_us: float | None = None) -> dict[Any, LeaseReply | Exception]:
         """Every call of a round; a failed call's entry is its exception."""
+        if not plan:
+            return {}
         try:
             return {None: self.lease(engine, plan[None], epochs.get(None, ""), now_us=now_us)}
         except Exception as exc:  # the store is down, slow or refuses
