@@ -68,6 +68,11 @@ class Fleet:
         self.spends: dict[str, list[tuple[int, int]]] = {}
         #: a cluster's node clients, shared by the engines' stores
         self.cluster_clients: dict = {}
+        #: (large runs) the users whose spends are kept (None: all), and
+        #: every user's tokens counted from ``count_from_ns`` on
+        self.keep: set[str] | None = None
+        self.count_from_ns: int | None = None
+        self.totals: dict[str, int] = {}
 
     def clock(self) -> int:
         return self.now_ns
@@ -121,8 +126,11 @@ class Fleet:
                     limiter.ready_at_ns(user)
             limiter.settle(now, taken)
             for user, n in taken.items():
-                self.spends.setdefault(user, []).append((now, n))
-                engine.spends.setdefault(user, []).append((now, n))
+                if self.keep is None or user in self.keep:
+                    self.spends.setdefault(user, []).append((now, n))
+                    engine.spends.setdefault(user, []).append((now, n))
+                if self.count_from_ns is not None and now >= self.count_from_ns:
+                    self.totals[user] = self.totals.get(user, 0) + n
         self.now_ns += self.step_ns
 
     def run(self, seconds: float, each_step: Callable[[Fleet], None] | None = None) -> None:
@@ -256,7 +264,7 @@ def _store_nodes(url: str, settings: SharedStateSettings) -> list:
         return [redis.Redis.from_url(url.split("?", 1)[0])]
     probe = ClusterStore(settings)
     probe.refresh()
-    return [redis.Redis(host=h, port=p) for h, p in probe.masters.values()]
+    return [redis.Redis(host=probe.masters[k][0], port=probe.masters[k][1]) for k in sorted(probe.masters)]
 
 
 def _node_counters(client) -> tuple[float, int, float]:
@@ -268,6 +276,17 @@ def _node_counters(client) -> tuple[float, int, float]:
             script_s += stats[key]["usec"] / 1e6
             calls += stats[key]["calls"]
     return script_s, calls, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+
+
+def _shard_entries(fleet: Fleet, settings: SharedStateSettings, shards: int) -> list[int]:
+    """User entries sent to each shard so far, over every engine."""
+    out = [0] * shards
+    if settings.cluster:
+        masters = sorted(fleet.engines[0].limiter.thread.store.masters)
+        for e in fleet.engines:
+            for shard, n in e.limiter.thread.store.shard_entries.items():
+                out[masters.index(shard)] += n
+    return out
 
 
 def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict:
@@ -285,6 +304,8 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
     client = None if settings.cluster else nodes[0]
     for _ in range(args.engines):
         fleet.add_engine(client=client)
+    sample = [f"user-{u}" for u in range(0, args.users, max(1, args.users // 200))]
+    fleet.keep = set(sample)
     rng = random.Random(2)
     for u in range(args.users):
         user = f"user-{u}"
@@ -302,8 +323,9 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
 
             store.lease_shards = slow
     fleet.run(args.warmup)
-    start_ns = fleet.now_ns
+    start_ns = fleet.count_from_ns = fleet.now_ns
     calls0, entries0 = fleet.store_ops()
+    shard0 = _shard_entries(fleet, settings, len(nodes))
     before = [_node_counters(n) for n in nodes]
     wall0 = time.perf_counter()
     fleet.run(args.seconds)
@@ -314,19 +336,13 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
     cpu_s = [a[2] - b[2] for a, b in zip(after, before)]
     shard_calls = [a[1] - b[1] for a, b in zip(after, before)]
     span = (fleet.now_ns - start_ns) / NS_PER_S
-    rates = sorted(fleet.spent(f"user-{u}", start_ns) / span for u in range(args.users))
-    sample = [f"user-{u}" for u in range(0, args.users, max(1, args.users // 200))]
+    rates = sorted(fleet.totals.get(f"user-{u}", 0) / span for u in range(args.users))
     ratios: dict[str, float] = {}
     for user in sample:
         for k, v in worst_window_ratio(sorted(fleet.spends.get(user, [])), rate, settings.long_horizon_s,
                                        settings.long_lookahead_s).items():
             ratios[k] = max(ratios.get(k, 0.0), v)
-    shard_entries = [0] * len(nodes)
-    if settings.cluster:
-        masters = list(fleet.engines[0].limiter.thread.store.masters)
-        for e in fleet.engines:
-            for shard, n in e.limiter.thread.store.shard_entries.items():
-                shard_entries[masters.index(shard)] += n
+    shard_entries = [a - b for a, b in zip(_shard_entries(fleet, settings, len(nodes)), shard0)]
     for node in nodes:
         node.close()
     return {
