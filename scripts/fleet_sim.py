@@ -86,6 +86,9 @@ class Fleet:
             store = ClusterStore(self.settings, clients=self.cluster_clients)
         else:
             store = RedisStore(self.settings, client=client)
+        # The store expires keys in its own clock, which runs far ahead of
+        # this fake one in a large run: keep them an hour of the store's time.
+        store.keep_ms = 3_600_000
         limiter = SharedBudgetLimiter(self.default_rate, self.user_rates, self.settings,
                                       store=store, clock=self.clock, engine_id=name,
                                       start_thread=False)
@@ -360,6 +363,9 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
         "store_cpu_share_per_node_at_simulated_speed": [round(c / span, 3) for c in cpu_s],
         "script_calls_per_s_per_node": [round(c / span, 1) for c in shard_calls],
         "user_entries_per_s_per_shard": [round(n / span, 1) for n in shard_entries] if settings.cluster else [],
+        "failed_calls": sum(e.limiter.stats()["failed_calls"] for e in fleet.engines),
+        "fallback_episodes": sum(e.limiter.stats()["fallback_episodes"] for e in fleet.engines),
+        "resets": sum(e.limiter.stats()["resets"] for e in fleet.engines),
         "fleet_rate_over_limit": {"min": round(rates[0] / float(rate), 4),
                                   "median": round(rates[len(rates) // 2] / float(rate), 4),
                                   "max": round(rates[-1] / float(rate), 4)},

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_output_rate.lease_store import (ARGS_PER_USER, HEARTBEAT_S, KEY_PREFIX, _LEASE_BODY, LeaseAsk,
+from vllm_output_rate.lease_store import (ARGS_PER_USER, HEARTBEAT_S, KEEP_MS, KEY_PREFIX, _LEASE_BODY, LeaseAsk,
                                           LeaseReply, ask_args, call_args, parse_reply)
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, SharedStateSettings
 
@@ -41,9 +41,9 @@ MOVED_EPOCH = "master-changed"
 #: The lease script over a cluster: KEYS are the shard's heartbeat set and
 #: epoch key; each user's key is its first argument (``lease_store``).
 CLUSTER_LEASE_SCRIPT = "#!lua flags=allow-cross-slot-keys\n" + (
-    _LEASE_BODY.replace("@USERS@", f"(#ARGV - 7) / {ARGS_PER_USER + 1}")
-    .replace("@KEY@", f"ARGV[3 + {ARGS_PER_USER + 1} * i]")
-    .replace("@A@", f"4 + {ARGS_PER_USER + 1} * i"))
+    _LEASE_BODY.replace("@USERS@", f"(#ARGV - 8) / {ARGS_PER_USER + 1}")
+    .replace("@KEY@", f"ARGV[4 + {ARGS_PER_USER + 1} * i]")
+    .replace("@A@", f"5 + {ARGS_PER_USER + 1} * i"))
 
 #: ``lease_store.LEAVE_SCRIPT`` over a cluster: KEYS: the shard's heartbeat
 #: set; ARGV: the engine id, then the keys of its users on the shard.
@@ -92,6 +92,7 @@ class ClusterStore:
         self._user_slot: dict[str, int] = {}
         self._last_call_ns: dict[int, int] = {}
         self._lease_sha = self._leave_sha = ""
+        self.keep_ms = KEEP_MS + int(2000 * settings.slice_s)  # (a slice asked once a slice)
         #: script calls made, and user entries sent in them
         self.calls = 0
         self.entries = 0
@@ -201,7 +202,7 @@ class ClusterStore:
             tag = self._tags[shard]
             keys = [f"{KEY_PREFIX}shard:{{{tag}}}:engines", f"{KEY_PREFIX}shard:{{{tag}}}:epoch"]
             epoch = MOVED_EPOCH if shard in self._moved else epochs.get(shard, "")
-            args = call_args(engine, s, epoch, now_us)
+            args = call_args(engine, s, epoch, now_us, self.keep_ms)
             for ask in asks:
                 args.append(user_key(ask.user))
                 args.extend(ask_args(ask, s))

@@ -22,6 +22,10 @@ from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateErr
 #: An engine counts as live (heartbeat) and as sharing a user (lease) for
 #: this long after its last call that said so.
 LIVE_S = 2.0
+#: How long (ms) a user's hash outlives its TAT, and the heartbeat set an
+#: engine's call, in the store's own clock. (A simulation on a fake clock
+#: slower than the store's sets its stores' ``keep_ms`` far higher.)
+KEEP_MS = int(2 * LIVE_S * 1000)
 #: Store key prefix.
 KEY_PREFIX = "output_rate:"
 #: With long slices (or over a cluster: per shard), a round with nothing
@@ -37,7 +41,8 @@ HEARTBEAT_S = LIVE_S / 4
 #: another engine waits, each gets its share). ARGV: engine id, now in us
 #: ('' = the store's clock), live window (us), lookahead (us), report window
 #: (us), the epoch the engine knows ('' = none), a fresh epoch to set if the
-#: store has none, then per user: (a cluster: its key,) slot length 1/limit
+#: store has none, how long (ms, in the store's own clock) the heartbeat set
+#: outlives the call and a user's hash its TAT, then per user: (a cluster: its key,) slot length 1/limit
 #: (us), tokens wanted, tokens spent to report (after a fallback or a reset),
 #: and the lookahead's extension for a long slice (us; 0: none). Returns
 #: {now, epoch, live engines, reset, then per user: granted, engines sharing
@@ -64,7 +69,8 @@ if not epoch then
 end
 redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - live_us)
-redis.call('PEXPIRE', KEYS[1], math.ceil(live_us / 1000) * 2)
+local keep_ms = tonumber(ARGV[8])
+redis.call('PEXPIRE', KEYS[1], keep_ms)
 local live = redis.call('ZCARD', KEYS[1])
 local reset = 0
 if ARGV[6] ~= '' and ARGV[6] ~= epoch then reset = 1 end
@@ -73,7 +79,6 @@ local me = 'e:' .. ARGV[1]
 local my_share = 's:' .. ARGV[1]
 local my_wait = 'w:' .. ARGV[1]
 local stamp = string.format('%.0f', now)
-local keep_ms = math.ceil(live_us / 1000) * 2
 for i = 1, @USERS@ do
   local key = @KEY@
   local a = @A@
@@ -162,7 +167,7 @@ return out
 
 #: One store: the users' keys are declared (KEYS), four arguments a user.
 LEASE_SCRIPT = (_LEASE_BODY.replace("@USERS@", "#KEYS - 2").replace("@KEY@", "KEYS[2 + i]")
-                .replace("@A@", "4 + 4 * i"))
+                .replace("@A@", "5 + 4 * i"))
 #: Arguments a user sends, after its key.
 ARGS_PER_USER = 4
 
@@ -206,11 +211,11 @@ def ask_args(ask: LeaseAsk, settings: SharedStateSettings) -> tuple[str, int, in
 
 
 def call_args(engine: str, settings: SharedStateSettings, known_epoch: str,
-              now_us: float | None) -> list[Any]:
+              now_us: float | None, keep_ms: int = KEEP_MS) -> list[Any]:
     """The lease script's arguments before the users'."""
     return [engine, "" if now_us is None else repr(float(now_us)), int(LIVE_S * 1e6),
             int(settings.lookahead_s * 1e6), int(report_window_s(settings) * 1e6),
-            known_epoch, secrets.token_hex(8)]
+            known_epoch, secrets.token_hex(8), keep_ms]
 
 
 def report_window_s(settings: SharedStateSettings) -> float:
@@ -261,12 +266,13 @@ class RedisStore:
         self.calls = 0
         self.entries = 0
         self._last_call_ns = -(10**18)
+        self.keep_ms = KEEP_MS + int(2000 * settings.slice_s)  # (a slice asked once a slice)
 
     def lease(self, engine: str, asks: list[LeaseAsk], known_epoch: str,
               now_us: float | None = None) -> LeaseReply:
         s = self.settings
         keys = [KEY_PREFIX + "engines", KEY_PREFIX + "epoch"]
-        args = call_args(engine, s, known_epoch, now_us)
+        args = call_args(engine, s, known_epoch, now_us, self.keep_ms)
         for ask in asks:
             keys.append(KEY_PREFIX + "user:" + ask.user)
             args.extend(ask_args(ask, s))
