@@ -1,4 +1,4 @@
-"""Many engines' shared-budget limiters against one real Redis, on a fake clock.
+"""Many engines' shared-budget limiters against a real Redis (or Redis Cluster), on a fake clock.
 
 Each simulated engine is the engine core's own ``SharedBudgetLimiter`` and
 ``LeaseThread`` (the real lease protocol and server-side script), driven the
@@ -10,7 +10,9 @@ repeatable). What the fleet spends per user is recorded for the fleet bound.
 
 Used by the tests (small fleets, brute-force bound) and by
 ``python -m vllm_output_rate.tools.fleet_sim`` (64+ engines, 10,000 users:
-Redis operations per second and the bound observed; ``BENCHMARKS.md``).
+Redis operations per second and the bound observed; ``BENCHMARKS.md``):
+``--shards N`` starts a Redis Cluster of N masters, ``--slice-ms 0,1000``
+runs the same fleet without and with long slices, one after the other.
 """
 
 from __future__ import annotations
