@@ -88,6 +88,9 @@ class ClusterStore:
         #: shards whose master changed since their last call
         self._moved: set[int] = set()
         self._stale_map = True
+        #: nodes whose last call failed; when the slot map was last read (ns)
+        self._failing: set[tuple[str, int]] = set()
+        self._refreshed_ns: int | None = None
         #: user -> slot (a user's slot never changes)
         self._user_slot: dict[str, int] = {}
         self._last_call_ns: dict[int, int] = {}
@@ -119,7 +122,10 @@ class ClusterStore:
         """Read the slot map from the first node that answers (the nodes of
         the URL, then the masters known); raises when none does."""
         error: Exception | None = None
-        for address in [*self.masters.values(), *self.settings.nodes]:
+        candidates = dict.fromkeys([*self.masters.values(), *self.settings.nodes])
+        # (the nodes whose calls failed last: at the end, a partitioned node
+        # costs its timeout only when no other answers)
+        for address in sorted(candidates, key=lambda a: a in self._failing):
             try:
                 ranges = self._client(address).execute_command("CLUSTER SLOTS")
             except Exception as exc:  # this node is down: the next one
@@ -178,8 +184,12 @@ class ClusterStore:
     def plan(self, asks: list[LeaseAsk], now_ns: int) -> dict[Any, list[LeaseAsk]]:
         """The calls of one round: per shard, its users' asks; a shard with
         none only when its heartbeat is due. Raises when no node answers
-        (the slot map unknown: every user is in the dark)."""
-        if self._stale_map or self._slot_shard is None:
+        (the slot map unknown: every user is in the dark). The map is read
+        again after a failed call, at most every ``HEARTBEAT_S`` while a
+        shard keeps failing."""
+        if self._slot_shard is None or (self._stale_map and (
+                self._refreshed_ns is None or now_ns - self._refreshed_ns >= HEARTBEAT_S * 1e9)):
+            self._refreshed_ns = now_ns
             self.refresh()
         plan: dict[Any, list[LeaseAsk]] = {}
         for ask in asks:
@@ -215,12 +225,14 @@ class ClusterStore:
                 pool = self._client(self.masters[shard]).connection_pool
                 conn = pool.get_connection()
             except Exception as exc:
+                self._failing.add(self.masters[shard])
                 out[shard] = exc
                 continue
             try:
                 conn.send_command(*command)
             except Exception as exc:
                 self._release(pool, conn, broken=True)
+                self._failing.add(self.masters[shard])
                 out[shard] = exc
                 continue
             sent.append((shard, pool, conn, command))
@@ -236,9 +248,11 @@ class ClusterStore:
                     reply = conn.read_response()
                 out[shard] = parse_reply(reply, plan[shard])
                 self._moved.discard(shard)
+                self._failing.discard(self.masters[shard])
                 self._release(pool, conn)
             except Exception as exc:  # down, slow, MOVED, CLUSTERDOWN
                 self._release(pool, conn, broken=True)
+                self._failing.add(self.masters[shard])
                 out[shard] = exc
         if any(isinstance(r, Exception) for r in out.values()):
             self._stale_map = True  # read the slot map again next round
