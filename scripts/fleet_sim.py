@@ -151,6 +151,29 @@ class Fleet:
         engine.alive = False
         engine.limiter.close()
 
+    def play(self, engines: list[SimEngine], plan: list[tuple[int, int, int]], until_s: float,
+             coin: Callable[[], bool], user: str = "u") -> None:
+        """Random joins, leaves and deaths (the property tests): at each
+        ``(second, engine, streams)`` of ``plan`` the engine serves ``user``
+        with that many streams, or, for 0 streams and a ``coin`` saying so,
+        dies holding its leases or shuts down and leaves the store (a
+        second ``coin``); then the fleet runs until ``until_s``."""
+        t = 0.0
+        for phase_s, i, streams in sorted(plan):
+            if phase_s > t:
+                self.run(phase_s - t)
+                t = phase_s
+            engine = engines[i]
+            if streams == 0 and coin():
+                if coin():
+                    engine.alive = False  # an engine that dies (its leases simply lapse)
+                else:
+                    self.leave(engine)  # one that shuts down and leaves the store
+            else:
+                engine.alive = True
+                engine.streams = {user: streams}
+        self.run(until_s - t)
+
     def rate_of(self, user: str) -> Fraction:
         return self.user_rates.get(user, self.default_rate)
 

@@ -16,7 +16,7 @@ import pytest
 from vllm_output_rate.cluster_store import ClusterStore, user_key
 from vllm_output_rate.lease_store import LeaseAsk
 from vllm_output_rate.limiter import NS_PER_S
-from vllm_output_rate.shared_settings import SharedStateSettings, parse_shared_state
+from vllm_output_rate.shared_settings import parse_shared_state
 from vllm_output_rate.tools.fleet_sim import T0_NS, Fleet, worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisCluster, redis_server_binary
 
@@ -185,19 +185,28 @@ def test_lost_replies_blip_or_fall_back_one_shard_and_the_bound_holds(url):
             assert rate >= 0.5 * 20, (user, rate)  # served throughout, if below the limit
 
 
+def two_engines_a_user_a_shard(url: str, cluster: RedisCluster, timeout_ms: int, seed: int):
+    """Two engines serving one user on each shard (two streams each), the
+    calls timing out after ``timeout_ms``; returns the fleet, its users by
+    shard, the first shard and the index of its master in ``cluster``."""
+    settings_ = parse_shared_state(url.split("?")[0] + f"?timeout_ms={timeout_ms}")
+    fleet = Fleet(url, Fraction(20), settings=settings_, seed=seed)
+    probe = ClusterStore(parse_shared_state(url))
+    by_shard = users_on_every_shard(probe, 1)
+    shard = next(iter(by_shard))
+    node = [n.port for n in cluster.nodes].index(probe.masters[shard][1])
+    for _ in range(2):
+        fleet.add_engine().streams = {us[0]: 2 for us in by_shard.values()}
+    return fleet, by_shard, shard, node
+
+
 def test_replies_slower_than_the_timeout_are_failures_of_that_shard_only(url, cluster):
     """One master paused (``CLIENT PAUSE``: it answers late) while the fleet
     runs: calls to it time out (its grants never reach the engine), and
     the other shards' users keep their leases. The bound holds."""
-    settings_ = parse_shared_state(url.split("?")[0] + "?timeout_ms=30")
-    fleet = Fleet(url, Fraction(20), settings=settings_, seed=4)
-    probe = ClusterStore(parse_shared_state(url))
-    by_shard = users_on_every_shard(probe, 1)
+    fleet, by_shard, slow_shard, slow_node = two_engines_a_user_a_shard(url, cluster, 30, 4)
     users = [us[0] for us in by_shard.values()]
-    slow_shard = next(iter(by_shard))
-    slow_node = [n.port for n in cluster.nodes].index(probe.masters[slow_shard][1])
-    a, b = fleet.add_engine(), fleet.add_engine()
-    a.streams = b.streams = {u: 2 for u in users}
+    a, b = fleet.engines
     fleet.run(1.0)
     c = cluster.client(slow_node)
     c.execute_command("CLIENT", "PAUSE", 400)  # 0.4 s of real time
@@ -221,16 +230,10 @@ def test_replies_slower_than_the_timeout_are_failures_of_that_shard_only(url, cl
 def test_a_shard_killed_and_restarted_empty_no_burst_and_only_its_users_fall_back(url, cluster, caplog):
     import logging
 
-    settings_ = parse_shared_state(url.split("?")[0] + "?timeout_ms=100")
-    fleet = Fleet(url, Fraction(20), settings=settings_, seed=5)
-    probe = ClusterStore(parse_shared_state(url))
-    by_shard = users_on_every_shard(probe, 1)
+    fleet, by_shard, down_shard, node = two_engines_a_user_a_shard(url, cluster, 100, 5)
     users = [us[0] for us in by_shard.values()]
-    down_shard = next(iter(by_shard))
     down_user = by_shard[down_shard][0]
-    node = [n.port for n in cluster.nodes].index(probe.masters[down_shard][1])
-    a, b = fleet.add_engine(), fleet.add_engine()
-    a.streams = b.streams = {u: 2 for u in users}
+    a, b = fleet.engines
     s = NS_PER_S
     with caplog.at_level(logging.WARNING, logger="vllm_output_rate"):
         fleet.run(2.0)

@@ -131,21 +131,7 @@ def test_fleet_bound_with_long_slices_for_random_demands_joins_and_leaves(redis_
     engines = [fleet.add_engine() for _ in range(data.draw(st.integers(1, 4)))]
     plan = data.draw(st.lists(st.tuples(st.integers(0, 5), st.integers(0, len(engines) - 1),
                                         st.integers(0, 4)), min_size=1, max_size=8))
-    t = 0.0
-    for phase_s, i, streams in sorted(plan):
-        if phase_s > t:
-            fleet.run(phase_s - t)
-            t = phase_s
-        engine = engines[i]
-        if streams == 0 and data.draw(st.booleans()):
-            if data.draw(st.booleans()):
-                engine.alive = False  # dies holding its slices
-            else:
-                fleet.leave(engine)
-        else:
-            engine.alive = True
-            engine.streams = {"u": streams}
-    fleet.run(7.0 - t)
+    fleet.play(engines, plan, 7.0, lambda: data.draw(st.booleans()))
     check_bound(fleet, "u")
 
 

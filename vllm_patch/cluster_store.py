@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_output_rate.lease_store import (ARGS_PER_USER, HEARTBEAT_S, KEEP_MS, KEY_PREFIX, _LEASE_BODY, LeaseAsk,
+from vllm_output_rate.lease_store import (_LEASE_BODY, _LEAVE_BODY, ARGS_PER_USER, HEARTBEAT_S, KEEP_MS, KEY_PREFIX, LeaseAsk,
                                           LeaseReply, ask_args, call_args, parse_reply)
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, SharedStateSettings
 
@@ -47,14 +47,7 @@ CLUSTER_LEASE_SCRIPT = "#!lua flags=allow-cross-slot-keys\n" + (
 
 #: ``lease_store.LEAVE_SCRIPT`` over a cluster: KEYS: the shard's heartbeat
 #: set; ARGV: the engine id, then the keys of its users on the shard.
-CLUSTER_LEAVE_SCRIPT = """#!lua flags=allow-cross-slot-keys
-redis.call('ZREM', KEYS[1], ARGV[1])
-local left = 0
-for i = 2, #ARGV do
-  left = left + redis.call('HDEL', ARGV[i], 'e:' .. ARGV[1], 's:' .. ARGV[1], 'w:' .. ARGV[1])
-end
-return left
-"""
+CLUSTER_LEAVE_SCRIPT = "#!lua flags=allow-cross-slot-keys\n" + _LEAVE_BODY.replace("@USERS@", "ARGV")
 
 
 def user_key(user: str) -> str:

@@ -181,14 +181,16 @@ ARGS_PER_USER = 4
 #: after them, and the fleet bound counts every grant (they lapse with
 #: their lease, within horizon + lookahead). KEYS: the heartbeat set, then
 #: one hash per user. ARGV: the engine id. Returns the users it left.
-LEAVE_SCRIPT = """
+#: (Written once for both forms: ``@USERS@`` the users' keys.)
+_LEAVE_BODY = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 local left = 0
-for i = 2, #KEYS do
-  left = left + redis.call('HDEL', KEYS[i], 'e:' .. ARGV[1], 's:' .. ARGV[1], 'w:' .. ARGV[1])
+for i = 2, #@USERS@ do
+  left = left + redis.call('HDEL', @USERS@[i], 'e:' .. ARGV[1], 's:' .. ARGV[1], 'w:' .. ARGV[1])
 end
 return left
 """
+LEAVE_SCRIPT = _LEAVE_BODY.replace("@USERS@", "KEYS")
 
 
 @dataclass(frozen=True)
