@@ -144,18 +144,20 @@ def _cluster_port() -> int:
 
 
 class RedisCluster:
-    """``shards`` masters of a Redis Cluster on loopback, no replicas.
+    """``shards`` masters of a Redis Cluster on loopback, and ``replicas``
+    replicas of each (``nodes``: the masters first, then the replicas).
 
     ``cluster-require-full-coverage no``: while one shard is down the others
     keep serving (Redis' default stops the whole cluster). Node timeout 1 s."""
 
     SLOTS = 16384
 
-    def __init__(self, shards: int = 3, nice: int = 0) -> None:
+    def __init__(self, shards: int = 3, nice: int = 0, replicas: int = 0) -> None:
+        self.shards = shards
         self.nodes = [RedisServer(_cluster_port(), nice=nice, extra=(
             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
             "--cluster-node-timeout", "1000", "--cluster-require-full-coverage", "no"))
-            for _ in range(shards)]
+            for _ in range(shards * (1 + replicas))]
 
     @property
     def url(self) -> str:
@@ -169,22 +171,76 @@ class RedisCluster:
     def start(self, timeout_s: float = 30.0) -> RedisCluster:
         for node in self.nodes:
             node.start()
-        n = len(self.nodes)
-        for i in range(n):
+        n = self.shards
+        for i in range(len(self.nodes)):
             c = self.client(i)
-            start, end = i * self.SLOTS // n, (i + 1) * self.SLOTS // n - 1
-            c.execute_command("CLUSTER", "ADDSLOTSRANGE", start, end)
+            if i < n:
+                start, end = i * self.SLOTS // n, (i + 1) * self.SLOTS // n - 1
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", start, end)
             if i:
                 c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port)
             c.close()
         self.wait_ok(timeout_s)
+        for i in range(n, len(self.nodes)):  # each replica follows its master
+            master = self.client(i % n)
+            master_id = master.execute_command("CLUSTER", "MYID")
+            master.close()
+            self._until(lambda: self._replicate(i, master_id), timeout_s)
+        for i in range(n, len(self.nodes)):
+            self._until(lambda: self._linked(i), timeout_s)
+        self.wait_ok(timeout_s)
         return self
+
+    def _linked(self, i: int) -> bool:
+        """Replica ``i`` in sync with its master (a manual failover needs it)."""
+        c = self.client(i, 1.0)
+        try:
+            return c.info("replication").get("master_link_status") == "up"
+        finally:
+            c.close()
+
+    def _replicate(self, i: int, master_id: bytes) -> bool:
+        import redis
+
+        c = self.client(i)
+        try:
+            c.execute_command("CLUSTER", "REPLICATE", master_id)
+            return True
+        except redis.RedisError:  # the master not known to it yet
+            return False
+        finally:
+            c.close()
+
+    @staticmethod
+    def _until(check, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not check():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the Redis Cluster did not become ready")
+            time.sleep(0.05)
+
+    def failover(self, replica: int) -> None:
+        """``CLUSTER FAILOVER`` on node ``replica``: it becomes its shard's
+        master (its old master a replica), and the cluster is ok again."""
+        c = self.client(replica)
+        c.execute_command("CLUSTER", "FAILOVER")
+        c.close()
+
+        def promoted() -> bool:
+            c = self.client(replica, 1.0)
+            try:
+                return c.execute_command("ROLE")[0] in (b"master", "master")
+            finally:
+                c.close()
+
+        self._until(promoted, 30.0)
+        self.wait_ok()
 
     def wait_ok(self, timeout_s: float = 30.0) -> None:
         """Until every node says the cluster is ok and knows every master."""
         import redis
 
-        n = len(self.nodes)
+        n = self.shards
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             ok = 0

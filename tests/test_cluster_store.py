@@ -265,3 +265,27 @@ def test_a_shard_killed_and_restarted_empty_no_burst_and_only_its_users_fall_bac
     assert fleet.spent(down_user, T0_NS + 5 * s, T0_NS + 7 * s) / 2.0 >= 0.95 * 20
     assert any("unreachable" in r.getMessage() and "shard of slot" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_failover_is_handled_as_a_shard_that_lost_its_data():
+    """A real failover (a cluster of one master and its replica, of its own;
+    ``CLUSTER FAILOVER`` promotes the replica): the engines' next calls meet
+    the old master (``MOVED``), read the slot map again, find the shard's
+    new master and handle it as a store that lost its data: one reset each,
+    their spends reported, no burst, back at the limit."""
+    with RedisCluster(shards=1, replicas=1) as c:
+        url = c.url + "?timeout_ms=5000"
+        fleet = Fleet(url, Fraction(20), seed=6)
+        a, b = fleet.add_engine(), fleet.add_engine()
+        a.streams = b.streams = {"u": 2}
+        fleet.run(2.0)
+        before = a.limiter.thread.store.masters
+        c.failover(1)  # (in real time: the fake clock stands still meanwhile)
+        fleet.run(3.0)
+        assert a.limiter.thread.store.masters != before
+        for e in (a, b):
+            stats = e.limiter.stats()
+            assert stats["resets"] == 1 and stats["fallback"] == 0.0, stats
+        check_bound(fleet, "u")
+        s = NS_PER_S
+        assert fleet.spent("u", T0_NS + 3 * s, T0_NS + 5 * s) / 2.0 >= 0.95 * 20
