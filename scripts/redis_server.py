@@ -4,8 +4,9 @@ For the shared-budget tests, the fleet simulation and anyone trying the
 shared-budget mode on one machine. Nothing is persisted: no RDB, no AOF, so
 ``restart()`` gives an empty store (a store that lost its data).
 ``RedisCluster(shards=3)``: that many masters in cluster mode on loopback
-ports, the slots split evenly, no replicas; a node restarted keeps its
-slots (its cluster file) and comes back empty. ``python -m
+ports, the slots split evenly (``replicas=1``: a replica of each, for a
+failover); a node restarted keeps its slots (its cluster file) and comes
+back empty. ``python -m
 vllm_output_rate.tools.redis_server --shards 3`` starts one, prints its URL
 and keeps it until interrupted.
 """
@@ -297,8 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", type=int, default=0,
                         help="start a Redis Cluster of this many masters (0: one plain server)")
+    parser.add_argument("--replicas", type=int, default=0, help="replicas of each master (a cluster)")
     args = parser.parse_args(argv)
-    server = RedisCluster(args.shards) if args.shards else RedisServer()
+    server = RedisCluster(args.shards, replicas=args.replicas) if args.shards else RedisServer()
     with server:
         print(server.url, flush=True)
         try:
