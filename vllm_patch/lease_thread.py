@@ -24,6 +24,17 @@ of it is charged twice, which over-charges briefly), then leases as
 before. A store that
 lost its data (restarted empty) is told apart by an epoch key: every engine
 that sees a new epoch does the same before leasing again.
+
+**A cluster** (``cluster_store``): each shard is a store of its own to
+this thread (``ShardState``: its epoch, failures, fallback and report), so
+a shard's outage puts only its users in fallback (the limiter's fallback
+has a scope: the shards down), and a shard that lost its data, or whose
+master changed, is reported to alone; when no node answers at all, every
+user is in fallback, as with one store (the shard ``None``).
+
+**Long slices** (``slice_ms``): a long slice's grant goes to the limiter
+to be released over the slice (``long_grants``), its lease living a slice
+longer; a short lease granted after it never expires before it.
 """
 
 from __future__ import annotations
