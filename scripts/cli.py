@@ -53,6 +53,15 @@ def serve(argv: list[str]) -> None:
     if argv and not argv[0].startswith("-"):
         argv = ["--model", argv[0], *argv[1:]]
     sys.argv = ["vllm-output-rate serve", *argv]
+    from vllm_output_rate.config import OutputRateConfigError
+    from vllm_output_rate.options import precheck
+
+    if not any(a == "-h" or a.startswith("--help") for a in argv):
+        try:
+            precheck(argv)
+        except OutputRateConfigError as exc:
+            print(f"vllm-output-rate serve: error: {exc}", file=sys.stderr)
+            sys.exit(2)
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -63,8 +72,6 @@ def serve(argv: list[str]) -> None:
     cli_env_setup()
     args = serve_parser(make_arg_parser, FlexibleArgumentParser).parse_args(argv)
     configure_logging_from_args(args)
-    from vllm_output_rate.config import OutputRateConfigError
-
     try:
         validate_parsed_serve_args(args)
         ServeSubcommand.cmd(args)

@@ -385,11 +385,16 @@ def test_an_orphaned_engine_core_ends_and_gives_its_share_back(fleet):
     assert stepping >= 0.8 * LIMIT_A, (stepping, spend_rate(after))
 
 
+@pytest.mark.long
 def test_data_parallel_ranks_share_one_budget(tmp_path):
     """``--data-parallel-size 2`` with the store: each rank's engine core is
     one engine of the fleet (vLLM's own front end spreads the streams). One
     API server (vLLM starts one per rank by default; several API servers
-    are test_e2e_api_servers'): a process fewer to start on two cores."""
+    are test_e2e_api_servers'): a process fewer to start on two cores.
+    In ``make test-all``: two ranks start five processes (about a minute
+    alone, three beside the suite's other engines); ``make test`` has the
+    ranks' naming and sharing with two real schedulers
+    (test_shared_state's ``test_two_real_schedulers_share_one_users_budget``)."""
     redis = RedisServer(nice=10).start()
     server = Server(tiny_model(), [
         "--max-num-seqs", "8", "--max-model-len", "1024", "--data-parallel-size", "2",

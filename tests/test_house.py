@@ -42,12 +42,6 @@ SCHEDULER_MIXINS = ("vllm_patch/scheduler.py", "vllm_patch/core.py",
 #: (the limiter, the limits, the watcher, the observers, each step's ledger)
 #: is in it.
 MAX_SCHEDULER_ATTRIBUTES = 1
-#: Properties of ours on vLLM's scheduler that only read (or set) the
-#: state's fields under their former names, for the tools under ``scripts/``
-#: that still use them; no data of their own. Drop each when no tool reads it.
-TOOL_ALIASES = {"output_rate_limiter", "output_rate_clock", "output_rate_observer",
-                "output_rate_config", "output_rate_limits_watcher", "output_rate_last_step",
-                "output_rate_watch_thread"}
 
 
 def init_attributes(cls: ast.ClassDef) -> set[str]:
@@ -137,7 +131,7 @@ def test_vllms_scheduler_carries_one_attribute_of_ours():
     assert len(ours) <= MAX_SCHEDULER_ATTRIBUTES, (
         f"{len(ours)} attributes of ours on vLLM's scheduler (at most "
         f"{MAX_SCHEDULER_ATTRIBUTES}): keep them in the state object: {sorted(ours)}")
-    assert aliases <= TOOL_ALIASES, f"properties of ours beyond the tools' aliases: {aliases - TOOL_ALIASES}"
+    assert not aliases, f"properties of ours on vLLM's scheduler (read the state's fields): {aliases}"
 
 
 def test_the_checks_see_what_they_check():

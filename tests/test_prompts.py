@@ -16,6 +16,8 @@ import math
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
 from harness import Driver, VirtualClock, make_request, make_scheduler, observe_steps
@@ -99,6 +101,28 @@ def test_a_flood_of_prompts_of_a_throttled_user_is_not_computed_ahead(is_async):
     assert b_jit == b_ahead == 150
 
 
+@pytest.mark.parametrize("is_async", MODES)
+@pytest.mark.parametrize("prompt", [30, 47, 70])
+def test_just_in_time_never_gives_more_than_the_steps_token_budget(is_async, prompt):
+    """A token budget (``--max-num-batched-tokens 24``) smaller than the
+    prompt: user a's second request, sent once a's burst is spent, waits,
+    and is admitted when a's budget returns in time for its prompt; the
+    charge
+    point may then find the first chunk early, and gives that chunk, never
+    the rest of the prompt (vLLM asserts the step's sum against its token
+    budget: the engine would stop)."""
+    sched, drv, clock = setup(limits(1000, a=10), is_async, max_num_seqs=8,
+                              max_num_batched_tokens=24)
+    first = make_request("a", prompt_len=8, max_tokens=2)
+    second = make_request("a", prompt_len=prompt, max_tokens=3)
+    drv.add(first)
+    drv.run(2)  # a's burst spent, its first request done
+    drv.add(second)
+    drv.run_until_done()
+    assert max(sum(out.num_scheduled_tokens.values()) for out in drv.outputs) <= 24
+    assert drv.count(first.request_id) == 2 and drv.count(second.request_id) == 3
+
+
 # -- prompt budgets ---------------------------------------------------------------
 
 
@@ -172,3 +196,42 @@ def test_without_chunked_prefill_a_prompt_goes_whole_or_waits():
     gap_s = (steps_with[1][0] - steps_with[0][0]) / NS_PER_S
     assert gap_s >= 400 / 500 - 0.1 - 0.011  # the debt, less the burst
     assert drv.count(b.request_id) == 2
+
+
+# -- random workloads ---------------------------------------------------------------
+
+
+@settings(max_examples=24, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 2**16), is_async=st.booleans(), ahead=st.booleans(),
+       prompt_rate=st.sampled_from([None, 60, 400]), budget=st.sampled_from([24, 64, 2048]),
+       chunked=st.booleans())
+def test_random_prompt_mixes_keep_vllms_step_invariants_and_finish(seed, is_async, ahead,
+                                                                   prompt_rate, budget, chunked):
+    """Users at random output and prompt rates send prompts of random
+    lengths (shorter and longer than the step's token budget) at random
+    times: every step stays within vLLM's token budget and its running cap
+    (vLLM asserts both), every request ends with all its tokens."""
+    import random
+
+    rng = random.Random(seed)
+    # without chunked prefill vLLM wants the whole sequence within the budget
+    max_len = 160 if chunked else min(budget, 172) - 12
+    model_len = max(172, budget) if chunked else budget
+    lim = limits(1000, prompt=None, prefill_ahead=ahead,
+                 prompt_rates={"a": prompt_rate} if prompt_rate else None,
+                 a=rng.choice([5, 20]), b=rng.choice([10, 50]))
+    sched, drv, clock = setup(lim, is_async, max_num_seqs=6, max_num_batched_tokens=budget,
+                              enable_chunked_prefill=chunked, max_model_len=model_len)
+    reqs = []
+    for step in range(150):
+        if rng.random() < 0.15:
+            user = rng.choice("abc")
+            req = make_request(user, prompt_len=rng.randint(4, max_len), max_tokens=rng.randint(1, 12))
+            reqs.append(req)
+            drv.add(req)
+        drv.run(1)
+    drv.run_until_done()
+    for out in drv.outputs:
+        assert sum(out.num_scheduled_tokens.values()) <= budget
+        assert len(out.num_scheduled_tokens) <= 6
+    assert all(drv.count(r.request_id) == r.max_tokens for r in reqs)

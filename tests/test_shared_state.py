@@ -459,9 +459,13 @@ MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 def test_two_real_schedulers_share_one_users_budget(store_url, is_async, monkeypatch):
     """vLLM's own Scheduler / AsyncScheduler and KV cache manager, two of
     them on one fake clock, sharing user-a's budget through the real store;
-    the lease threads' rounds run between steps (their threads off)."""
-    from harness import Driver, VirtualClock, make_request, make_scheduler
+    the lease threads' rounds run between steps (their threads off). The two
+    are the ranks of ``--data-parallel-size 2`` (each rank's engine core is
+    an engine of the fleet, named by its rank; the real engine's case is
+    test_e2e_shared_state's data-parallel test, in ``make test-all``)."""
+    from harness import Driver, VirtualClock, make_request
     from vllm_output_rate.ledger import OutputRateState
+    from vllm_output_rate.tools.common.scheduler_driver import make_vllm_config, scheduler_for_config
 
     monkeypatch.setattr(OutputRateState, "watch_thread", False)
     clock = VirtualClock()
@@ -469,8 +473,13 @@ def test_two_real_schedulers_share_one_users_budget(store_url, is_async, monkeyp
               "user_output_tokens_per_second": {"user-b": 1000},
               "shared_state": store_url}
     drivers, user_b = [], []
-    for _ in range(2):
-        sched = make_scheduler(limits, clock=clock, async_scheduling=is_async)
+    for rank in range(2):
+        vllm_config = make_vllm_config(limits, async_scheduling=is_async)
+        vllm_config.parallel_config.data_parallel_size = 2
+        vllm_config.parallel_config.data_parallel_index = rank
+        sched = scheduler_for_config(vllm_config, clock=clock)
+        # the engine's fleet name carries its rank (host:pid:rank:random)
+        assert sched.output_rate.limiter.thread.engine_id.split(":")[2] == str(rank)
         drivers.append(Driver(sched, None, is_async=is_async))
         for _ in range(2):
             sched.add_request(make_request("user-a", max_tokens=400))
@@ -498,6 +507,7 @@ def test_two_real_schedulers_share_one_users_budget(store_url, is_async, monkeyp
     assert excess <= 0, (excess, window)
     # both schedulers served user-a, and user-b beside it ran at full speed
     for drv, b in zip(drivers, user_b):
+        assert drv.scheduler.output_rate.limiter.thread.live_engines == 2
         assert drv.scheduler.output_rate.limiter.book.spent > 0.25 * total
         # one token per step from its first lease on: done within 420 steps
         assert drv.finished.get(b.request_id) is not None

@@ -4,6 +4,8 @@ table in-process, and its quick profile against a real CPU engine."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -97,3 +99,19 @@ def test_a_line_per_group_and_case_on_stderr_unless_no_progress(tmp_path, capsys
         for i, (line, case) in enumerate(zip(lines[1:], config_cases.CONFIG_CASES), 1):
             assert f" {i} cases (0 failed): pass config: {case.name} (" in line, line
     assert f"{len(config_cases.CONFIG_CASES)} passed, 0 failed" in out
+
+
+def test_a_bad_limits_file_is_refused_before_vllm_is_imported(tmp_path):
+    """The limits options are checked before vLLM's imports (about ten
+    seconds of them): the refusal names the file's line, and vLLM was never
+    imported; a good file goes on to vLLM's own parser."""
+    bad = tmp_path / "limits.yaml"
+    bad.write_text("default: 5\nusers:\n  a: nosuchtier\n")
+    probe = ("import sys\nfrom vllm_output_rate.tools import cli\n"
+             "try:\n    cli.main(sys.argv[1:])\nexcept SystemExit as exc:\n"
+             "    print('exit', exc.code, 'vllm' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", probe, "serve", tiny_model(), "--max-model-len", "256",
+                           "--output-rate-limits-file", str(bad)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "exit 2 False", (proc.stdout, proc.stderr[-2000:])
+    assert f"error: --output-rate-limits-file {bad}:3: users.a:" in proc.stderr

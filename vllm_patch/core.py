@@ -336,7 +336,7 @@ class OutputRateCore(SchedulerHost):
                 elif charges.lend(request, user, num_new_tokens):
                     step.report.borrowed[req_id] = user
                 else:
-                    num_new_tokens = self._orl_refuse(request, user, num_computed_tokens)
+                    num_new_tokens = self._orl_refuse(request, user, num_computed_tokens, num_new_tokens)
                     if num_new_tokens and prompts is not None:
                         self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
                     return num_new_tokens
@@ -344,7 +344,8 @@ class OutputRateCore(SchedulerHost):
                 request, request.num_tokens - num_computed_tokens - num_new_tokens,
                 num_new_tokens):
             # just in time: not computed before its user may sample
-            return self._orl_refuse(request, request.output_rate_user, num_computed_tokens)
+            return self._orl_refuse(request, request.output_rate_user, num_computed_tokens,
+                                     num_new_tokens)
         if capped:
             step.active += 1
         step.charges.give(request, num_new_tokens)  # (the room of a lending step)
@@ -365,18 +366,23 @@ class OutputRateCore(SchedulerHost):
         steps = -(-after // max(chunk, 1)) + 1
         return st.limiter.ready_at_ns(user) - step.now <= steps * (st.period_ns or 0)
 
-    def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int) -> int:
+    def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int,
+                    num_new_tokens: int) -> int:
         st = self.output_rate
         step = st.step
         step.refused[user] = 0  # ready time filled in when the step ends
         running = request.status == _RUNNING
-        held = request.num_tokens - 1 - num_computed_tokens
-        # Advance the prefill to the second-to-last position; the first token
-        # is sampled in a later step, when budget returns: ahead, or just in
-        # time (a waiting request is admitted only then: ``residency``; a 0
-        # here would end vLLM's waiting loop for everyone behind it)
+        left = request.num_tokens - 1 - num_computed_tokens
+        # never more than vLLM gave the chunk (its token budget, the
+        # long-prefill threshold): vLLM asserts the step's sum
+        held = min(left, num_new_tokens)
+        # Advance the prefill toward the second-to-last position; the first
+        # token is sampled in a later step, when budget returns: ahead, or
+        # just in time (a waiting request is admitted only then:
+        # ``residency``; a 0 here would end vLLM's waiting loop for everyone
+        # behind it)
         if st.chunked and held > 0 and (st.prefill_ahead or st.lender is not None or not running
-                                        or self._orl_in_time(request, 0, held)):
+                                        or self._orl_in_time(request, left - held, held)):
             step.report.prefill_held += 1
             if running:
                 step.active += 1

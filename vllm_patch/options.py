@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm_output_rate import access, frontend, user_label
 from vllm_output_rate.config import (
+    OutputRateConfig,
     DEFAULT_OPTION,
     DEFAULT_OPTION_ALIAS,
     LIMITS_FILE_OPTION,
@@ -194,3 +195,34 @@ def add_output_rate_args(parser: Any) -> Any:
         help="A file holding the secret salt (at least 16 bytes) of hashed user labels.",
     )
     return parser
+
+
+def config_from_args(args: Any) -> OutputRateConfig | None:
+    """The limits the parsed options set (None: the feature off); raises
+    ``OutputRateConfigError`` naming the option and the value."""
+    return OutputRateConfig.from_options(
+        getattr(args, "default_user_output_tokens_per_second", None),
+        getattr(args, "user_output_tokens_per_second", None),
+        getattr(args, "output_rate_limits_file", None),
+        getattr(args, "output_rate_unlisted_users", None),
+        getattr(args, "output_rate_shared_state", None),
+        getattr(args, "default_user_prompt_tokens_per_second", None),
+        bool(getattr(args, "output_rate_prefill_ahead", False)),
+    )
+
+
+def precheck(argv: list[str]) -> None:
+    """The limits options of a ``serve`` command line checked before vLLM is
+    imported (a refused file or value ends the command in a second, not
+    after vLLM's imports); raises ``OutputRateConfigError``. Only the spelled
+    options are read (no abbreviations, no ``--config`` file: those are
+    checked where vLLM parses them, as before)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_output_rate_args(parser)
+    try:
+        args, _ = parser.parse_known_args(argv)
+    except SystemExit:  # an option without its value: vLLM's parser says so
+        return
+    config_from_args(args)

@@ -113,7 +113,7 @@ def _share_vllm_log_handlers() -> None:
 # -- options ------------------------------------------------------------------
 
 
-from vllm_output_rate.options import GROUP_TITLE, add_output_rate_args  # noqa: E402  (re-exported)
+from vllm_output_rate.options import GROUP_TITLE, add_output_rate_args, config_from_args  # noqa: E402  (re-exported)
 
 
 def _patch_engine_args() -> None:
@@ -131,15 +131,7 @@ def _patch_engine_args() -> None:
 
     def from_cli_args(cls: Any, args: Any) -> Any:
         engine_args = upstream_from(cls, args)
-        config = OutputRateConfig.from_options(
-            getattr(args, "default_user_output_tokens_per_second", None),
-            getattr(args, "user_output_tokens_per_second", None),
-            getattr(args, "output_rate_limits_file", None),
-            getattr(args, "output_rate_unlisted_users", None),
-            getattr(args, "output_rate_shared_state", None),
-            getattr(args, "default_user_prompt_tokens_per_second", None),
-            bool(getattr(args, "output_rate_prefill_ahead", False)),
-        )
+        config = config_from_args(args)
         feature_on = config is not None or _inherited_config() is not None
         frontend.configure_frontend(frontend.settings_from_args(args), feature_on, args)
         configure_user_label(getattr(args, "output_rate_user_label", None),

@@ -27,10 +27,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from vllm_output_rate.charges import choose
 from vllm_output_rate.core import OutputRateCore
 from vllm_output_rate.ledger import OutputRateState
-from vllm_output_rate.limiter import OutputRateLimiter
 from vllm_output_rate.preemption import PriorityPreemptionMixin
 from vllm_output_rate.residency import ResidencyMixin
 
@@ -162,58 +160,6 @@ class OutputRateSchedulerMixin(OutputRateCore, ResidencyMixin, PriorityPreemptio
     def output_rate_wake_target_ns(self) -> int | None:
         """The earliest ready_at among users refused in the last step."""
         return self.output_rate.wake_target_ns()
-
-    # -- names the tools under scripts/ still read: the state's, no data of their own --
-
-    @property
-    def output_rate_limiter(self) -> OutputRateLimiter:
-        """``output_rate.limiter``; set, the charges are chosen again."""
-        return self.output_rate.limiter
-
-    @output_rate_limiter.setter
-    def output_rate_limiter(self, limiter: OutputRateLimiter) -> None:
-        choose(self.output_rate, limiter, self.output_rate.lender)
-
-    @property
-    def output_rate_clock(self) -> Any:
-        """``output_rate.clock``."""
-        return self.output_rate.clock
-
-    @output_rate_clock.setter
-    def output_rate_clock(self, clock: Any) -> None:
-        self.output_rate.clock = clock
-
-    @property
-    def output_rate_observer(self) -> Any:
-        """``output_rate.observer``."""
-        return self.output_rate.observer
-
-    @output_rate_observer.setter
-    def output_rate_observer(self, observer: Any) -> None:
-        self.output_rate.observer = observer
-
-    @property
-    def output_rate_config(self) -> Any:
-        """``output_rate.config``."""
-        return self.output_rate.config
-
-    @property
-    def output_rate_limits_watcher(self) -> Any:
-        """``output_rate.watcher``."""
-        return self.output_rate.watcher
-
-    @property
-    def output_rate_last_step(self) -> Any:
-        """``output_rate.last_step``."""
-        return self.output_rate.last_step
-
-    @property
-    def output_rate_watch_thread(self) -> bool:
-        """``OutputRateState.watch_thread`` (the twin sets this on the class)."""
-        return self.output_rate.watch_thread
-
-    def _orl_watch_thread(self) -> bool:
-        return self.output_rate_watch_thread
 
 
 class OutputRateScheduler(OutputRateSchedulerMixin, Scheduler):

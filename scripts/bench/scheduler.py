@@ -151,10 +151,10 @@ def with_telemetry(pair, directory: str, traces_url: str | None = None):
 
 def close_telemetry(sched) -> None:
     """Stop ``sched``'s telemetry, if any, and say if spans were dropped."""
-    telemetry = sched.output_rate_observer
+    telemetry = sched.output_rate.observer
     if telemetry is None:
         return
-    sched.output_rate_observer = None
+    sched.output_rate.observer = None
     telemetry.close()
     if telemetry.spans is not None and any(telemetry.spans.drops.counts.values()):
         print(f"  (spans dropped: {telemetry.spans.drops.counts})", flush=True)
@@ -200,7 +200,7 @@ def measure_pair(running: int, users: int, share: float, blocks: int, block_step
     finally:
         gc.enable()
         gc.unfreeze()
-    active = len(on[0].output_rate_last_step.charged)
+    active = len(on[0].output_rate.last_step.charged)
     close_telemetry(on[0])
     on_median, off_median = statistics.median(on_times), statistics.median(off_times)
     return on_median, off_median, active, on_median / off_median
@@ -225,6 +225,7 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
     the store in both arms). With ``control`` both arms run the same code
     (the method's noise floor).
     """
+    from vllm_output_rate.charges import choose
     from vllm_output_rate.limiter import OutputRateLimiter
     from vllm_output_rate.scheduler import OutputRateSchedulerMixin
 
@@ -232,8 +233,8 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
     if telemetry_dir is not None:
         with_telemetry(pair, telemetry_dir, traces_url)
     upstream = super(OutputRateSchedulerMixin, sched)
-    telemetry = sched.output_rate_observer
-    shared = sched.output_rate_limiter if SHARED_STATE is not None else None
+    telemetry = sched.output_rate.observer
+    shared = sched.output_rate.limiter if SHARED_STATE is not None else None
     plain = None
     if shared is not None:
         plain = OutputRateLimiter(shared.default_rate, shared.user_rates)
@@ -242,14 +243,16 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
         if control:
             return step(sched, clock)
         if shared is not None:
-            sched.output_rate_limiter, sched.output_rate.limiter_begin = plain, None
+            choose(sched.output_rate, plain, None)
+            sched.output_rate.limiter_begin = None
             took = step(sched, clock)
-            sched.output_rate_limiter, sched.output_rate.limiter_begin = shared, shared.begin_step
+            choose(sched.output_rate, shared, None)
+            sched.output_rate.limiter_begin = shared.begin_step
             return took
         if telemetry_dir is not None:
-            sched.output_rate_observer = None
+            sched.output_rate.observer = None
             took = step(sched, clock)
-            sched.output_rate_observer = telemetry
+            sched.output_rate.observer = telemetry
             return took
         sched._reserve_prefill_lookahead = upstream._reserve_prefill_lookahead
         sched.kv_cache_manager.__dict__.pop("allocate_slots", None)
@@ -326,7 +329,7 @@ def measure_same(running: int, users: int, share: float, blocks: int, block_step
     finally:
         gc.enable()
         gc.unfreeze()
-    active = len(sched.output_rate_last_step.charged)
+    active = len(sched.output_rate.last_step.charged)
     if CPU:
         # The other threads' CPU over the run (telemetry's exporter, the
         # span builder, the batch span processor; the lease thread in

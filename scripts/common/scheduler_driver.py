@@ -10,6 +10,7 @@ scheduler-level tests. ``model`` defaults to the tiny generated model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import time
@@ -166,9 +167,11 @@ def make_scheduler(
 
 
 def scheduler_for_config(vllm_config, *, num_blocks: int = 10_000,
-                         clock: VirtualClock | None = None):
+                         clock: VirtualClock | None = None, watch_thread: bool = True):
     """The scheduler class of ``vllm_config`` over a KV cache of
-    ``num_blocks`` blocks (no tensors), as the engine core builds it."""
+    ``num_blocks`` blocks (no tensors), as the engine core builds it.
+    ``watch_thread=False``: the limits file (and a shared store) are looked
+    at only when asked, never from a thread (the twin's virtual time)."""
     block_size = vllm_config.cache_config.block_size
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     kv_cache_config = KVCacheConfig(
@@ -187,6 +190,8 @@ def scheduler_for_config(vllm_config, *, num_blocks: int = 10_000,
         ],
     )
     cls = vllm_config.scheduler_config.get_scheduler_cls()
+    if not watch_thread and hasattr(cls, "_orl_watch_thread"):
+        cls = _unwatched(cls)
     with _without_telemetry():
         scheduler = cls(
             vllm_config=vllm_config,
@@ -195,9 +200,15 @@ def scheduler_for_config(vllm_config, *, num_blocks: int = 10_000,
             block_size=block_size,
             log_stats=True,
         )
-    if clock is not None and hasattr(scheduler, "output_rate_clock"):
-        scheduler.output_rate_clock = clock
+    if clock is not None and hasattr(scheduler, "output_rate"):
+        scheduler.output_rate.clock = clock
     return scheduler
+
+
+@functools.cache
+def _unwatched(cls: type) -> type:
+    """``cls`` as a host that says no to the watch thread."""
+    return type(cls.__name__, (cls,), {"_orl_watch_thread": lambda self: False})
 
 
 def attach_telemetry(sched, out_dir: str, **kwargs: Any):
@@ -206,7 +217,7 @@ def attach_telemetry(sched, out_dir: str, **kwargs: Any):
     from vllm_output_rate.telemetry.engine import EngineTelemetry
 
     tel = EngineTelemetry(SchedulerView(sched), out_dir, **kwargs)
-    sched.output_rate_observer = tel
+    sched.output_rate.observer = tel
     return tel
 
 

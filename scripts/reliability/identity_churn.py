@@ -61,20 +61,25 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
         tel = attach_telemetry(sched, out_dir, start_thread=False)
         steps = 0
 
+        peak_sizes: dict[str, int] = {}
+        peak_limiter = 0
+
         def step() -> None:
-            nonlocal steps
+            nonlocal steps, peak_limiter
             out = sched.schedule()
             sched.update_from_output(out, model_output_for(sched, out))
             clock.advance_ms(10)
             steps += 1
             if steps % 100 == 0:
                 tel.export()
+            if steps % 25 == 0:  # the peaks, while adding and draining
+                peak_limiter = max(peak_limiter, len(sched.output_rate.limiter))
+                for key, v in tel.state_sizes().items():
+                    peak_sizes[key] = max(peak_sizes.get(key, 0), v)
 
         rss: dict[str, float] = {}
         marks = {"warm": n_users // 10, "half": n_users // 2}
         added = 0
-        peak_sizes: dict[str, int] = {}
-        peak_limiter = 0
         while added < n_users:
             k = min(batch, n_users - added)
             for i in range(k):
@@ -85,10 +90,6 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
                 if before < at <= added:
                     gc.collect()
                     rss[name] = proc.memory_info().rss / 2**20
-            if steps % 50 == 0:
-                peak_limiter = max(peak_limiter, len(sched.output_rate_limiter))
-                for key, v in tel.state_sizes().items():
-                    peak_sizes[key] = max(peak_sizes.get(key, 0), v)
         while sched.has_requests():
             step()
         tel.export()
@@ -102,7 +103,7 @@ def identity_churn(n_users: int, model: str | None = None, batch: int = 256, lim
             step()
         tel.export()
         sizes = tel.state_sizes()
-        limiter_users = len(sched.output_rate_limiter)
+        limiter_users = len(sched.output_rate.limiter)
         labels = sizes["labels"]
         cap = tel.labeler.top_k + len(tel.labeler.pinned) + 1
     per_request = {k: v for k, v in sizes.items() if k.startswith("requests.") and v > 1}

@@ -77,20 +77,6 @@ def frozen_heap():
         gc.unfreeze()
 
 
-@contextmanager
-def no_watch_thread():
-    """The limits file is looked at by the twin at the workload's times
-    (``check()``), never by a polling thread."""
-    from vllm_output_rate.scheduler import OutputRateSchedulerMixin
-
-    before = OutputRateSchedulerMixin.output_rate_watch_thread
-    OutputRateSchedulerMixin.output_rate_watch_thread = False
-    try:
-        yield
-    finally:
-        OutputRateSchedulerMixin.output_rate_watch_thread = before
-
-
 class Twin:
     """One twin run: ``Twin(config)`` builds the scheduler of a
     ``TwinConfig`` (``twin.config``), ``run()`` runs it and writes the
@@ -132,10 +118,11 @@ class Twin:
             MIN_BLOCKS, sched_config.max_num_seqs * (-(-self.max_model_len // block_size)) + 1)
         self.num_blocks = blocks
         self.clock = VirtualClock(T0_NS)
-        with no_watch_thread():
-            self.scheduler = scheduler_for_config(self.vllm_config, num_blocks=blocks,
-                                                  clock=self.clock)
-        self.limited = hasattr(self.scheduler, "output_rate_clock")
+        # the limits file is looked at at the workload's times (check()),
+        # never by a polling thread
+        self.scheduler = scheduler_for_config(self.vllm_config, num_blocks=blocks,
+                                              clock=self.clock, watch_thread=False)
+        self.limited = hasattr(self.scheduler, "output_rate")
         self.stats = TwinStats(self.scheduler, config.keep_charges, T0_NS)
         self.admission = config.admission
         self._sizes: dict[str, list] = {}
@@ -204,7 +191,7 @@ class Twin:
         with open(tmp, "wb") as f:  # a new inode, as an editor or a ConfigMap update
             f.write(change.content)
         os.replace(tmp, path)
-        watcher = self.scheduler.output_rate_limits_watcher
+        watcher = self.scheduler.output_rate.watcher
         result = watcher.check()
         if result == "loaded":  # (the watcher stamps a load on the system's wall clock)
             watcher.loaded_unix = self.telemetry_clock.time()
@@ -263,7 +250,7 @@ class Twin:
         self.limit_changes: list[dict[str, Any]] = []
         limits_at_start = None
         if self.limited:
-            config = sched.output_rate_config
+            config = sched.output_rate.config
             limits_at_start = {"default": float(config.default_rate),
                                "users": {u: float(r) for u, r in config.user_rates.items()},
                                "source": config.limits_file and Path(config.limits_file).name}
@@ -308,10 +295,10 @@ class Twin:
                     continue
                 out = drv.step()
                 if self.limited:
-                    record = sched.output_rate_last_step
+                    record = sched.output_rate.last_step
                     stats.on_step(record)
                     if self.limit_changes and self.limit_changes[-1]["in_force_t"] is None \
-                            and sched.output_rate_config.digest == self.limit_changes[-1]["digest"]:
+                            and sched.output_rate.config.digest == self.limit_changes[-1]["digest"]:
                         self.limit_changes[-1]["in_force_t"] = (record.now_ns - T0_NS) / NS
                 if out.total_num_scheduled_tokens:
                     model_steps += 1
@@ -320,8 +307,8 @@ class Twin:
                     if tel is not None:
                         target = min(target, max(next_export, now + 1000))
                     clock.now_ns = target
-                    if self.limited and sched.output_rate_observer is not None:
-                        sched.output_rate_observer.on_idle_wait(IdleWait(
+                    if self.limited and sched.output_rate.observer is not None:
+                        sched.output_rate.observer.on_idle_wait(IdleWait(
                             (target - now) / NS, sched.output_rate_wake_target_ns(), now,
                             target, "timeout"))
             end_ns = clock()
