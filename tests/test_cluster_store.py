@@ -16,7 +16,7 @@ import pytest
 from vllm_output_rate.cluster_store import ClusterStore, user_key
 from vllm_output_rate.lease_store import LeaseAsk
 from vllm_output_rate.limiter import NS_PER_S
-from vllm_output_rate.shared_settings import parse_shared_state
+from vllm_output_rate.shared_settings import SharedStateError, parse_shared_state
 from vllm_output_rate.tools.fleet_sim import T0_NS, Fleet, worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisCluster, redis_server_binary
 
@@ -39,6 +39,29 @@ def url(cluster):
     # (5 s: a call timing out on a loaded machine is not what these check;
     # the fault tests set their own)
     return cluster.url + "?timeout_ms=5000"
+
+
+@pytest.mark.parametrize("value, match", [
+    ("redis-cluster://127.0.0.1", "each cluster node needs a host and a port"),
+    ("redis-cluster://127.0.0.1:7000,:7001", "got ':7001'"),
+    ("redis-cluster://127.0.0.1:7000/2", "no database number"),
+    ("redis-cluster://127.0.0.1:70000", "each cluster node"),
+    ("redis-cluster://127.0.0.1:7000?slice_ms=-5", "slice_ms must be a positive"),
+    ("memcached://127.0.0.1:7000", "redis-cluster://HOST:PORT"),
+])
+def test_bad_cluster_urls_are_refused_naming_the_option(value, match):
+    with pytest.raises(SharedStateError, match=match) as info:
+        parse_shared_state(value)
+    assert "--output-rate-shared-state" in str(info.value)
+
+
+def test_a_cluster_url_names_its_nodes_and_hides_its_password():
+    s = parse_shared_state("redis-cluster://:s3cret@10.0.0.1:7000, 10.0.0.2:7001?slice_ms=1000&tick_ms=20")
+    assert s.cluster and s.nodes == (("10.0.0.1", 7000), ("10.0.0.2", 7001))
+    assert s.redacted_url == "redis-cluster://10.0.0.1:7000,10.0.0.2:7001"
+    assert (s.slice_s, s.tick_s) == (1.0, 0.02)
+    assert (s.long_horizon_s, s.long_lookahead_s) == (1.5, 1.25)
+    assert not parse_shared_state("redis://10.0.0.1:6379/0").cluster
 
 
 def users_on_every_shard(store: ClusterStore, per_shard: int = 2) -> dict[int, list[str]]:
