@@ -10,6 +10,7 @@ recorder made with ``background=True`` has a builder thread of its own that
 does it every ``BUILD_INTERVAL_S``; and at shutdown) replays the queue in
 order into the builders' books and spans: the spacing series
 (``series``), throttle episodes and over-limit periods (``throttle``),
+deferred prefills (``prefill``: their books kept on the worker),
 generation spans (``generation``), step, idle-wait and limits-reload spans
 (``steps``), all made on one emitter (``emit``). A full queue drops entries
 and a broken entry is skipped, both counted (``drops.TraceDrops``) and
@@ -30,6 +31,7 @@ from vllm_output_rate.telemetry.records import Episodes
 from vllm_output_rate.tracing.drops import TraceDrops, max_queue_from_env
 from vllm_output_rate.tracing.emit import SpanEmitter
 from vllm_output_rate.tracing.generation import GenerationSpans
+from vllm_output_rate.tracing.prefill import PrefillSpans
 from vllm_output_rate.tracing.series import SpacingSeries
 from vllm_output_rate.tracing.steps import StepSpans
 from vllm_output_rate.tracing.throttle import PERIOD_SWEEP_NS, ThrottleSpans
@@ -75,6 +77,8 @@ class SpanRecorder:
         self.throttle = ThrottleSpans(emitter, view, series)
         self.generation = GenerationSpans(emitter, view, series, self.throttle)
         self.steps = StepSpans(emitter, self.step_sample_every)
+        #: deferred prefills: books on the telemetry's worker, spans built here
+        self.prefill = PrefillSpans(emitter, view)
         # what is queued per step and per update, bound once
         self._replay_step = self.throttle.replay_step
         self._replay_outputs = self.generation.replay_outputs
@@ -149,13 +153,15 @@ class SpanRecorder:
     # -- per step: throttle episodes, over-limit periods, step spans ---------
 
     def on_step(self, record: StepReport, ended: Episodes | None = None,
-                opened_users: Any = (), sweep: set[str | None] | None = None) -> None:
+                opened_users: Any = (), sweep: set[str | None] | None = None,
+                facts_of: Callable[[str], RequestFacts | None] | None = None) -> None:
         """Per step (``telemetry.folds``, on the worker: at most two appends).
         ``ended``: the throttle episodes that ended in the step (at the
         dispatch of the step before, see ``telemetry.records.Episodes``);
         ``opened_users``: the users of the episodes that began in this step;
         ``sweep`` (every ``sweep_ns``): the users with an episode open, for
-        periods to end."""
+        periods to end; ``facts_of``: a request's facts by id (deferred
+        prefills' spans)."""
         now = record.now_ns
         if ended is not None or opened_users or record.refused or record.preempted_throttled \
                 or sweep is not None or record.borrowed or record.at_ceiling:
@@ -164,6 +170,13 @@ class SpanRecorder:
         if record.refunded or (record.refused and self._sample_refusal()):
             self._queue(self._build_step, now, record.step, len(record.charged), record.refunded,
                         len(record.throttled), list(record.refused))
+        if record.prompt_deferred or (record.prompt_chunks and self.prefill.open):
+            self._queue_prefill(self.prefill.on_step(record, facts_of, self.throttle_min_ns))
+
+    def _queue_prefill(self, closed: list[tuple]) -> None:
+        build = self.prefill.build
+        for span in closed:
+            self._queue(build, *span)
 
     def _sample_refusal(self) -> bool:
         self._refusal_steps += 1
@@ -196,6 +209,9 @@ class SpanRecorder:
         update (``zeros``), and those finished with their reason."""
         self._queue(self._replay_outputs, now, paused, back, prevs, first, first_facts,
                     zeros, finished)
+        if finished and self.prefill.open:
+            self._queue_prefill(self.prefill.on_ended(finished, now, "finished",
+                                                      min_ns=self.throttle_min_ns))
 
     def on_aborted(self, aborted: list[tuple[str, str]], now: int,
                    ended: Episodes | None = None,
@@ -209,6 +225,9 @@ class SpanRecorder:
             view = self.view
             facts = [view.request_facts(req_id) for req_id, _ in aborted]
         self._queue(self._replay_aborted, aborted, facts, ended, now)
+        if self.prefill.open:
+            self._queue_prefill(self.prefill.on_ended(aborted, now, "aborted", facts,
+                                                      self.throttle_min_ns))
 
     def _replay_aborted(self, aborted: list[tuple[str, str]], facts: list[RequestFacts | None],
                         ended: Episodes | None, now: int) -> None:

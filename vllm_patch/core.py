@@ -39,7 +39,12 @@ from vllm_output_rate.host import SchedulerHost
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.ledger import StepLedger
 from vllm_output_rate.limiter import OutputRateLimiter
-from vllm_output_rate.observers import LimitsChange, StepReport, create_observer
+from vllm_output_rate.observers import (
+    PROMPT_DEFER_REASONS,
+    LimitsChange,
+    StepReport,
+    create_observer,
+)
 from vllm_output_rate.planners import plan_residency, plan_running_order
 from vllm_output_rate.prompt_budget import PromptBudgets, prompt_work
 from vllm_output_rate.request_fields import resolve_user, trusted_source
@@ -48,6 +53,8 @@ from vllm_output_rate.request_fields import resolve_user, trusted_source
 CLEANUP_EVERY_STEPS = 256
 
 _RUNNING = RequestStatus.RUNNING
+#: The reasons a prompt is put off, as bits of ``Request.output_rate_deferred``.
+_DEFER_BITS = {reason: 1 << i for i, reason in enumerate(PROMPT_DEFER_REASONS)}
 
 
 class OutputRateCore(SchedulerHost):
@@ -140,6 +147,9 @@ class OutputRateCore(SchedulerHost):
         request.output_rate_served_ns = 0
         # The step it may borrow in (set when the scheduler lends to it).
         request.output_rate_borrow_step = -1
+        # The reasons its prompt was put off so far (``_DEFER_BITS``: each
+        # reported once, ``StepReport.prompt_deferred``).
+        request.output_rate_deferred = 0
 
     # -- before vLLM's schedule() -----------------------------------------------
 
@@ -337,7 +347,7 @@ class OutputRateCore(SchedulerHost):
                     step.report.borrowed[req_id] = user
                 else:
                     num_new_tokens = self._orl_refuse(request, user, num_computed_tokens, num_new_tokens)
-                    if num_new_tokens and prompts is not None:
+                    if num_new_tokens and num_computed_tokens < request.num_prompt_tokens:
                         self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
                     return num_new_tokens
         elif not st.prefill_ahead and st.lender is None and not self._orl_in_time(
@@ -349,7 +359,7 @@ class OutputRateCore(SchedulerHost):
         if capped:
             step.active += 1
         step.charges.give(request, num_new_tokens)  # (the room of a lending step)
-        if prompts is not None:
+        if num_computed_tokens < request.num_prompt_tokens:
             self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
         return num_new_tokens
 
@@ -390,6 +400,8 @@ class OutputRateCore(SchedulerHost):
             return held
         if held > 0:
             step.report.prefill_deferred += 1
+            if not st.prefill_ahead and st.lender is None:
+                self._orl_prompt_put_off(request, "just_in_time", num_computed_tokens)
         if running:
             step.throttled_running += 1
             self._orl_mark_throttled(request)
@@ -414,8 +426,8 @@ class OutputRateCore(SchedulerHost):
             return num_new_tokens
         if not st.chunked:
             short = num_new_tokens  # (whole or not at all)
-        deferred = step.report.prompt_deferred
-        deferred[user] = deferred.get(user, 0) + short
+        self._orl_prompt_put_off(request, "prompt_budget",
+                                 num_computed_tokens + num_new_tokens - short)
         step.prompt_waits[user] = 0  # ready time filled in when the step ends
         if short >= num_new_tokens and request.status == _RUNNING:
             step.throttled_running += 1
@@ -423,26 +435,43 @@ class OutputRateCore(SchedulerHost):
 
     def _orl_prompt_take(self, request: Request, num_computed_tokens: int,
                          num_new_tokens: int) -> None:
-        """Charge the chunk's prompt tokens (within ``_orl_prompt_cut``'s
-        cut), kept until the refund point."""
+        """A prefill chunk dispatched: its prompt tokens reported (every
+        user's) and, with a prompt budget, charged (within
+        ``_orl_prompt_cut``'s cut); both kept until the refund point."""
         st = self.output_rate
-        user = request.output_rate_user
-        prompts = st.prompts
-        if not prompts.budgeted(user):
-            return
-        work = prompt_work(request.num_prompt_tokens, num_computed_tokens, num_new_tokens)
+        num_prompt = request.num_prompt_tokens
+        work = prompt_work(num_prompt, num_computed_tokens, num_new_tokens)
         if work <= 0:
             return
+        user = request.output_rate_user
         step = st.step
+        req_id = request.request_id
+        chunks = step.report.prompt_chunks
+        old = chunks.get(req_id)
+        chunks[req_id] = (user, work + (old[1] if old else 0),
+                          num_computed_tokens + num_new_tokens >= num_prompt)
+        prompts = st.prompts
+        if prompts is None or not prompts.budgeted(user):
+            return
         if st.chunked:
             work = prompts.grant(user, step.now, work)
         elif not prompts.grant_whole(user, step.now, work):
             return
-        req_id = request.request_id
         old = step.prompt_charged.get(req_id)
         step.prompt_charged[req_id] = (user, work + (old[1] if old else 0))
-        counted = step.report.prompt_tokens
-        counted[user] = counted.get(user, 0) + work
+
+    def _orl_prompt_put_off(self, request: Request, reason: str, done: int) -> None:
+        """``request``'s prompt is put off (``reason``: one of
+        ``PROMPT_DEFER_REASONS``) with ``done`` of its tokens computed by the
+        end of this step: reported the first time for that reason."""
+        bit = _DEFER_BITS[reason]
+        if request.output_rate_deferred & bit:
+            return
+        left = request.num_prompt_tokens - done
+        if left > 0:
+            request.output_rate_deferred |= bit
+            self.output_rate.step.report.prompt_deferred.append(
+                (request.request_id, request.output_rate_user, reason, left))
 
     def _orl_mark_throttled(self, request: Request) -> None:
         """Record a running request skipped in this step for lack of budget
@@ -471,6 +500,8 @@ class OutputRateCore(SchedulerHost):
             t3 = time.perf_counter()
             report = st.step.report
             report.limiter_share = ((t1 - t0) + (t3 - t2)) / (t3 - t0)
+            report.scheduled_tokens = output.total_num_scheduled_tokens
+            report.scheduled_requests = len(output.num_scheduled_tokens)
             observer.on_step(report)
 
     def _orl_finish(self, scheduled: dict[str, int], preempted: set[str]) -> None:
@@ -486,6 +517,10 @@ class OutputRateCore(SchedulerHost):
             reason = "preempted" if req_id in preempted else "not_scheduled"
             record.refunded.append((req_id, user, reason))
         charges.settle(record, scheduled)  # (settled limiters: the step's net charges)
+        chunks = record.prompt_chunks
+        if chunks and not chunks.keys() <= scheduled.keys():
+            for req_id in chunks.keys() - scheduled.keys():
+                del chunks[req_id]  # (not dispatched: not computed)
         prompts = st.prompts
         if prompts is not None:
             self._orl_prompt_finish(prompts, scheduled)
@@ -505,15 +540,9 @@ class OutputRateCore(SchedulerHost):
         """Prompt budgets at the refund point: what was granted to a chunk
         not dispatched goes back; users put off learn when to come again."""
         step = self.output_rate.step
-        counted = step.report.prompt_tokens
         for req_id, (user, n) in step.prompt_charged.items():
             if req_id not in scheduled:
                 prompts.refund(user, n)
-                left = counted[user] - n
-                if left:
-                    counted[user] = left
-                else:
-                    del counted[user]
         waits = step.prompt_waits
         for user in waits:
             waits[user] = prompts.ready_at_ns(user)

@@ -103,8 +103,9 @@ class PromptBudgets:
             self._limiter.refund(user, n)
 
     def ready_at_ns(self, user: str) -> int:
-        """The earliest time ``user`` may compute a prompt token (0: now)."""
-        return self._limiter.ready_at_ns(user) if self.budgeted(user) else 0
+        """The earliest time ``user`` may compute a prompt token (0: now).
+        Changes nothing (the telemetry's worker reads it too)."""
+        return self._limiter.ready_at_ns(user) if self.rate_of(user) is not None else 0
 
     def set_config(self, config: OutputRateConfig, now_ns: int) -> None:
         """Put reloaded limits in force: each user keeps its debt in tokens

@@ -108,6 +108,7 @@ class ResidencyMixin(SchedulerHost):
             # its prompt budget is spent: nothing of its prompt may be computed now
             step.prompt_waits[user] = 0
             step.report.waiting_skipped += 1
+            self._orl_prompt_put_off(request, "prompt_budget", request.num_computed_tokens)
             return False
         if charges.left(user) > 0:
             self._orl_take_kept(request, any_slot=True)
@@ -137,6 +138,8 @@ class ResidencyMixin(SchedulerHost):
         else:
             step.refused[user] = 0
         step.report.waiting_skipped += 1
+        if not st.prefill_ahead and st.lender is None:  # (just in time: its budget first)
+            self._orl_prompt_put_off(request, "just_in_time", request.num_computed_tokens)
         return False
 
     def _orl_can_hold_prefill(self, request: Request) -> bool:
