@@ -99,3 +99,27 @@ def throttled_share_expr(c: Config, dashboard: bool = False) -> str:
     # clamp: the subquery holds points + 1 samples when both ends are aligned
     return (f"clamp_max(sum_over_time((max by ({grouping}) ({throttled}) > bool 0)"
             f"[{window}:{step}s]) / {points:g}, 1)")
+
+
+def prompt_share_expr(c: Config, dashboard: bool = False) -> str:
+    """Each user's share of an engine's step time taken by its prompt work
+    (``prompt_step_seconds`` over ``engine_step_seconds``), per engine of
+    each group; the label-cap overflow is many users, not one: left out."""
+    window = "$__rate_interval" if dashboard else c["prompt_share"]["window"]
+    one = 'user!="__other__"'
+    prompt = (c.sel("prompt_step_seconds", extra=one) if dashboard
+              else c.raw("prompt_step_seconds", extra=one))
+    steps = c.sel("engine_step_seconds") if dashboard else c.raw("engine_step_seconds")
+    engine = c.by("model_name", "engine")
+    return (f"sum by ({c.by('model_name', 'engine', 'user')}) (rate({prompt}[{window}]))"
+            f" / on ({engine}) group_left sum by ({engine}) (rate({steps}[{window}]))")
+
+
+def others_tokens_expr(c: Config) -> str:
+    """Per engine of each group and user: the output tokens per second the
+    engine charged the other users (what a user's long steps slow down)."""
+    window = c["prompt_share"]["window"]
+    engine = c.by("model_name", "engine")
+    return (f"sum by ({engine}) (rate({c.raw('engine_tokens_charged')}[{window}]))"
+            f" - on ({engine}) group_right"
+            f" sum by ({c.by('model_name', 'engine', 'user')}) (rate({c.raw('tokens_charged')}[{window}]))")

@@ -22,6 +22,7 @@ from vllm_output_rate.dashboards import (
     alerts_affinity,
     alerts_engine,
     alerts_limits,
+    alerts_prompts,
     alerts_shared_store,
     alerts_telemetry,
     alerts_users,
@@ -35,10 +36,10 @@ from vllm_output_rate.dashboards.recording import recording_rules, renamed_rules
 RENAMED_GROUP = "output-rate.recording.deprecated-names"
 #: the alert groups, in the order of the rule file
 ALERT_GROUPS = (alerts_users, alerts_engine, alerts_telemetry, alerts_limits,
-                alerts_shared_store, alerts_affinity)
+                alerts_shared_store, alerts_affinity, alerts_prompts)
 #: the same, in the order of their cases in the promtool file
 CASE_GROUPS = (alerts_shared_store, alerts_users, alerts_engine, alerts_telemetry,
-               alerts_limits, alerts_affinity)
+               alerts_limits, alerts_affinity, alerts_prompts)
 
 
 def alerts(c: Config) -> list[Alert]:

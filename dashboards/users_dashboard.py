@@ -10,6 +10,7 @@ from vllm_output_rate.dashboards.config import Config, quantile
 from vllm_output_rate.dashboards.expressions import (
     over_limit_factor,
     over_limit_ratio_expr,
+    prompt_share_expr,
     replicas_per_user_expr,
     throttled_share_expr,
 )
@@ -176,6 +177,7 @@ def users_dashboard(c: Config) -> Dashboard:
             "s",
             [Target(quantile(0.5, c.vsel("vllm:inter_token_latency_seconds", "_bucket"), ""), "p50", "data"),
              Target(quantile(0.99, c.vsel("vllm:inter_token_latency_seconds", "_bucket"), ""), "p99", "data")]),
+        *prompt_panels(c),
     ]
     return Dashboard(
         "output-rate-users", "Output rate: users",
@@ -264,3 +266,49 @@ def throttle_episode_panels(c: Config) -> list[Panel]:
         "s",
         [Target(quantile(0.5, episodes, "user"), "{{user}} p50", "throttled"),
          Target(quantile(0.99, episodes, "user"), "{{user}} p99", "throttled")])]
+
+
+def prompt_panels(c: Config) -> list[Panel | Row]:
+    """Each user's prompt work (docs/prompts.md): its share of the step
+    time ("who makes the steps long", what the prompts alert judges), and
+    its prompt tokens computed and put off."""
+    p = c["prompt_share"]
+    return [
+        Row("Prompt work (who makes the steps long)"),
+        Panel(
+            "Who makes the steps long: share of step time per user's prompts",
+            "Each user's part of its engine's step time taken by its prompt work (prefill "
+            "chunks), per engine: each step's measured time split by the step-time model "
+            "between the step's fixed cost, its decodes and each user's prompt tokens "
+            "(OUTPUT_RATE_STEP_TIME, the JSON of `vllm-output-rate twin calibrate`; without it "
+            "a built-in estimate). Every request in a step waits for the prompts in it. "
+            f"Healthy: no user near {100 * p['share']:.0f}% while others are served; above it "
+            f"for {p['for']} the prompts alert fires: give that user a prompt budget "
+            "(prompt_rate). The label-cap overflow (__other__) is left out.",
+            "percentunit",
+            [Target(prompt_share_expr(c, dashboard=True),
+                    "{{user}} engine {{engine}}" + c.on_group(), "data")]),
+        Panel(
+            "Prompt tokens/s per user: computed, and put off",
+            "Prompt tokens each user's prefill chunks computed per second (prefix-cache hits "
+            "are free), and the prompt tokens put off (dashed): a request's prompt counted once "
+            "per reason when first put off, by its user's prompt budget (prompt_budget) or just "
+            "in time (just_in_time: its user out of output budget, its prompt not computed "
+            "before its first token may be sampled); the all-user totals are exact (no label "
+            "cap). Healthy: put-off tokens only for users over a budget; a user's computed "
+            "rate at most its prompt_rate.",
+            TOKS,
+            [Target(f"sum by ({c.by('user')}) "
+                    f"(rate({c.sel('prompt_tokens_computed')}[$__rate_interval]))",
+                    "{{user}}" + c.on_group() + " computed", "users"),
+             Target(f"sum by ({c.by('user', 'reason')}) "
+                    f"(rate({c.sel('prompt_tokens_deferred')}[$__rate_interval]))",
+                    "{{user}}" + c.on_group() + " put off ({{reason}})", "configured"),
+             Target(f"sum by ({c.by('model_name')}) "
+                    f"(rate({c.sel('engine_prompt_tokens_computed')}[$__rate_interval]))",
+                    "all users" + c.on_group() + " computed (exact)", "positive"),
+             Target(f"sum by ({c.by('model_name', 'reason')}) "
+                    f"(rate({c.sel('engine_prompt_tokens_deferred')}[$__rate_interval]))",
+                    "all users" + c.on_group() + " put off ({{reason}}, exact)", "data")],
+            overrides=[dashed(".*put off.*$", "orange")]),
+    ]

@@ -16,5 +16,5 @@ Nothing here runs inside vLLM's processes, and nothing on the engine side
 - ``gen_docs``, ``grafana_provision``, ``prom_pictures``: the reference
   pages, Grafana provisioning, dashboard pictures without Grafana
   (``python -m``); ``fleet_sim``, ``redis_server``: shared budgets across
-  engines against one real Redis
+  engines against a real Redis or Redis Cluster
 """

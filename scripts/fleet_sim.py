@@ -1,4 +1,4 @@
-"""Many engines' shared-budget limiters against one real Redis, on a fake clock.
+"""Many engines' shared-budget limiters against a real Redis (or Redis Cluster), on a fake clock.
 
 Each simulated engine is the engine core's own ``SharedBudgetLimiter`` and
 ``LeaseThread`` (the real lease protocol and server-side script), driven the
@@ -10,7 +10,9 @@ repeatable). What the fleet spends per user is recorded for the fleet bound.
 
 Used by the tests (small fleets, brute-force bound) and by
 ``python -m vllm_output_rate.tools.fleet_sim`` (64+ engines, 10,000 users:
-Redis operations per second and the bound observed; ``BENCHMARKS.md``).
+Redis operations per second and the bound observed; ``BENCHMARKS.md``):
+``--shards N`` starts a Redis Cluster of N masters, ``--slice-ms 0,1000``
+runs the same fleet without and with long slices, one after the other.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from vllm_output_rate.cluster_store import ClusterStore
 from vllm_output_rate.fleet_math import fleet_bound
 from vllm_output_rate.lease_store import RedisStore
 from vllm_output_rate.limiter import NS_PER_S
@@ -65,14 +68,29 @@ class Fleet:
         self.engines: list[SimEngine] = []
         #: user -> [(ns, tokens)] spent by the whole fleet
         self.spends: dict[str, list[tuple[int, int]]] = {}
-
+        #: a cluster's node clients, shared by the engines' stores
+        self.cluster_clients: dict = {}
+        #: (large runs) the users whose spends are kept (None: all), and
+        #: every user's tokens counted from ``count_from_ns`` on
+        self.keep: set[str] | None = None
+        self.count_from_ns: int | None = None
+        self.totals: dict[str, int] = {}
 
     def clock(self) -> int:
         return self.now_ns
 
     def add_engine(self, name: str | None = None, client=None) -> SimEngine:
+        """An engine; its store a ``RedisStore`` (on ``client``, if given),
+        or over a cluster a ``ClusterStore`` (its node clients shared by the
+        fleet's engines)."""
         name = name or f"engine-{len(self.engines)}"
-        store = RedisStore(self.settings, client=client)
+        if self.settings.cluster:
+            store = ClusterStore(self.settings, clients=self.cluster_clients)
+        else:
+            store = RedisStore(self.settings, client=client)
+        # The store expires keys in its own clock, which runs far ahead of
+        # this fake one in a large run: keep them an hour of the store's time.
+        store.keep_ms = 3_600_000
         limiter = SharedBudgetLimiter(self.default_rate, self.user_rates, self.settings,
                                       store=store, clock=self.clock, engine_id=name,
                                       start_thread=False)
@@ -113,8 +131,11 @@ class Fleet:
                     limiter.ready_at_ns(user)
             limiter.settle(now, taken)
             for user, n in taken.items():
-                self.spends.setdefault(user, []).append((now, n))
-                engine.spends.setdefault(user, []).append((now, n))
+                if self.keep is None or user in self.keep:
+                    self.spends.setdefault(user, []).append((now, n))
+                    engine.spends.setdefault(user, []).append((now, n))
+                if self.count_from_ns is not None and now >= self.count_from_ns:
+                    self.totals[user] = self.totals.get(user, 0) + n
         self.now_ns += self.step_ns
 
     def run(self, seconds: float, each_step: Callable[[Fleet], None] | None = None) -> None:
@@ -129,6 +150,29 @@ class Fleet:
         leaves the store (``SharedBudgetLimiter.close``)."""
         engine.alive = False
         engine.limiter.close()
+
+    def play(self, engines: list[SimEngine], plan: list[tuple[int, int, int]], until_s: float,
+             coin: Callable[[], bool], user: str = "u") -> None:
+        """Random joins, leaves and deaths (the property tests): at each
+        ``(second, engine, streams)`` of ``plan`` the engine serves ``user``
+        with that many streams, or, for 0 streams and a ``coin`` saying so,
+        dies holding its leases or shuts down and leaves the store (a
+        second ``coin``); then the fleet runs until ``until_s``."""
+        t = 0.0
+        for phase_s, i, streams in sorted(plan):
+            if phase_s > t:
+                self.run(phase_s - t)
+                t = phase_s
+            engine = engines[i]
+            if streams == 0 and coin():
+                if coin():
+                    engine.alive = False  # an engine that dies (its leases simply lapse)
+                else:
+                    self.leave(engine)  # one that shuts down and leaves the store
+            else:
+                engine.alive = True
+                engine.streams = {user: streams}
+        self.run(until_s - t)
 
     def rate_of(self, user: str) -> Fraction:
         return self.user_rates.get(user, self.default_rate)
@@ -197,44 +241,99 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engines-per-user", type=int, default=4,
                         help="each user's streams land on this many engines (random)")
     parser.add_argument("--rate", type=float, default=20.0, help="every user's limit (tok/s)")
-    parser.add_argument("--seconds", type=float, default=10.0, help="simulated time")
+    parser.add_argument("--seconds", type=float, default=10.0, help="simulated time measured")
+    parser.add_argument("--warmup", type=float, default=2.0,
+                        help="simulated time before the measured part (long slices start "
+                        "after two whole slices of steady spending)")
     parser.add_argument("--step-ms", type=float, default=20.0)
     parser.add_argument("--tick-ms", type=float, default=50.0)
     parser.add_argument("--horizon-ms", type=float, default=500.0)
     parser.add_argument("--lookahead-ms", type=float, default=250.0)
+    parser.add_argument("--slice-ms", default="0",
+                        help="long slices (0: off); several, comma-separated: one arm each, "
+                        "run in turn on the same store (before/after in one run)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the arms this many times, alternating")
     parser.add_argument("--latency-ms", type=float, default=0.0,
                         help="added to every store call (a store across a network)")
-    parser.add_argument("--url", default=None, help="a Redis to use (default: start one)")
+    parser.add_argument("--shards", type=int, default=0,
+                        help="start a Redis Cluster of this many masters (0: one plain redis-server)")
+    parser.add_argument("--url", default=None, help="a Redis (or redis-cluster://) to use (default: start one)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    from vllm_output_rate.tools.redis_server import RedisServer
+    from vllm_output_rate.tools.redis_server import RedisCluster, RedisServer
 
-    server = None if args.url else RedisServer().start()
+    server = None
+    if not args.url:
+        server = RedisCluster(args.shards).start() if args.shards else RedisServer().start()
     url = args.url or server.url
+    results = []
     try:
-        result = run_large(url, args)
+        slices = [float(x) for x in args.slice_ms.split(",")]
+        for _ in range(args.repeat):
+            for slice_ms in slices:
+                result = run_large(url, args, slice_ms)
+                print(json.dumps(result), flush=True)
+                results.append(result)
     finally:
         if server is not None:
             server.close()
-    print(json.dumps(result, indent=2))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+            json.dump(results, f, indent=2)
     return 0
 
 
-def run_large(url: str, args: argparse.Namespace) -> dict:
+def _store_nodes(url: str, settings: SharedStateSettings) -> list:
+    """A client per store node (a cluster: per master)."""
     import redis
 
+    if not settings.cluster:
+        return [redis.Redis.from_url(url.split("?", 1)[0])]
+    probe = ClusterStore(settings)
+    probe.refresh()
+    return [redis.Redis(host=probe.masters[k][0], port=probe.masters[k][1]) for k in sorted(probe.masters)]
+
+
+def _node_counters(client) -> tuple[float, int, float]:
+    """Script seconds and calls (INFO commandstats), CPU seconds (INFO cpu)."""
+    stats, cpu = client.info("commandstats"), client.info("cpu")
+    script_s, calls = 0.0, 0
+    for key in ("cmdstat_evalsha", "cmdstat_eval"):
+        if key in stats:
+            script_s += stats[key]["usec"] / 1e6
+            calls += stats[key]["calls"]
+    return script_s, calls, float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
+
+
+def _shard_entries(fleet: Fleet, settings: SharedStateSettings, shards: int) -> list[int]:
+    """User entries sent to each shard so far, over every engine."""
+    out = [0] * shards
+    if settings.cluster:
+        masters = sorted(fleet.engines[0].limiter.thread.store.masters)
+        for e in fleet.engines:
+            for shard, n in e.limiter.thread.store.shard_entries.items():
+                out[masters.index(shard)] += n
+    return out
+
+
+def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict:
     settings = SharedStateSettings(url, tick_s=args.tick_ms / 1000, horizon_s=args.horizon_ms / 1000,
-                                   lookahead_s=args.lookahead_ms / 1000)
+                                   lookahead_s=args.lookahead_ms / 1000, slice_s=slice_ms / 1000)
+    if url.split(":", 1)[0].endswith("-cluster"):
+        settings = SharedStateSettings(url, tick_s=settings.tick_s, horizon_s=settings.horizon_s,
+                                       lookahead_s=settings.lookahead_s, slice_s=settings.slice_s,
+                                       nodes=parse_shared_state(url).nodes)
     rate = Fraction(args.rate).limit_denominator(1000)
     fleet = Fleet(url, rate, settings=settings, step_s=args.step_ms / 1000, seed=1)
-    client = redis.Redis.from_url(url)
-    client.flushdb()
+    nodes = _store_nodes(url, settings)
+    for node in nodes:
+        node.flushdb()
+    client = None if settings.cluster else nodes[0]
     for _ in range(args.engines):
         fleet.add_engine(client=client)
+    sample = [f"user-{u}" for u in range(0, args.users, max(1, args.users // 200))]
+    fleet.keep = set(sample)
     rng = random.Random(2)
     for u in range(args.users):
         user = f"user-{u}"
@@ -244,44 +343,54 @@ def run_large(url: str, args: argparse.Namespace) -> dict:
         delay = args.latency_ms / 1000
         for engine in fleet.engines:
             store = engine.limiter.thread.store
-            lease = store.lease
+            lease = store.lease_shards
 
             def slow(*a, __lease=lease, **k):
                 time.sleep(delay)
                 return __lease(*a, **k)
 
-            store.lease = slow
-    info0 = client.info("commandstats")
+            store.lease_shards = slow
+    fleet.run(args.warmup)
+    start_ns = fleet.count_from_ns = fleet.now_ns
+    calls0, entries0 = fleet.store_ops()
+    shard0 = _shard_entries(fleet, settings, len(nodes))
+    before = [_node_counters(n) for n in nodes]
     wall0 = time.perf_counter()
-    script_s = 0.0
     fleet.run(args.seconds)
     wall = time.perf_counter() - wall0
-    info1 = client.info("commandstats")
-    for key in ("cmdstat_evalsha", "cmdstat_eval"):
-        if key in info1:
-            script_s += (info1[key]["usec"] - info0.get(key, {}).get("usec", 0)) / 1e6
-    calls, entries = fleet.store_ops()
-    warm = T0_NS + int(2 * NS_PER_S)
-    span = (fleet.now_ns - warm) / NS_PER_S
-    rates = sorted(fleet.spent(f"user-{u}", warm) / span for u in range(args.users))
-    sample = [f"user-{u}" for u in range(0, args.users, max(1, args.users // 200))]
+    after = [_node_counters(n) for n in nodes]
+    calls, entries = (a - b for a, b in zip(fleet.store_ops(), (calls0, entries0)))
+    script_s = sum(a[0] - b[0] for a, b in zip(after, before))
+    cpu_s = [a[2] - b[2] for a, b in zip(after, before)]
+    shard_calls = [a[1] - b[1] for a, b in zip(after, before)]
+    span = (fleet.now_ns - start_ns) / NS_PER_S
+    rates = sorted(fleet.totals.get(f"user-{u}", 0) / span for u in range(args.users))
     ratios: dict[str, float] = {}
     for user in sample:
-        for k, v in worst_window_ratio(sorted(fleet.spends.get(user, [])), rate, settings.horizon_s,
-                                       settings.lookahead_s).items():
+        for k, v in worst_window_ratio(sorted(fleet.spends.get(user, [])), rate, settings.long_horizon_s,
+                                       settings.long_lookahead_s).items():
             ratios[k] = max(ratios.get(k, 0.0), v)
-    sim_s = args.seconds
+    shard_entries = [a - b for a, b in zip(_shard_entries(fleet, settings, len(nodes)), shard0)]
+    for node in nodes:
+        node.close()
     return {
         "engines": args.engines, "users": args.users, "engines_per_user": args.engines_per_user,
-        "rate": float(rate), "simulated_s": sim_s, "wall_s": round(wall, 2),
+        "shards": len(nodes) if settings.cluster else 0,
+        "rate": float(rate), "measured_s": span, "wall_s": round(wall, 2),
         "tick_ms": args.tick_ms, "horizon_ms": args.horizon_ms, "lookahead_ms": args.lookahead_ms,
-        "latency_ms": args.latency_ms,
-        "store_calls_per_s_per_engine": round(calls / sim_s / args.engines, 2),
-        "store_calls_per_s": round(calls / sim_s, 1),
-        "user_entries_per_s": round(entries / sim_s, 1),
-        "store_busy_share_at_simulated_speed": round(script_s / sim_s, 4),
-        "store_us_per_call": round(script_s * 1e6 / max(calls, 1), 1),
-        "store_us_per_user_entry": round(script_s * 1e6 / max(entries, 1), 2),
+        "slice_ms": slice_ms, "latency_ms": args.latency_ms,
+        "store_calls_per_s_per_engine": round(calls / span / args.engines, 2),
+        "store_calls_per_s": round(calls / span, 1),
+        "user_entries_per_s": round(entries / span, 1),
+        "user_entries_per_s_per_user": round(entries / span / args.users, 3),
+        "store_script_us_per_user_entry": round(script_s * 1e6 / max(entries, 1), 2),
+        "store_cpu_us_per_user_entry": round(sum(cpu_s) * 1e6 / max(entries, 1), 2),
+        "store_cpu_share_per_node_at_simulated_speed": [round(c / span, 3) for c in cpu_s],
+        "script_calls_per_s_per_node": [round(c / span, 1) for c in shard_calls],
+        "user_entries_per_s_per_shard": [round(n / span, 1) for n in shard_entries] if settings.cluster else [],
+        "failed_calls": sum(e.limiter.stats()["failed_calls"] for e in fleet.engines),
+        "fallback_episodes": sum(e.limiter.stats()["fallback_episodes"] for e in fleet.engines),
+        "resets": sum(e.limiter.stats()["resets"] for e in fleet.engines),
         "fleet_rate_over_limit": {"min": round(rates[0] / float(rate), 4),
                                   "median": round(rates[len(rates) // 2] / float(rate), 4),
                                   "max": round(rates[-1] / float(rate), 4)},

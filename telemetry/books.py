@@ -158,6 +158,7 @@ class UserBooks:
         limits = view.limits()
         rate_of = limits.rate_of
         ceiling_of = limits.ceiling_of if limits.borrowing else None
+        prompt_rate_of = limits.prompt_rate_of if limits.prompt_budgets else None
         for user in users[:USER_STATES_CAP]:
             running, waiting = requests.get(user, (0, 0))
             n_thr, blocks = throttled.get(user, (0, 0))
@@ -178,6 +179,11 @@ class UserBooks:
                 states[user].update(ceiling=ceiling_value(ceiling_of(user)),
                                     borrowed_10s=borrowed_10.get(user, 0),
                                     borrowed_60s=borrowed_60.get(user, 0))
+            if prompt_rate_of is not None:  # (prompt budgets: the second policy)
+                prompt_ready = view.prompt_ready_at_ns(user)
+                states[user].update(
+                    prompt_rate=ceiling_value(prompt_rate_of(user)),
+                    prompt_ready_in_s=max(0.0, (prompt_ready - now_ns) / NS) if prompt_ready else 0.0)
         self.user_states = states
         self.user_states_at = (now_ns, self._clock.monotonic_ns(), self._clock.time())
 
@@ -202,6 +208,9 @@ class UserBooks:
             if "borrowed_10s" in state:
                 states[user].update(borrowed_10s=borrowed_10.get(user, 0),
                                     borrowed_60s=borrowed_60.get(user, 0))
+            if "prompt_ready_in_s" in state:
+                states[user]["prompt_ready_in_s"] = max(
+                    0.0, state["prompt_ready_in_s"] - (now_ns - self.user_states_at[0]) / NS)
         return states
 
     def sizes(self) -> tuple[int, int, int]:

@@ -40,6 +40,7 @@ from vllm_output_rate.telemetry.folds import Folds, RequestHandles
 from vllm_output_rate.telemetry.histograms import Histogram
 from vllm_output_rate.telemetry.intake import Intake
 from vllm_output_rate.telemetry.labels import UserLabeler
+from vllm_output_rate.telemetry.prompt_work import StepCost
 from vllm_output_rate.telemetry.series import Series
 
 logger = logging.getLogger("vllm_output_rate.telemetry")
@@ -56,7 +57,8 @@ class EngineTelemetry(Intake):
     def __init__(self, view: EngineView, out_dir: str, interval_s: float = EXPORT_INTERVAL_S,
                  top_k: int | None = None, start_thread: bool = True,
                  spans: Any = None, events_path: str | None = None,
-                 defer: bool | None = None, clock: Clock = SYSTEM) -> None:
+                 defer: bool | None = None, clock: Clock = SYSTEM,
+                 step_cost: StepCost | None = None) -> None:
         if top_k is None:
             top_k = settings.get("TOP_K_USERS")
         labeler = UserLabeler(pinned=view.limits().user_rates, top_k=top_k,
@@ -67,7 +69,9 @@ class EngineTelemetry(Intake):
                   if events_path else None)
         books = UserBooks(view, series, events, clock)
         self.series, self.books, self.events = series, books, events
-        self.folds = Folds(spans, series, handles, books, events)
+        #: ``step_cost``: the step-time model that splits step time between
+        #: users' prompts (None: ``OUTPUT_RATE_STEP_TIME``, else an estimate)
+        self.folds = Folds(spans, series, handles, books, events, step_cost)
         #: ``defer`` off (the default without a thread) folds each event at
         #: once, on the caller's thread
         super().__init__(view, self.folds, not (start_thread if defer is None else defer),

@@ -94,6 +94,10 @@ class EventLog:
             self.queue(("throttled", self._clock.monotonic_ns(), {u: c[0] for u, c in by_user.items()},
                         {u: c[1] for u, c in by_user.items()}, share))
 
+    def prompt(self, now: int, by_user: dict[str, int]) -> None:
+        """One step's prompt tokens computed per user (the worker)."""
+        self.queue(("prompt", now, by_user))
+
     def limits(self, change: LimitsChange) -> None:
         self.queue(("limits", change.now_ns, self._clock.time_ns(), {
             u: float(r) for u, r in change.user_rates.items()}, float(change.default_rate),
@@ -109,7 +113,7 @@ class EventLog:
             limits = view.limits()
             events.appendleft(("start", self._clock.monotonic_ns(), self._clock.time_ns(), {
                 user: float(rate) for user, rate in limits.user_rates.items()
-            }, float(limits.default_rate), bool(view.async_scheduling)))
+            }, float(limits.default_rate), bool(view.async_scheduling), prompt_limits(view)))
         self._idle_exports = 0 if self.view.has_running() else self._idle_exports + 1
         if self._idle_exports >= 2 and not self._idle_written:
             # The engine went idle: nothing throttled, stated once, after the
@@ -129,3 +133,21 @@ class EventLog:
         except Exception as exc:
             self._counters[TELEMETRY_DROPPED.key("events_write_failed")] += len(lines)
             log_drop(f"event log {self.path}", exc)
+
+
+def prompt_limits(view: EngineView) -> dict[str, Any] | None:
+    """The start line's prompt budgets (None: none): each listed user's
+    (prompt tokens per second, None: not budgeted), the default's, and
+    whether prompts are computed in chunks (the bound ``verify`` checks)."""
+    limits = view.limits()
+    if not limits.prompt_budgets:
+        return None
+    rate_of = limits.prompt_rate_of
+
+    def value(rate: Any) -> float | None:
+        return None if rate is None else float(rate)
+
+    default = limits.default_prompt_rate
+    return {"limits": {user: value(rate_of(user)) for user in limits.user_rates},
+            "default": value(None if isinstance(default, str) else default),
+            "chunked_prefill": bool(view.chunked_prefill)}

@@ -12,7 +12,15 @@ monotonic clock in nanoseconds:
     {"kind": "start", "t_ns": int, "unix_ns": int (wall clock at t_ns),
      "engine": str, "limits": {user: tok/s}, "default_limit": tok/s,
      "async_scheduling": bool (the scheduler runs a step ahead of the
-     outputs: a token shows two updates after its charge, not one)}
+     outputs: a token shows two updates after its charge, not one),
+     and with prompt budgets (a ``prompt_rate`` somewhere):
+     "prompt_limits": {listed user: prompt tok/s, or null: not budgeted},
+     "default_prompt_limit": prompt tok/s or null, "chunked_prefill": bool}
+
+``prompt``, one per engine step that computed prompt tokens, stamped with
+the step's dispatch (when the prompt budget charged them)::
+
+    {"kind": "prompt", "t_ns": int, "tokens": {user: prompt tokens computed}}
 
 ``tokens``, one per engine step that produced output tokens, stamped when
 the step's output was processed (tokens of one step share that moment)::
@@ -66,8 +74,10 @@ def encode_event(event: tuple, engine: str) -> str:
     ``event``: ``("tokens", t_ns, [(request id, user, n), ...])``,
     ``("queued", t_ns, request id, user)``,
     ``("finished", t_ns, request id, user, reason, output tokens)``,
+    ``("prompt", t_ns, {user: prompt tokens})``,
     ``("throttled", t_ns, {user: requests}, {user: kv blocks}, kv share)`` or
-    ``("start", t_ns, unix_ns, {user: limit}, default limit, async scheduling)`` or
+    ``("start", t_ns, unix_ns, {user: limit}, default limit, async scheduling,
+    prompt budgets or None)`` or
     ``("limits", t_ns, unix_ns, {user: limit}, default limit, sha256, added,
     removed, changed)``; ``engine``:
     the engine's index, written in the start line."""
@@ -86,9 +96,15 @@ def encode_event(event: tuple, engine: str) -> str:
         data = {"kind": kind, "t_ns": t_ns, "unix_ns": event[2], "limits": event[3],
                 "default_limit": event[4], "sha256": event[5], "added": event[6],
                 "removed": event[7], "changed": event[8]}
+    elif kind == "prompt":
+        data = {"kind": kind, "t_ns": t_ns, "tokens": event[2]}
     else:  # start
         data = {"kind": kind, "t_ns": t_ns, "unix_ns": event[2], "engine": engine,
                 "limits": event[3], "default_limit": event[4], "async_scheduling": event[5]}
+        prompts = event[6] if len(event) > 6 else None
+        if prompts is not None:
+            data.update(prompt_limits=prompts["limits"], default_prompt_limit=prompts["default"],
+                        chunked_prefill=prompts["chunked_prefill"])
     return json.dumps(data) + "\n"
 
 
@@ -103,6 +119,8 @@ class EngineLog:
     starts: list[dict[str, Any]] = field(default_factory=list)
     #: (t_ns, [(engine request id, user, n tokens)]) per engine step, in order
     steps: list[tuple[int, list[tuple[str, str, int]]]] = field(default_factory=list)
+    #: (t_ns, {user: prompt tokens computed}) per engine step that computed some
+    prompts: list[tuple[int, dict[str, int]]] = field(default_factory=list)
     #: request id -> (t_ns, user) when the scheduler received it
     queued: dict[str, tuple[int, str]] = field(default_factory=dict)
     finished: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -127,6 +145,9 @@ class EngineLog:
                 if kind == "tokens":
                     log.steps.append((int(ev["t_ns"]),
                                       [(str(r), str(u), int(n)) for r, u, n in ev["tokens"]]))
+                elif kind == "prompt":
+                    log.prompts.append((int(ev["t_ns"]),
+                                        {str(u): int(n) for u, n in ev["tokens"].items()}))
                 elif kind == "queued":
                     log.queued[str(ev["request_id"])] = (int(ev["t_ns"]), str(ev["user"]))
                 elif kind == "finished":
@@ -145,6 +166,7 @@ class EngineLog:
                 if i != len(lines):  # the writer may be half-way through the last line
                     log.bad_lines.append(i)
         log.steps.sort(key=lambda s: s[0])
+        log.prompts.sort(key=lambda s: s[0])
         log.throttled.sort(key=lambda e: e["t_ns"])
         log.limit_changes.sort(key=lambda e: e["t_ns"])
         return log
@@ -159,6 +181,13 @@ class EngineLog:
         order: the tokens of one step summed."""
         return [(t, n) for t, tokens in self.steps if t >= since_ns
                 for n in [sum(k for _, u, k in tokens if u == user)] if n]
+
+    def user_prompt_spends(self, user: str, since_ns: int = 0,
+                           until_ns: int | None = None) -> list[tuple[int, int]]:
+        """(t_ns, prompt tokens) of ``user``'s steps that computed some of
+        its prompts, from ``since_ns`` to ``until_ns``, in time order."""
+        return [(t, by_user[user]) for t, by_user in self.prompts
+                if t >= since_ns and (until_ns is None or t <= until_ns) and by_user.get(user)]
 
     def all_user_spends(self, since_ns: int = 0) -> dict[str, list[tuple[int, int]]]:
         """``user_spends`` of every user, in one pass over the log."""

@@ -197,7 +197,9 @@ def limits_document(config: Any) -> dict[str, Any]:
     """The limits as plain data for the snapshot and the introspection
     endpoints: ``default``, ``tiers``, ``users`` (user -> limit),
     ``user_tiers``, ``unlisted_users``; limits as numbers (tok/s); with
-    borrowing also ``ceilings``, ``tier_ceilings`` and ``default_ceiling``.
+    borrowing also ``ceilings``, ``tier_ceilings`` and ``default_ceiling``;
+    with prompt budgets ``prompt_rates``, ``tier_prompt_rates`` and
+    ``default_prompt_rate`` (prompt tokens per second, "unlimited", or None).
     Made when the limits' digest changes, not per export."""
     doc = {
         "default": float(config.default_rate),
@@ -212,4 +214,9 @@ def limits_document(config: Any) -> dict[str, Any]:
         doc["ceilings"] = {u: ceiling_value(c) for u, c in config.ceilings.items()}
         doc["tier_ceilings"] = {t: ceiling_value(c) for t, c in config.tier_ceilings.items()}
         doc["default_ceiling"] = ceiling_value(config.default_ceiling)
+    if config.prompt_budgets:
+        doc["prompt_rates"] = {u: ceiling_value(r) for u, r in config.prompt_rates.items()}
+        doc["tier_prompt_rates"] = {t: ceiling_value(r)
+                                    for t, r in config.tier_prompt_rates.items()}
+        doc["default_prompt_rate"] = ceiling_value(config.default_prompt_rate)
     return doc

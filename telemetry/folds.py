@@ -39,6 +39,7 @@ from vllm_output_rate.telemetry.metrics import (
     USER_LIMIT_TOKENS_PER_SECOND,
     WAKE_LATENESS_SECONDS,
 )
+from vllm_output_rate.telemetry.prompt_work import PromptWork, StepCost, step_cost_from_settings
 from vllm_output_rate.telemetry.records import EngineReads, Episodes, StepEpisodes
 from vllm_output_rate.telemetry.series import Series
 from vllm_output_rate.telemetry.spacing import TokenSpacing
@@ -90,7 +91,7 @@ class Folds:
     """One fold per kind of event, and the full fold."""
 
     def __init__(self, spans: Any, series: Series, handles: RequestHandles, books: UserBooks,
-                 events: EventLog | None) -> None:
+                 events: EventLog | None, step_cost: StepCost | None = None) -> None:
         #: tracing.recorder.SpanRecorder when traces are on
         self.spans = spans
         #: what the steps leave for the next fold, and the token timing
@@ -102,6 +103,9 @@ class Folds:
         self.events = events
         self.handles = handles
         self._user_of = handles.user_of
+        #: each user's prompt work and its share of step time
+        self.prompt_work = PromptWork(series, books, step_cost or step_cost_from_settings(),
+                                      events)
         #: the last step that sent the users with an episode open to the
         #: span recorder, for over-limit periods to end
         self._ticked = 0
@@ -121,6 +125,7 @@ class Folds:
         throttled = record.throttled
         book = self.book
         book.add_step(charged, throttled, episodes, self._user_of)
+        self.prompt_work.fold_step(record)
         if charged:
             counters[_CHARGED] += len(charged)
         if record.borrowed:  # (borrowing only: a limit with a ceiling)
@@ -151,7 +156,8 @@ class Folds:
                 sweep = set(map(users.get, book.bases))
             opened = episodes.opened
             spans.on_step(record, episodes.ended,
-                          list(map(users.__getitem__, opened)) if opened else (), sweep)
+                          list(map(users.__getitem__, opened)) if opened else (), sweep,
+                          self.handles.facts_of)
         if record.limiter_share is not None:
             self.series.histograms[_LIMITER_SHARE].observe(record.limiter_share)
         if self.pending() > PENDING_STEPS_CAP:
@@ -223,6 +229,7 @@ class Folds:
 
     def _going_idle(self, now: int, reads: EngineReads) -> None:
         """Nothing runs any more: no step may come to fold at."""
+        self.prompt_work.idle(now)
         self.fold(reads.gone)
         self.books.update_user_states(now, reads.requests, reads.ready_at)
         if self.spans is not None:
@@ -235,6 +242,8 @@ class Folds:
         if ended is not None:
             self.book.end_episodes(ended)
         # The engine may go idle now, with no step to fold counts at.
+        if not running:
+            self.prompt_work.idle()
         self.fold(None if reads is None else reads.gone)
         if reads is not None:
             self.books.update_user_states(now, reads.requests, reads.ready_at)
@@ -253,6 +262,7 @@ class Folds:
                 spans.on_idle(now)
 
     def fold_idle_wait(self, wait: IdleWait) -> None:
+        self.prompt_work.idle(wait.started_ns)
         if self.spans is not None:
             self.spans.on_idle_wait(wait)
         self.series.histogram(IDLE_WAIT_SECONDS, (wait.reason,)).observe(

@@ -17,7 +17,10 @@ every API server of a ``--api-server-count N`` server answers the same.
     is the guaranteed rate, ``ceiling`` the ceiling (tok/s, "unlimited", or
     None: the user does not borrow), and the tokens borrowed above the
     guaranteed rate over the last 10 s and 60 s (``borrowed_10s``,
-    ``borrowed_60s``; not charged, so not in ``charged_*``).
+    ``borrowed_60s``; not charged, so not in ``charged_*``). With prompt
+    budgets (a ``prompt_rate`` somewhere), the second policy: ``prompt_rate``
+    (prompt tokens per second, "unlimited", or None: not budgeted) and
+    ``prompt_ready_in_s``, seconds until its prompt budget is next ready.
 ``GET /output-rate/users``
     The tracked users (live requests first, then the most charged), with
     the same fields, at most ``limit`` (query, default 100).
@@ -30,8 +33,8 @@ read rules of ``vllm_output_rate.access`` (a customer's key reads only its
 own user; the list, other users and the limits need an operator key).
 
 The same snapshots give each completion response its caller's
-``RateLimit`` headers (``self_view``, registered with the front end): the
-limits the engine has in force, so a reloaded limits file shows there as
+``RateLimit`` headers (``self_view``, registered with the front end; a
+prompt budget is a second policy there): the limits the engine has in force, so a reloaded limits file shows there as
 soon as the engine applies it (not when this process would have read the
 file), the same on every API server; read at most once a second. Figures are as of the engine's last export
 (``as_of_unix``), in export intervals of about a second.
@@ -103,6 +106,10 @@ def user_view(snapshots: list[dict[str, Any]], user: str) -> tuple[int, dict[str
     if borrowing:
         out["ceiling"] = _ceiling(limits, budget)
         out.update(dict.fromkeys(_BORROWED, 0))
+    prompts = "prompt_rates" in limits
+    if prompts:
+        out["prompt_rate"] = _prompt_rate(limits, budget)
+        out["prompt_ready_in_s"] = 0.0
     for snap in snapshots:
         state = snap.get("users", {}).get("states", {}).get(budget)
         if state is None:
@@ -111,7 +118,17 @@ def user_view(snapshots: list[dict[str, Any]], user: str) -> tuple[int, dict[str
         for key in (*_COUNTS, *_BORROWED) if borrowing else _COUNTS:
             out[key] += state.get(key, 0)
         out["ready_in_s"] = max(out["ready_in_s"], state.get("ready_in_s", 0.0))
+        if prompts:
+            out["prompt_ready_in_s"] = max(out["prompt_ready_in_s"],
+                                           state.get("prompt_ready_in_s", 0.0))
     return 200, out
+
+
+def _prompt_rate(limits: dict[str, Any], user: str) -> float | str | None:
+    """A user's prompt budget from the limits document: a listed user's own
+    (its tier's included), else the default's."""
+    rate = limits["prompt_rates"].get(user) if user in limits.get("users", {}) else None
+    return limits.get("default_prompt_rate") if rate is None else rate
 
 
 def users_view(snapshots: list[dict[str, Any]], limit: int) -> tuple[int, dict[str, Any]]:

@@ -7,8 +7,8 @@ cardinality bomb: a million distinct user ids would be a million series. The
 ``user`` label therefore takes at most ``len(pinned) + top_k + 1`` values:
 
 * every *pinned* user (those with a configured limit) keeps its own label;
-* the ``top_k`` most active other users (output tokens, decayed per
-  rebalance) get their own label;
+* the ``top_k`` most active other users (output tokens charged and prompt
+  tokens computed, decayed per rebalance) get their own label;
 * everybody else is ``__other__``.
 
 While fewer than ``top_k`` unpinned users hold a label, a new user gets one

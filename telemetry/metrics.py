@@ -97,6 +97,29 @@ METRICS: tuple[Metric, ...] = (
            "preempts the tail of running, where they sit) or for a resident slot (reason "
            "resident_slot: every slot held, some by a user with more streams than its budget and rate keep busy).",
            ("reason",), renamed=False),
+    Metric("prompt_tokens_computed", "counter", "tokens",
+           "Prompt tokens a user's prefill chunks computed (every user, with or without a prompt "
+           "budget; prefix-cache hits are not computed, a prompt computed again after a "
+           "preemption is).", ("user",), renamed=False),
+    Metric("engine_prompt_tokens_computed", "counter", "tokens",
+           "Prompt tokens computed for all users (exact total, no label cap).", renamed=False),
+    Metric("prompt_tokens_deferred", "counter", "tokens",
+           "Prompt tokens put off: a request's prompt counted once per reason, when first put "
+           "off, with the tokens it had left to compute; reason prompt_budget (its user's "
+           "prompt_rate) or just_in_time (its user out of output budget: not computed before its "
+           "first token may be sampled).", ("user", "reason"), renamed=False),
+    Metric("engine_prompt_tokens_deferred", "counter", "tokens",
+           "Prompt tokens put off, all users (exact total), by reason.", ("reason",),
+           renamed=False),
+    Metric("prompt_step_seconds", "counter", "seconds",
+           "Seconds of engine steps a user's prompt work took: each step's measured time split by "
+           "the step-time model (OUTPUT_RATE_STEP_TIME, else a built-in estimate) between the "
+           "step's fixed cost, its decodes and each user's prompt tokens; over "
+           "engine_step_seconds, the share of step time that user's prompts took.",
+           ("user",), renamed=False),
+    Metric("engine_step_seconds", "counter", "seconds",
+           "Measured time of the engine's steps that computed anything (from a step's start to "
+           "the next one's; idle waits left out).", renamed=False),
     Metric("throttled_requests", "gauge", "requests",
            "Requests throttled in the last step (resident, holding KV, not running).",
            ("user",)),
@@ -192,6 +215,12 @@ ENGINE_TOKENS_REFUNDED = BY_NAME["engine_tokens_refunded"]
 REQUESTS_SKIPPED = BY_NAME["requests_skipped"]
 ENGINE_REQUESTS_SKIPPED = BY_NAME["engine_requests_skipped"]
 ENGINE_THROTTLED_PREEMPTED = BY_NAME["engine_throttled_preempted"]
+PROMPT_TOKENS_COMPUTED = BY_NAME["prompt_tokens_computed"]
+ENGINE_PROMPT_TOKENS_COMPUTED = BY_NAME["engine_prompt_tokens_computed"]
+PROMPT_TOKENS_DEFERRED = BY_NAME["prompt_tokens_deferred"]
+ENGINE_PROMPT_TOKENS_DEFERRED = BY_NAME["engine_prompt_tokens_deferred"]
+PROMPT_STEP_SECONDS = BY_NAME["prompt_step_seconds"]
+ENGINE_STEP_SECONDS = BY_NAME["engine_step_seconds"]
 THROTTLED_REQUESTS = BY_NAME["throttled_requests"]
 THROTTLED_KV_BLOCKS = BY_NAME["throttled_kv_blocks"]
 ENGINE_THROTTLED_REQUESTS = BY_NAME["engine_throttled_requests"]

@@ -15,17 +15,23 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
-from vllm_output_rate.observers import EngineView
+from vllm_output_rate.observers import PROMPT_DEFER_REASONS, EngineView
 from vllm_output_rate.telemetry.histograms import Histogram, observe_by_label
 from vllm_output_rate.telemetry.labels import OTHER, UserLabeler
 from vllm_output_rate.telemetry.metrics import (
     DEFAULT_LIMIT_TOKENS_PER_SECOND,
+    ENGINE_PROMPT_TOKENS_COMPUTED,
+    ENGINE_PROMPT_TOKENS_DEFERRED,
     ENGINE_REQUESTS_SKIPPED,
+    ENGINE_STEP_SECONDS,
     ENGINE_THROTTLED_PREEMPTED,
     ENGINE_TOKENS_BORROWED,
     ENGINE_TOKENS_CHARGED,
     ENGINE_TOKENS_REFUNDED,
     INTER_TOKEN_SECONDS,
+    PROMPT_STEP_SECONDS,
+    PROMPT_TOKENS_COMPUTED,
+    PROMPT_TOKENS_DEFERRED,
     REQUESTS_SKIPPED,
     SCHEDULE_LIMITER_RATIO,
     SPACING_BUCKETS,
@@ -46,7 +52,8 @@ REFUND_REASONS = ("not_scheduled", "preempted")
 PREEMPT_REASONS = ("kv_cache", "resident_slot")
 #: The counters of a user that end when it loses its label.
 _USER_COUNTERS = tuple(m.name for m in (TOKENS_CHARGED, TOKENS_REFUNDED, REQUESTS_SKIPPED,
-                                          TOKENS_BORROWED))
+                                          TOKENS_BORROWED, PROMPT_TOKENS_COMPUTED,
+                                          PROMPT_TOKENS_DEFERRED, PROMPT_STEP_SECONDS))
 
 
 class Series:
@@ -62,6 +69,8 @@ class Series:
         self._charged_keys: dict[str, tuple] = {}
         self._skipped_keys: dict[str, tuple] = {}
         self._borrowed_keys: dict[str, tuple] = {}
+        self._prompt_keys: dict[str, tuple] = {}
+        self._prompt_seconds_keys: dict[str, tuple] = {}
         #: label -> its throttle_episode_seconds histogram (cleared when labels change)
         self._episode_hists: dict[str, Histogram] = {}
         #: label -> its inter_token_seconds histogram (same objects as in
@@ -71,8 +80,11 @@ class Series:
         # Limits and zero-valued series exist from the first export on.
         self.set_limits()
         counters = self.counters
-        for metric in (ENGINE_TOKENS_CHARGED, ENGINE_TOKENS_REFUNDED, ENGINE_REQUESTS_SKIPPED):
+        for metric in (ENGINE_TOKENS_CHARGED, ENGINE_TOKENS_REFUNDED, ENGINE_REQUESTS_SKIPPED,
+                       ENGINE_PROMPT_TOKENS_COMPUTED, ENGINE_STEP_SECONDS):
             counters[metric.key()] += 0
+        for reason in PROMPT_DEFER_REASONS:
+            counters[ENGINE_PROMPT_TOKENS_DEFERRED.key(reason)] += 0
         if view.limits().borrowing:
             counters[ENGINE_TOKENS_BORROWED.key()] += 0
         for reason in PREEMPT_REASONS:
@@ -100,6 +112,10 @@ class Series:
             self.counters[REQUESTS_SKIPPED.key(label)] += 0
             for reason in REFUND_REASONS:
                 self.counters[TOKENS_REFUNDED.key(label, reason)] += 0
+            self.counters[PROMPT_TOKENS_COMPUTED.key(label)] += 0
+            self.counters[PROMPT_STEP_SECONDS.key(label)] += 0
+            for reason in PROMPT_DEFER_REASONS:
+                self.counters[PROMPT_TOKENS_DEFERRED.key(label, reason)] += 0
             self.histogram(THROTTLE_EPISODE_SECONDS, (label,))
 
     def set_limits(self) -> None:
@@ -124,6 +140,12 @@ class Series:
 
     def borrow(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._borrowed_keys, TOKENS_BORROWED, user)] += n
+
+    def prompt_computed(self, user: str, n: int) -> None:
+        self.counters[self._user_key(self._prompt_keys, PROMPT_TOKENS_COMPUTED, user)] += n
+
+    def prompt_seconds(self, user: str, seconds: float) -> None:
+        self.counters[self._user_key(self._prompt_seconds_keys, PROMPT_STEP_SECONDS, user)] += seconds
 
     def skip(self, user: str, n: int) -> None:
         self.counters[self._user_key(self._skipped_keys, REQUESTS_SKIPPED, user)] += n
@@ -176,8 +198,11 @@ class Series:
         self._charged_keys.clear()
         self._skipped_keys.clear()
         self._borrowed_keys.clear()
+        self._prompt_keys.clear()
+        self._prompt_seconds_keys.clear()
         self._episode_hists.clear()
 
     def key_count(self) -> int:
         """Users in the counter-key caches (for ``state_sizes``)."""
-        return len(self._charged_keys) + len(self._skipped_keys) + len(self._borrowed_keys)
+        return (len(self._charged_keys) + len(self._skipped_keys) + len(self._borrowed_keys)
+                + len(self._prompt_keys) + len(self._prompt_seconds_keys))

@@ -43,6 +43,7 @@ SEVERITIES = {
     "OutputRateLimitsReloadFailed": "warning",
     "OutputRateLimitsDiffer": "warning",
     "OutputRateSharedStoreUnreachable": "warning",
+    "OutputRateUserPromptsDominateSteps": "warning",
 }
 #: the recorded names of the release before -> their new names
 RENAMED = {

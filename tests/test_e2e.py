@@ -239,6 +239,12 @@ def test_engine_metrics_on_vllm_metrics_endpoint(server):
     missing = [m.full_name for m in METRICS if m.only_in is None
                and not any(n == m.full_name or n.startswith(m.full_name + "_") for n in names)]
     assert missing == []
+    # the prompts were computed, in steps that took time (what the prompt share divides)
+    for name in ("vllm_output_rate_engine_prompt_tokens_computed_total",
+                 "vllm_output_rate_engine_step_seconds_total"):
+        assert value(after, name) > value(before, name), name
+    assert value(after, "vllm_output_rate_prompt_tokens_computed_total", user="user-a") > value(
+        before, "vllm_output_rate_prompt_tokens_computed_total", user="user-a")
     # refunds happen only under KV pressure: the configured users' series
     # exist, and none came with this load
     assert value(after, "vllm_output_rate_tokens_refunded_total", user="user-a", reason="preempted") \

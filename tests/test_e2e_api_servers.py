@@ -99,8 +99,9 @@ def test_every_api_server_shows_the_limits_in_force_after_a_reload(server):
 
 def test_every_api_server_charges_the_openai_user_field_it_was_told_to_read(server):
     """The OpenAI SDK's ``user=`` is charged to that user (the server reads
-    ``vllm_xargs,user``); ``vllm_xargs.output_rate_user``, read first, wins
-    over it when both are given."""
+    ``vllm_xargs,user``), on /v1/completions and /v1/responses;
+    ``vllm_xargs.output_rate_user``, read first, wins over it when both are
+    given."""
     from openai import OpenAI
 
     charged = "vllm_output_rate_tokens_charged_total"
@@ -114,9 +115,16 @@ def test_every_api_server_charges_the_openai_user_field_it_was_told_to_read(serv
             out = client.completions.create(model="tiny", prompt="hello", max_tokens=3,
                                             user="sdk-user", extra_body=extra)
         assert out.usage.completion_tokens == 3
+    # the Responses API's ``user`` too (/v1/responses)
+    for _ in range(4):
+        with OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0) as client:
+            out = client.responses.create(model="tiny", input="hello", max_output_tokens=3,
+                                          user="responses-user", extra_body={"ignore_eos": True})
+        assert out.usage.output_tokens == 3
+    users = (*users, "responses-user")
     after = scrape_until(server.base_url, lambda s: all(
-        metric_value(s, charged, user=u) - metric_value(before, charged, user=u) >= 18
+        metric_value(s, charged, user=u) - metric_value(before, charged, user=u) >= 12
         for u in users))
     got = {u: metric_value(after, charged, user=u) - metric_value(before, charged, user=u)
            for u in (*users, "__anonymous__")}
-    assert got == {"sdk-user": 18, "xargs-user": 18, "__anonymous__": 0}, got
+    assert got == {"sdk-user": 18, "xargs-user": 18, "responses-user": 12, "__anonymous__": 0}, got

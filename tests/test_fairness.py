@@ -1,7 +1,7 @@
 """The fairness benchmark (``tools.fairness``): its quick variant (the small
-scale's flood and alone scenarios, every arm, in the what-if twin's virtual
-time: exact and deterministic), the gateway arm's emulated semantics, and
-the indices it reports."""
+scale's flood, alone and long-prompts scenarios, every arm of each, in the
+what-if twin's virtual time: exact and deterministic), the gateway arms'
+emulated semantics, and the indices it reports."""
 
 from __future__ import annotations
 
@@ -45,11 +45,67 @@ def test_the_gateway_reserves_at_admission_and_trues_up_when_a_request_ends():
     assert gw.windows["u"][1] == 200 and list(gw.reserved) == ["r4"]
 
 
+def test_the_input_gateway_counts_prompt_tokens_alone():
+    """LiteLLM's token_rate_limit_type: input, as emulated: a request
+    reserves its prompt tokens (its max_tokens not counted), which is
+    also what it used."""
+    gw = GatewayEmulation({"u": 10_000}, count="input")
+    assert gw.admit("r1", "u", 3800, 20, 0) and gw.admit("r2", "u", 3800, 5000, NS)
+    assert not gw.admit("r3", "u", 3800, 1, 2 * NS)  # 11,400 > 10,000: 429
+    assert gw.admit("r4", "u", 2000, 1, 3 * NS)  # 9,600
+    gw.finished("r1", 3800, 20, 4 * NS)
+    assert gw.windows["u"][1] == 9600
+    with pytest.raises(ValueError):
+        GatewayEmulation({}, count="output")
+
+
+def test_the_long_prompts_scenario_is_seeded_and_has_its_own_arms():
+    """Issue 48's load at the small scale: four steady users (a request
+    every 2 s, 200 tokens in, 150 out) and a flooder (3,800 in, 20 out,
+    four a second from 2 s), the same lines for the same seed; its step
+    25 ms plus 20 us a prefill token; its arms its own, the others' not."""
+    from vllm_output_rate.tools.fairness.arms import arm_limits, arms_of
+
+    scale = scenarios.SCALES["small"]
+    sc = scenarios.long_prompts(scale, scenarios.random.Random(0))
+    assert sc.lines == scenarios.long_prompts(scale, scenarios.random.Random(0)).lines
+    assert sc.lines != scenarios.long_prompts(scale, scenarios.random.Random(1)).lines
+    steady = [x for x in sc.lines if x["user"] != "flooder"]
+    flood = [x for x in sc.lines if x["user"] == "flooder"]
+    assert len({x["user"] for x in steady}) == 4 and len(steady) == 4 * 15
+    assert {(x["prompt_tokens"], x["max_tokens"]) for x in steady} == {(200, 150)}
+    assert {(x["prompt_tokens"], x["max_tokens"]) for x in flood} == {(3800, 20)}
+    assert len(flood) == 4 * 28 and min(x["t"] for x in flood) >= 2.0
+    assert sc.rates["flooder"] == 5 and sc.rates["steady-0"] == 100
+    assert (sc.step_time.base_s, sc.step_time.per_prefill_token_s) == (0.025, 20e-6)
+    assert arms_of(sc, None) == list(scenarios.LONG_PROMPT_ARMS)
+    assert arms_of(scenarios.flood(scale, scenarios.random.Random(0)), None) == list(ARMS)
+    assert arms_of(sc, ["borrowing", "capped"]) == ["capped"]
+    assert arm_limits(sc, "capped-prompt") == (
+        "default: {rate: 100, prompt_rate: 20000}\nusers:\n"
+        "  flooder: {rate: 5, prompt_rate: 4000}\n")
+    assert arm_limits(sc, "capped") == "default: 100\nusers:\n  flooder: 5\n"
+    assert arm_limits(sc, "fcfs") is None
+    # the twin's generator makes the same load: ``twin workload long_prompts``
+    import argparse
+
+    from vllm_output_rate.tools.twin import workload
+
+    parser = argparse.ArgumentParser()
+    workload.add_generator_args(parser)
+    args = parser.parse_args(["long_prompts", "--out", "x", "--users", "4", "--rate", "0.5",
+                              "--prompt-tokens", "200", "--max-tokens", "150",
+                              "--duration", "30"])
+    assert workload.generate("long_prompts", args) == sc.lines
+    cpu = scenarios.long_prompts(scenarios.ENGINE_SCALE, scenarios.random.Random(0))
+    assert {x["prompt_tokens"] for x in cpu.lines if x["user"] == "flooder"} == {900}
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("fairness")
     assert cli.main(["--scale", "small", "--scenario", "flood", "--scenario", "alone",
-                     "--out", str(out)]) == 0
+                     "--scenario", "long_prompts", "--out", str(out)]) == 0
     return json.loads((out / "fairness.json").read_text()), (out / "fairness.md").read_text()
 
 
@@ -101,6 +157,35 @@ def test_a_flood_beside_steady_users_under_each_arm(quick):
     assert arms["borrowing"]["groups"]["flooder"]["borrowed_tokens"] > 0
 
 
+def test_long_prompts_beside_steady_users_under_each_arm(quick):
+    """Issue 48's goals in the twin (its step model): upstream FCFS makes
+    every step that carries a flooder's prompt a long step for the steady
+    users (their spacing p99 3x and more their figure without the flood);
+    the limiter capped without prompt budgets holds the flooder's output,
+    not its prompts (the same); with prompt budgets (just in time, the
+    default) their spacing p99 and TTFT p99 stay within 1.2x of their
+    figures without the flood while the flooder still gets its output
+    rate while backlogged; the long-prefill threshold spreads the damage
+    over every step; the input-token gateway refuses prompts once its
+    minute's count is spent."""
+    lp = results_of(quick, "long_prompts")
+    arms, baseline = lp["arms"], lp["baseline"]
+    assert list(arms) == list(scenarios.LONG_PROMPT_ARMS) == list(baseline)
+
+    def ratio(arm, key):
+        now, was = arms[arm]["groups"]["steady"][key], baseline[arm]["groups"]["steady"][key]
+        return now["p99"] / was["p99"] if isinstance(now, dict) else now / was
+
+    assert ratio("fcfs", "itl_p99_s") > 3 and ratio("capped", "itl_p99_s") > 3
+    assert ratio("capped-prompt", "itl_p99_s") <= 1.2
+    assert ratio("capped-prompt", "ttft_s") <= 1.2
+    assert arms["capped-prompt"]["groups"]["flooder"]["held_while_backlogged_min"] >= 0.95
+    assert ratio("fcfs-threshold", "itl_p99_s") < ratio("fcfs", "itl_p99_s")
+    assert arms["gateway-input"]["groups"]["flooder"]["refused"] > 0
+    goal = {g["goal"]: g for g in quick[0]["goals"]}
+    assert all(g["met"] for name, g in goal.items() if name.startswith("long_prompts"))
+
+
 def test_one_user_alone_borrows_what_the_feature_off_would_give(quick):
     goal = {g["goal"]: g for g in quick[0]["goals"]}
     met = goal["alone: borrowing throughput / feature off"]
@@ -119,6 +204,9 @@ def test_the_engine_arms_flags_and_the_gateways_limits():
 
     assert fe.serve_args("fcfs", 8, None) == ["--max-model-len", "1024", "--max-num-seqs", "8"]
     assert fe.serve_args("priority", 8, None)[-2:] == ["--scheduling-policy", "priority"]
+    assert fe.serve_args("fcfs-threshold", 8, None, 128)[-2:] == [
+        "--long-prefill-token-threshold", "128"]
+    assert "--max-num-active-seqs" in fe.serve_args("capped-prompt", 8, fe.Path("l.yaml"))
     ours = fe.serve_args("borrowing", 8, fe.Path("l.yaml"))
     assert ours[ours.index("--max-num-seqs") + 1] == "32"
     assert ours[ours.index("--max-num-active-seqs") + 1] == "8"
@@ -133,6 +221,8 @@ def test_the_engine_arms_flags_and_the_gateways_limits():
     settings = config["general_settings"]
     assert settings["custom_auth"] == "custom_auth.user_api_key_auth"
     assert settings["token_rate_limit_type"] == "output"
+    assert yaml.safe_load(fe.litellm_config(8123, "input"))["general_settings"][
+        "token_rate_limit_type"] == "input"
     assert settings["master_key"].startswith("sk-") and settings["master_key"] != "sk-1234"
     compile(fe.CUSTOM_AUTH, "custom_auth.py", "exec")  # the hook the proxy imports
 
@@ -248,6 +338,9 @@ def test_engine_side_ttft_from_the_event_log(tmp_path):
             fe.Record("b", 0.0, cid="fair-2-b", sent_ns=2_000),
             fe.Record("b", 0.0, cid="fair-3-b", sent_ns=2_000, refused=True)]
     assert fe.engine_ttft(events, recs) == {"a": [3_500, 1_000], "b": [3_000]}
+    # spacing engine-side: fair-1-a's second token 2,000 ns after its first
+    # (fair-10-a's two tokens in its first step: no spacing yet)
+    assert fe.engine_spacing(events, recs) == {"a": [2_000]}
     # and the figures' groups carry it, as quantiles in seconds
     scenario = scenarios.Scenario("f", "", [], {"a": 1.0, "b": 1.0}, {"a": "g", "b": "g"})
     result = fe.result_of(recs[:3], 40.0, {}, 30.0, figures.WARMUP_S)

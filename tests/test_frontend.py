@@ -280,6 +280,7 @@ def test_configure_carries_traces_exactly_when_they_are_on(monkeypatch):
 
 # -- tenant isolation: who reads what, and the RateLimit headers ----------------------
 
+from dataclasses import replace  # noqa: E402
 from fractions import Fraction  # noqa: E402
 
 from vllm_output_rate import access  # noqa: E402
@@ -446,6 +447,20 @@ def test_ratelimit_header_fields(limit, tier, listed, ready, policy, state):
     assert access.limit_fraction(float(limit)) == limit
 
 
+@pytest.mark.parametrize("prompt, ready, policy, state", [
+    (Fraction(4000), 0.0, '"gold-prompt";q=4000;w=1;qu="prompt-tokens"', '"gold-prompt";r=4000;t=0'),
+    (Fraction(500), 0.5, '"gold-prompt";q=500;w=1;qu="prompt-tokens"', '"gold-prompt";r=250;t=1'),
+    (Fraction(1, 4), 3.0, '"gold-prompt";q=1;w=4;qu="prompt-tokens"', '"gold-prompt";r=0;t=3'),
+])
+def test_a_prompt_budget_is_a_second_policy(prompt, ready, policy, state):
+    """The prompt budget follows the output policy in both fields, named
+    after it, in prompt tokens; the output policy is unchanged."""
+    headers = dict(access.ratelimit_headers(Fraction(50), "gold", True, 0.0, prompt, ready))
+    assert headers == {
+        b"ratelimit-policy": f'"gold";q=50;w=1;qu="output-tokens", {policy}'.encode(),
+        b"ratelimit": f'"gold";r=50;t=0, {state}'.encode()}
+
+
 def _complete(mw, headers, note=None, chunks=(b"data: 1\n\n", b"data: [DONE]\n\n"), status=200,
               path="/v1/chat/completions"):
     """A completion through the middleware; the app names the body's user
@@ -509,6 +524,31 @@ def test_completion_responses_carry_the_callers_own_limit(tmp_path, monkeypatch)
     monkeypatch.setattr(frontend, "_self_view", view)
     got = _complete(mw, [], note="carol")
     assert got[b"ratelimit-policy"] == b'"user";q=15;w=2;qu="output-tokens"'
+
+    # a prompt budget in the engine's view: the second policy (not when unlimited)
+    async def prompted(user):
+        return {"limit": 50, "tier": "rag", "listed": True, "ready_in_s": 0.0,
+                "prompt_rate": 4000.0, "prompt_ready_in_s": 0.25}
+
+    monkeypatch.setattr(frontend, "_self_view", prompted)
+    got = _complete(mw, [], note="carol")
+    assert got[b"ratelimit-policy"] == (b'"rag";q=50;w=1;qu="output-tokens", '
+                                        b'"rag-prompt";q=4000;w=1;qu="prompt-tokens"')
+    assert got[b"ratelimit"] == b'"rag";r=50;t=0, "rag-prompt";r=3000;t=1'
+
+    async def unlimited(user):
+        return {"limit": 50, "tier": None, "listed": True, "ready_in_s": 0.0,
+                "prompt_rate": "unlimited", "prompt_ready_in_s": 0.0}
+
+    monkeypatch.setattr(frontend, "_self_view", unlimited)
+    assert b"prompt" not in _complete(mw, [], note="carol")[b"ratelimit-policy"]
+
+    # without an engine's view, this process's limits: the default's prompt budget
+    monkeypatch.setattr(frontend, "_self_view", None)
+    monkeypatch.setattr(frontend, "_config", replace(config, default_prompt_rate=Fraction(800)))
+    got = _complete(mw, [], note="carol")
+    assert got[b"ratelimit-policy"] == (b'"default";q=40;w=1;qu="output-tokens", '
+                                        b'"default-prompt";q=800;w=1;qu="prompt-tokens"')
 
     async def broken(user):
         raise RuntimeError("no snapshot")

@@ -116,9 +116,7 @@ def test_the_installed_command_runs_from_any_directory(fresh_venv, tmp_path):
 @pytest.mark.e2e
 def test_serve_from_the_wheel_limits_and_reports(fresh_venv, tmp_path):
     """`vllm-output-rate serve` of the installed wheel, started outside the
-    repository: the limit holds and the engine's series are on /metrics.
-    Started with vLLM's defaults (``fast_start=False``: torch.compile and
-    the CPU platform's 1 GiB KV cache), the one engine of the suite that is."""
+    repository: the limit holds and the engine's series are on /metrics."""
     args = ["--max-num-seqs", "8", "--max-model-len", "512", "--gpu-memory-utilization", "0.3",
             "--default-user-output-tokens-per-second", "1000",
             "--user-output-tokens-per-second", json.dumps({"slow": 20})]

@@ -198,6 +198,43 @@ def test_without_chunked_prefill_a_prompt_goes_whole_or_waits():
     assert drv.count(b.request_id) == 2
 
 
+@pytest.mark.parametrize("is_async", MODES)
+def test_a_long_prompt_users_output_budget_is_used_while_its_prompts_are_computed(is_async):
+    """Issue 48's flooder: user f at 5 tok/s with a prompt budget of 4,000
+    tokens/s queues 3,800-token prompts with 20 tokens out each, beside b.
+    A prompt takes about a second of f's prompt budget, longer than a
+    turn can wait: no turn keeps f's token from its running request while
+    a prompt is computed, and the next prompt is computed just in time for
+    the token after those f's running request may still take. f samples
+    at least 0.95 of its rate while backlogged (it sampled 0.2 before: a
+    token a prompt). A step that puts a prompt off leaves the engine a
+    wake time ahead of it, never behind (an idle engine would spin)."""
+    lim = limits(1000, prompt_rates={"f": 4000}, f=5)
+    sched, drv, clock = setup(lim, is_async, step_ms=25.0, max_num_seqs=64,
+                              max_num_active_seqs=16, max_num_batched_tokens=8192,
+                              max_model_len=4096)
+    flood = [make_request("f", prompt_len=3800, max_tokens=20) for _ in range(12)]
+    b = make_request("b", prompt_len=16, max_tokens=100)
+    start = clock()
+    drv.add(b, *flood)
+    idle = 0
+    for _ in range(400):  # 10 s
+        out = drv.step()
+        if not out.num_scheduled_tokens:
+            idle += 1
+            step_now = sched.output_rate.step.now
+            wake = sched.output_rate_wake_target_ns()
+            assert wake is not None and wake > step_now
+    drv.flush()
+    assert idle  # (the wake times were checked)
+    times = [t for r in flood for _, t in drv.tokens.get(r.request_id, ())]
+    assert len(times) < 12 * 20  # still backlogged at the end
+    # from 2 s (its first prompt took about a second of its prompt budget) to 10 s
+    got = sum(1 for t in times if start + 2 * NS_PER_S <= t < start + 10 * NS_PER_S)
+    assert got >= 0.95 * 5 * 8, got
+    assert drv.count(b.request_id) == 100
+
+
 # -- random workloads ---------------------------------------------------------------
 
 

@@ -247,22 +247,7 @@ def test_fleet_bound_holds_for_random_demands_joins_and_leaves(redis_server, dat
     engines = [fleet.add_engine() for _ in range(data.draw(st.integers(1, 4)))]
     plan = data.draw(st.lists(st.tuples(st.integers(0, 3), st.integers(0, len(engines) - 1),
                                         st.integers(0, 4)), min_size=1, max_size=8))
-    events = sorted(plan)
-    t = 0.0
-    for phase_s, i, streams in events:
-        if phase_s > t:
-            fleet.run(phase_s - t)
-            t = phase_s
-        engine = engines[i]
-        if streams == 0 and data.draw(st.booleans()):
-            if data.draw(st.booleans()):
-                engine.alive = False  # an engine that dies (its leases simply lapse)
-            else:
-                fleet.leave(engine)  # one that shuts down and leaves the store
-        else:
-            engine.alive = True
-            engine.streams = {"u": streams}
-    fleet.run(4.0 - t)
+    fleet.play(engines, plan, 4.0, lambda: data.draw(st.booleans()))
     _check_bound(fleet, "u")
 
 

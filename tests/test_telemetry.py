@@ -481,12 +481,12 @@ def test_event_queue_overflow_is_counted(tmp_path, monkeypatch):
     monkeypatch.setattr(eventlog_mod, "EVENTS_QUEUE_CAP", 3)
     sched, drv, tel, path = events_setup(tmp_path, limits(1000), monkeypatch)
     drv.add(make_request("a", max_tokens=10))
-    # 1 queued + 1 throttled (none) + 10 token lines + 1 finish line, 3 kept
+    # 1 queued + 1 throttled (none) + 1 prompt line + 10 token lines + 1 finish line, 3 kept
     drv.run_until_done()
-    assert counter(tel, "telemetry_dropped", "events_queue_full") == 10
+    assert counter(tel, "telemetry_dropped", "events_queue_full") == 11
     tel.export()
     kinds = [e["kind"] for e in read_events(path)]
-    assert sorted(kinds) == ["queued", "start", "throttled", "tokens"]
+    assert sorted(kinds) == ["prompt", "queued", "start", "throttled"]
 
 
 def test_unwritable_event_log_is_counted_not_raised(tmp_path, monkeypatch):
@@ -547,10 +547,13 @@ def test_the_metrics_page_lists_every_renamed_metric():
     assert PREFIX == "vllm_output_rate_"
     assert set(RENAMED_FROM) == {m.full_name for m in METRICS if m.renamed}
     # metrics added after the rename: shared-budget mode's, borrowing's,
-    # the preemptions for a request with budget and the state sizes
+    # the preemptions for a request with budget, prompt work and the state sizes
     added = [m.name for m in METRICS if not m.renamed]
     assert [n for n in added if not n.startswith("shared_")] == [
-        "tokens_borrowed", "engine_tokens_borrowed", "engine_throttled_preempted", "state_entries"]
+        "tokens_borrowed", "engine_tokens_borrowed", "engine_throttled_preempted",
+        "prompt_tokens_computed", "engine_prompt_tokens_computed", "prompt_tokens_deferred",
+        "engine_prompt_tokens_deferred", "prompt_step_seconds", "engine_step_seconds",
+        "state_entries"]
     for new, old in RENAMED_FROM.items():
         assert f"| `{old}` | `{new}` |" in readme, new
     shares = [m for m in METRICS if m.unit == "ratio"]

@@ -154,10 +154,14 @@ def test_serve_refuses_a_bad_value_at_start_up(monkeypatch, value, why):
 def _request(kind, openai_user, xargs):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
     body = {"model": "tiny", "user": openai_user, "vllm_xargs": xargs}
     if kind == "chat":
         req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)
+        return lambda: req.to_sampling_params(4, {})
+    if kind == "responses":  # /v1/responses
+        req = ResponsesRequest(input="hi", **body)
         return lambda: req.to_sampling_params(4, {})
     req = CompletionRequest(prompt="hi", **body)
     return lambda: req.to_sampling_params(4)
@@ -171,7 +175,7 @@ def opted_in(monkeypatch):
     monkeypatch.setattr(frontend, "_identity", frontend.Identity(user_sources=("vllm_xargs", "user")))
 
 
-@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("kind", ["chat", "completion", "responses"])
 def test_the_serving_entry_charges_the_openai_user_only_when_opted_in(monkeypatch, kind):
     plugin.register()
     monkeypatch.setattr(plugin, "_feature_on", True)
@@ -180,9 +184,10 @@ def test_the_serving_entry_charges_the_openai_user_only_when_opted_in(monkeypatc
     monkeypatch.setattr(frontend, "_identity", frontend.Identity(user_sources=("vllm_xargs", "user")))
     assert _request(kind, "lite-user", None)().extra_args == {USER_FIELD: "lite-user"}
     assert _request(kind, "lite-user", {USER_FIELD: "x"})().extra_args == {USER_FIELD: "x"}
-    # feature off: the request goes to vLLM as it came
+    # feature off: the request goes to vLLM as it came (no extra arguments:
+    # None, or the responses entry's own empty dict)
     monkeypatch.setattr(plugin, "_feature_on", False)
-    assert _request(kind, "lite-user", None)().extra_args is None
+    assert not _request(kind, "lite-user", None)().extra_args
 
 
 @pytest.mark.parametrize("source", ["header", "api_key"])
@@ -192,11 +197,13 @@ def test_a_trusted_identity_decides_over_every_body_field(opted_in, source):
     try:
         params = _request("completion", "mallory-too", dict(forged))()
         plain = _request("chat", "mallory-too", None)()
+        responses = _request("responses", "mallory-too", dict(forged))()
     finally:
         frontend.IDENTITY_SOURCE.reset(where)
         frontend.IDENTITY.reset(user)
     assert params.extra_args == {USER_FIELD: "alice", TRUSTED_FIELD: source}
     assert plain.extra_args == {USER_FIELD: "alice", TRUSTED_FIELD: source}
+    assert responses.extra_args == {USER_FIELD: "alice", TRUSTED_FIELD: source}
     # without the trusted identity, a client's own claim of trust is removed
     untrusted = _request("completion", "lite-user", dict(forged))().extra_args
     assert untrusted == {USER_FIELD: "mallory"}

@@ -532,3 +532,35 @@ def test_the_one_pass_excess_gives_the_same_verdict_as_every_window(steps, slack
     s_i = events[i][0] if starts is None else min(starts[i], events[i][0])
     tokens = sum(n for _, n in events[i:j + 1])
     assert excess == tokens - (Fraction(events[j][0] - s_i + 100 * MS, 10**9)) * rate - 1
+
+
+def _with_prompts(good, lines, chunked=True, prompt_tokens=0):
+    """The good run, its engine's start line naming a prompt budget for a
+    (100 prompt tokens/s; b listed without one) and these prompt lines."""
+    sc, run, log, metrics = good
+    start = {**log.starts[0], "prompt_limits": {"a": 100.0, "b": None},
+             "default_prompt_limit": None, "chunked_prefill": chunked}
+    run = copy.deepcopy(run)
+    for rec in run.requests:
+        rec.prompt_tokens = prompt_tokens
+    log = copy.deepcopy(log)
+    log.starts = [start]
+    log.prompts = [(t, {"a": n, "b": 10 * n}) for t, n in lines]
+    return checks_of(sc, run, log, metrics)[0]
+
+
+def test_the_prompt_budgets_bound_is_checked_where_the_limits_carry_one(good):
+    """prompt_bound for a (b's prompts are not budgeted, and no check
+    without prompt budgets at all): a token each 10 ms at 100 tok/s holds;
+    two each 10 ms does not; without chunked prefill a whole prompt is
+    allowed over the bound by its size."""
+    assert not any(label.startswith("prompt_bound") for label in checks_of(*good)[0])
+    steady = [(10 * MS * k, 1) for k in range(1, 300)]
+    checks = _with_prompts(good, steady)
+    assert [label for label in checks if label.startswith("prompt_bound")] == ["prompt_bound[a]"]
+    assert checks["prompt_bound[a]"].ok and "chunked prefill" in checks["prompt_bound[a]"].summary
+    over = _with_prompts(good, [(10 * MS * k, 2) for k in range(1, 300)])
+    assert not over["prompt_bound[a]"].ok and "over the bound" in over["prompt_bound[a]"].summary
+    whole = [(S, 400), (5 * S, 400)]  # 400 tokens at once, 4 s apart: the debt paid back
+    assert not _with_prompts(good, whole, chunked=False)["prompt_bound[a]"].ok
+    assert _with_prompts(good, whole, chunked=False, prompt_tokens=400)["prompt_bound[a]"].ok

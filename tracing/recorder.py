@@ -10,6 +10,7 @@ recorder made with ``background=True`` has a builder thread of its own that
 does it every ``BUILD_INTERVAL_S``; and at shutdown) replays the queue in
 order into the builders' books and spans: the spacing series
 (``series``), throttle episodes and over-limit periods (``throttle``),
+deferred prefills (``prefill``: their books kept on the worker),
 generation spans (``generation``), step, idle-wait and limits-reload spans
 (``steps``), all made on one emitter (``emit``). A full queue drops entries
 and a broken entry is skipped, both counted (``drops.TraceDrops``) and
@@ -30,6 +31,7 @@ from vllm_output_rate.telemetry.records import Episodes, TokenUpdate
 from vllm_output_rate.tracing.drops import TraceDrops, max_queue_from_env
 from vllm_output_rate.tracing.emit import SpanEmitter
 from vllm_output_rate.tracing.generation import GenerationSpans
+from vllm_output_rate.tracing.prefill import PrefillSpans
 from vllm_output_rate.tracing.series import SpacingSeries
 from vllm_output_rate.tracing.steps import StepSpans
 from vllm_output_rate.tracing.throttle import PERIOD_SWEEP_NS, ThrottleSpans
@@ -75,6 +77,8 @@ class SpanRecorder:
         self.throttle = ThrottleSpans(emitter, view, series)
         self.generation = GenerationSpans(emitter, view, series, self.throttle)
         self.steps = StepSpans(emitter, self.step_sample_every)
+        #: deferred prefills: books on the telemetry's worker, spans built here
+        self.prefill = PrefillSpans(emitter, view)
         # what is queued per step and per update, bound once
         self._replay_step = self.throttle.replay_step
         self._replay_outputs = self.generation.replay_outputs
@@ -149,18 +153,27 @@ class SpanRecorder:
     # -- per step: throttle episodes, over-limit periods, step spans ---------
 
     def on_step(self, record: StepReport, ended: Episodes | None = None,
-                opened_users: Any = (), sweep: set[str | None] | None = None) -> None:
+                opened_users: Any = (), sweep: set[str | None] | None = None,
+                facts_of: Callable[[str], RequestFacts | None] | None = None) -> None:
         """Per step (``telemetry.folds``, on the worker: at most two appends).
         ``ended``: the throttle episodes that ended in the step (at the
         dispatch of the step before, see ``telemetry.records.Episodes``);
         ``opened_users``: the users of the episodes that began in this step;
         ``sweep`` (every ``sweep_ns``): the users with an episode open, for
-        periods to end."""
+        periods to end; ``facts_of``: a request's facts by id (deferred
+        prefills' spans)."""
         if ended is not None or opened_users or record.refused or record.preempted_throttled \
                 or sweep is not None or record.borrowed or record.at_ceiling:
             self._queue(self._replay_step, record, opened_users, ended, sweep)
         if record.refunded or (record.refused and self._sample_refusal()):
             self._queue(self._build_step, record)
+        if record.prompt_deferred or (record.prompt_chunks and self.prefill.open):
+            self._queue_prefill(self.prefill.on_step(record, facts_of, self.throttle_min_ns))
+
+    def _queue_prefill(self, closed: list[tuple]) -> None:
+        build = self.prefill.build
+        for span in closed:
+            self._queue(build, *span)
 
     def _sample_refusal(self) -> bool:
         self._refusal_steps += 1
@@ -186,8 +199,12 @@ class SpanRecorder:
         """One ``update_from_output`` (``telemetry.folds``, on the worker:
         one append): its token timing as the metrics worked it out
         (``telemetry.records.TokenUpdate``), and the facts of the requests
-        with their first tokens (read by their handles)."""
+        with their first tokens (read by their handles); the prefill spans
+        of the requests that finished with their prompt put off."""
         self._queue(self._replay_outputs, timing, first_facts)
+        if timing.ends and self.prefill.open:
+            self._queue_prefill(self.prefill.on_ended(timing.ends, timing.now, "finished",
+                                                      min_ns=self.throttle_min_ns))
 
     def on_aborted(self, aborted: list[tuple[str, str]], now: int,
                    ended: Episodes | None = None,
@@ -201,6 +218,9 @@ class SpanRecorder:
             view = self.view
             facts = [view.request_facts(req_id) for req_id, _ in aborted]
         self._queue(self._replay_aborted, aborted, facts, ended, now)
+        if self.prefill.open:
+            self._queue_prefill(self.prefill.on_ended(aborted, now, "aborted", facts,
+                                                      self.throttle_min_ns))
 
     def _replay_aborted(self, aborted: list[tuple[str, str]], facts: list[RequestFacts | None],
                         ended: Episodes | None, now: int) -> None:

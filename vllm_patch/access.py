@@ -120,8 +120,12 @@ def decide_read(mode: str, kind: str | None, own_user: str | None,
 
 # -- the RateLimit header fields ----------------------------------------------------
 
-#: The quota unit of the policies (the draft's ``qu``, an extension value).
+#: The quota unit of the policies (the draft's ``qu``, an extension value):
+#: the output limit's, and the prompt budget's (a second policy).
 QUOTA_UNIT = "output-tokens"
+PROMPT_QUOTA_UNIT = "prompt-tokens"
+#: The prompt budget's policy is the output policy's name and this suffix.
+PROMPT_POLICY_SUFFIX = "-prompt"
 
 
 def policy_name(tier: str | None, listed: bool) -> str:
@@ -145,8 +149,9 @@ def _sf_string(value: str) -> str:
     return '"' + clean.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def ratelimit_headers(limit: Fraction, tier: str | None, listed: bool,
-                      ready_in_s: float) -> list[tuple[bytes, bytes]]:
+def ratelimit_headers(limit: Fraction, tier: str | None, listed: bool, ready_in_s: float,
+                      prompt_rate: Fraction | None = None,
+                      prompt_ready_in_s: float = 0.0) -> list[tuple[bytes, bytes]]:
     """``RateLimit-Policy`` and ``RateLimit`` for a caller whose budget
     allows ``limit`` tok/s and is ``ready_in_s`` seconds behind (0: it can
     take a token now):
@@ -155,15 +160,28 @@ def ratelimit_headers(limit: Fraction, tier: str | None, listed: bool,
     ``RateLimit: "gold";r=1000;t=0``
 
     ``r``: output tokens the budget still allows over the next ``w``
-    seconds; ``t``: seconds (rounded up) until it allows a full ``q`` again."""
-    name = _sf_string(policy_name(tier, listed))
+    seconds; ``t``: seconds (rounded up) until it allows a full ``q`` again.
+    With a prompt budget (``prompt_rate`` prompt tokens per second,
+    ``prompt_ready_in_s`` behind), a second policy in both fields, named
+    after the first (``PROMPT_POLICY_SUFFIX``):
+
+    ``RateLimit-Policy: "gold";q=1000;w=1;qu="output-tokens",
+    "gold-prompt";q=4000;w=1;qu="prompt-tokens"``"""
+    name = policy_name(tier, listed)
+    policies, states = _policy(_sf_string(name), limit, ready_in_s, QUOTA_UNIT)
+    if prompt_rate is not None:
+        more = _policy(_sf_string(name + PROMPT_POLICY_SUFFIX), prompt_rate, prompt_ready_in_s,
+                       PROMPT_QUOTA_UNIT)
+        policies, states = f"{policies}, {more[0]}", f"{states}, {more[1]}"
+    return [(b"ratelimit-policy", policies.encode()), (b"ratelimit", states.encode())]
+
+
+def _policy(name: str, limit: Fraction, ready_in_s: float, unit: str) -> tuple[str, str]:
+    """One policy's items of ``RateLimit-Policy`` and ``RateLimit``."""
     q, w = quota(limit)
     behind = max(0.0, float(ready_in_s))
     remaining = max(0, math.floor((w - behind) * q / w + 1e-9)) if behind else q
-    return [
-        (b"ratelimit-policy", f'{name};q={q};w={w};qu="{QUOTA_UNIT}"'.encode()),
-        (b"ratelimit", f"{name};r={remaining};t={math.ceil(behind)}".encode()),
-    ]
+    return f'{name};q={q};w={w};qu="{unit}"', f"{name};r={remaining};t={math.ceil(behind)}"
 
 
 def limit_fraction(value: float | Fraction | int) -> Fraction:

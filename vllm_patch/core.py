@@ -39,7 +39,12 @@ from vllm_output_rate.host import SchedulerHost
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.ledger import StepLedger
 from vllm_output_rate.limiter import OutputRateLimiter
-from vllm_output_rate.observers import LimitsChange, StepReport, create_observer
+from vllm_output_rate.observers import (
+    PROMPT_DEFER_REASONS,
+    LimitsChange,
+    StepReport,
+    create_observer,
+)
 from vllm_output_rate.planners import plan_residency, plan_running_order
 from vllm_output_rate.prompt_budget import PromptBudgets, prompt_work
 from vllm_output_rate.request_fields import resolve_user, trusted_source
@@ -48,6 +53,8 @@ from vllm_output_rate.request_fields import resolve_user, trusted_source
 CLEANUP_EVERY_STEPS = 256
 
 _RUNNING = RequestStatus.RUNNING
+#: The reasons a prompt is put off, as bits of ``Request.output_rate_deferred``.
+_DEFER_BITS = {reason: 1 << i for i, reason in enumerate(PROMPT_DEFER_REASONS)}
 
 
 class OutputRateCore(SchedulerHost):
@@ -140,6 +147,9 @@ class OutputRateCore(SchedulerHost):
         request.output_rate_served_ns = 0
         # The step it may borrow in (set when the scheduler lends to it).
         request.output_rate_borrow_step = -1
+        # The reasons its prompt was put off so far (``_DEFER_BITS``: each
+        # reported once, ``StepReport.prompt_deferred``).
+        request.output_rate_deferred = 0
 
     # -- before vLLM's schedule() -----------------------------------------------
 
@@ -337,12 +347,12 @@ class OutputRateCore(SchedulerHost):
                     step.report.borrowed[req_id] = user
                 else:
                     num_new_tokens = self._orl_refuse(request, user, num_computed_tokens, num_new_tokens)
-                    if num_new_tokens and prompts is not None:
+                    if num_new_tokens and num_computed_tokens < request.num_prompt_tokens:
                         self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
                     return num_new_tokens
         elif not st.prefill_ahead and st.lender is None and not self._orl_in_time(
                 request, request.num_tokens - num_computed_tokens - num_new_tokens,
-                num_new_tokens):
+                num_new_tokens, spent=num_new_tokens):
             # just in time: not computed before its user may sample
             return self._orl_refuse(request, request.output_rate_user, num_computed_tokens,
                                      num_new_tokens)
@@ -351,22 +361,42 @@ class OutputRateCore(SchedulerHost):
         charges = step.charges
         if charges.gives:  # (the room of a lending step)
             charges.give(request, num_new_tokens)
-        if prompts is not None:
+        if num_computed_tokens < request.num_prompt_tokens:
             self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
         return num_new_tokens
 
-    def _orl_in_time(self, request: Request, after: int, chunk: int) -> bool:
+    def _orl_in_time(self, request: Request, after: int, chunk: int, claimed: int = 0,
+                     spent: int = 0) -> bool:
         """Just in time: whether a prefill with ``after`` tokens still to
         compute after this chunk (chunks of about ``chunk`` tokens, a step
-        each at the engine's step period) ends no earlier than its user's
-        next token: it has budget now, or its budget returns by then."""
+        each at the engine's step period; no faster than its user's prompt
+        budget grants them) ends no earlier than the token it waits for:
+        its user's next one (it has budget now, or its budget returns by
+        then), or, ``claimed`` tokens of its user's running requests still
+        to come first, the one after those (``spent``: prompt tokens of its
+        user's budget this chunk takes now)."""
         st = self.output_rate
         step = st.step
         user = request.output_rate_user
-        if step.charges.left(user) > 0:
+        if not claimed and step.charges.left(user) > 0:
             return True
         steps = -(-after // max(chunk, 1)) + 1
-        return st.limiter.ready_at_ns(user) - step.now <= steps * (st.period_ns or 0)
+        takes = steps * (st.period_ns or 0)
+        prompts = st.prompts
+        if prompts is not None:
+            takes = max(takes, prompts.eta_ns(user, step.now, after + spent))
+        due = max(st.limiter.ready_at_ns(user), step.now)
+        if claimed:
+            rate = st.limiter.rate_of(user)
+            due += claimed * rate.denominator * 1_000_000_000 // rate.numerator
+        if due - step.now <= takes:
+            return True
+        # put off: the engine wakes when it is in time
+        jit = step.jit_waits
+        at = due - takes
+        if at < jit.get(user, at + 1):
+            jit[user] = at
+        return False
 
     def _orl_refuse(self, request: Request, user: str, num_computed_tokens: int,
                     num_new_tokens: int) -> int:
@@ -393,6 +423,8 @@ class OutputRateCore(SchedulerHost):
             return held
         if held > 0:
             step.report.prefill_deferred += 1
+            if not st.prefill_ahead and st.lender is None:
+                self._orl_prompt_put_off(request, "just_in_time", num_computed_tokens)
         if running:
             step.throttled_running += 1
             self._orl_mark_throttled(request)
@@ -417,8 +449,8 @@ class OutputRateCore(SchedulerHost):
             return num_new_tokens
         if not st.chunked:
             short = num_new_tokens  # (whole or not at all)
-        deferred = step.report.prompt_deferred
-        deferred[user] = deferred.get(user, 0) + short
+        self._orl_prompt_put_off(request, "prompt_budget",
+                                 num_computed_tokens + num_new_tokens - short)
         step.prompt_waits[user] = 0  # ready time filled in when the step ends
         if short >= num_new_tokens and request.status == _RUNNING:
             step.throttled_running += 1
@@ -426,26 +458,43 @@ class OutputRateCore(SchedulerHost):
 
     def _orl_prompt_take(self, request: Request, num_computed_tokens: int,
                          num_new_tokens: int) -> None:
-        """Charge the chunk's prompt tokens (within ``_orl_prompt_cut``'s
-        cut), kept until the refund point."""
+        """A prefill chunk dispatched: its prompt tokens reported (every
+        user's) and, with a prompt budget, charged (within
+        ``_orl_prompt_cut``'s cut); both kept until the refund point."""
         st = self.output_rate
-        user = request.output_rate_user
-        prompts = st.prompts
-        if not prompts.budgeted(user):
-            return
-        work = prompt_work(request.num_prompt_tokens, num_computed_tokens, num_new_tokens)
+        num_prompt = request.num_prompt_tokens
+        work = prompt_work(num_prompt, num_computed_tokens, num_new_tokens)
         if work <= 0:
             return
+        user = request.output_rate_user
         step = st.step
+        req_id = request.request_id
+        chunks = step.report.prompt_chunks
+        old = chunks.get(req_id)
+        chunks[req_id] = (user, work + (old[1] if old else 0),
+                          num_computed_tokens + num_new_tokens >= num_prompt)
+        prompts = st.prompts
+        if prompts is None or not prompts.budgeted(user):
+            return
         if st.chunked:
             work = prompts.grant(user, step.now, work)
         elif not prompts.grant_whole(user, step.now, work):
             return
-        req_id = request.request_id
         old = step.prompt_charged.get(req_id)
         step.prompt_charged[req_id] = (user, work + (old[1] if old else 0))
-        counted = step.report.prompt_tokens
-        counted[user] = counted.get(user, 0) + work
+
+    def _orl_prompt_put_off(self, request: Request, reason: str, done: int) -> None:
+        """``request``'s prompt is put off (``reason``: one of
+        ``PROMPT_DEFER_REASONS``) with ``done`` of its tokens computed by the
+        end of this step: reported the first time for that reason."""
+        bit = _DEFER_BITS[reason]
+        if request.output_rate_deferred & bit:
+            return
+        left = request.num_prompt_tokens - done
+        if left > 0:
+            request.output_rate_deferred |= bit
+            self.output_rate.step.report.prompt_deferred.append(
+                (request.request_id, request.output_rate_user, reason, left))
 
     def _orl_mark_throttled(self, request: Request) -> None:
         """Record a running request skipped in this step for lack of budget
@@ -474,6 +523,8 @@ class OutputRateCore(SchedulerHost):
             t3 = time.perf_counter()
             report = st.step.report
             report.limiter_share = ((t1 - t0) + (t3 - t2)) / (t3 - t0)
+            report.scheduled_tokens = output.total_num_scheduled_tokens
+            report.scheduled_requests = len(output.num_scheduled_tokens)
             observer.on_step(report)
 
     def _orl_finish(self, scheduled: dict[str, int], preempted: set[str]) -> None:
@@ -489,6 +540,10 @@ class OutputRateCore(SchedulerHost):
             reason = "preempted" if req_id in preempted else "not_scheduled"
             record.refunded.append((req_id, user, reason))
         charges.settle(record, scheduled)  # (settled limiters: the step's net charges)
+        chunks = record.prompt_chunks
+        if chunks and not chunks.keys() <= scheduled.keys():
+            for req_id in chunks.keys() - scheduled.keys():
+                del chunks[req_id]  # (not dispatched: not computed)
         prompts = st.prompts
         if prompts is not None:
             self._orl_prompt_finish(prompts, scheduled)
@@ -508,15 +563,15 @@ class OutputRateCore(SchedulerHost):
         """Prompt budgets at the refund point: what was granted to a chunk
         not dispatched goes back; users put off learn when to come again."""
         step = self.output_rate.step
-        counted = step.report.prompt_tokens
         for req_id, (user, n) in step.prompt_charged.items():
             if req_id not in scheduled:
                 prompts.refund(user, n)
-                left = counted[user] - n
-                if left:
-                    counted[user] = left
-                else:
-                    del counted[user]
         waits = step.prompt_waits
-        for user in waits:
-            waits[user] = prompts.ready_at_ns(user)
+        now = step.now
+        for user in list(waits):
+            at = waits[user] = prompts.ready_at_ns(user)
+            if at <= now:
+                # its budget is there: a chunk it cut went no further for
+                # another reason (just in time, its output budget), whose
+                # own time wakes the engine
+                del waits[user]

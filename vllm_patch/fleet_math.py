@@ -13,6 +13,18 @@ after it. So in any window of ``W`` seconds the whole fleet spends at most
 ``floor((W + H + B) x limit) + 1`` tokens of a user, with ``H`` the horizon
 and ``B`` the lookahead (0.5 s and 0.25 s by default): the long-run rate is
 exactly the limit, a short window may hold ``(H + B) x limit`` more.
+
+**Long slices** (``slice_ms`` = ``L``, off by default). A user whose
+spending on an engine is steady (the tokens it spent in each of the last
+two windows of ``L`` differ by at most a quarter, or two tokens) is asked
+for a long slice: what it spent lately, and a quarter more, for ``L`` and
+the time to the next ask, only when what it holds runs low; the engine
+releases the slice over ``L`` (``shared_limiter``). The store may grant
+such a slice's slots up to ``B + L`` ahead, and the lease lives ``H + L``:
+for such a user the bound's terms are ``H + L`` and ``B + L``, so
+``floor((W + H + B + 2L) x limit) + 1`` (``SharedStateSettings.long_horizon_s``,
+``long_lookahead_s``); the long-run rate is still the limit. A user never
+leased a long slice keeps the terms ``H`` and ``B``.
 """
 
 from __future__ import annotations
@@ -47,10 +59,68 @@ class LeaseSizer:
         #: user -> tokens per second wanted lately
         self.demand: dict[str, float] = {}
         self._last_ask_ns = 0
+        self.slice_s = settings.slice_s
+        self._slice_ns = int(settings.slice_s * NS_PER_S)
+        #: (long slices) user -> [window start ns, tokens spent in it, in
+        #: the window before, in the one before that, then the rounds it
+        #: was short of leases in the same three windows]
+        self.meter: dict[str, list[int]] = {}
+        self._sweep_ns = 0
+        #: (long slices) user -> when its next long slice is asked for (ns)
+        self.next_long: dict[str, int] = {}
+        #: (long slices) users whose last long slice came short of the ask
+        self.cut: set[str] = set()
+
+    def long_granted(self, user: str, tokens: int, want: int, now_ns: int) -> None:
+        """(The lease thread) What the store granted of a long slice (the
+        next one is asked for a slice later; none at all: a retry later)."""
+        if tokens < want:
+            self.cut.add(user)
+            if tokens <= 0:
+                self.next_long[user] = now_ns + self.retry_ns
+        else:
+            self.cut.discard(user)
+
+    def steady_rate(self, user: str, now_ns: int, fair: float = 0.0) -> float | None:
+        """Tokens per second to lease ``user`` on this engine for a long
+        slice, if it is steady over the last two whole windows of
+        ``slice_s``; else None. Steady: it spent in both, and either ran
+        short of leases in both (it wants more than it gets: the most it
+        spent, and a quarter more if its last slice came whole, at least its
+        fair share ``fair``), or
+        spent within a quarter (or two tokens) of the same in both (the
+        most, and a quarter more)."""
+        m = self.meter.get(user)
+        if m is None:
+            return None
+        self._roll(m, now_ns)
+        last, before = m[2], m[3]
+        if last <= 0 or before <= 0:
+            return None
+        most = (last if last > before else before) / self.slice_s
+        if m[5] > 0 and m[6] > 0:
+            # more than it got only if its last slice came whole
+            grown = most if user in self.cut else 1.25 * most
+            return grown if grown > fair else fair
+        if abs(last - before) > max(2, most * self.slice_s / 4):
+            return None
+        return 1.25 * most
+
+    def _roll(self, m: list[int], now_ns: int) -> None:
+        passed = (now_ns - m[0]) // self._slice_ns
+        if passed >= 1:
+            if passed == 1:
+                m[1], m[2], m[3], m[4], m[5], m[6] = 0, m[1], m[2], 0, m[4], m[5]
+            elif passed == 2:
+                m[1], m[2], m[3], m[4], m[5], m[6] = 0, 0, m[1], 0, 0, m[4]
+            else:
+                m[1:] = [0] * 6
+            m[0] += passed * self._slice_ns
 
     def asks(self, now_ns: int, recent: Mapping[str, int], short: Set[str],
              used: Mapping[str, int], held: Mapping[str, int], sharing: Mapping[str, int],
-             retry_at: Mapping[str, int], rate_of: Callable[[str], Fraction]) -> list[LeaseAsk]:
+             retry_at: Mapping[str, int], rate_of: Callable[[str], Fraction],
+             paced: Set[str] = frozenset()) -> list[LeaseAsk]:
         """Per user with demand on this engine: what to ask for.
 
         ``recent``: tokens spent per user since the last round; ``short``:
@@ -65,25 +135,58 @@ class LeaseSizer:
         interval and two ticks). Any other user: one and a half times what
         it spent lately, for two ticks. What an engine holds stays well
         under the horizon's worth, so leases are spent, not left to expire.
-        Never above the limit."""
+        ``paced``: users that waited for the release of their long slice
+        (as good as short, for steadiness). With long slices, a steady user (``steady_rate``): a long slice
+        (see the module docstring), nothing while it holds enough (``held``
+        counts the part of a slice not released yet). Never above the limit."""
         tick = self.tick_s
         elapsed = max((now_ns - self._last_ask_ns) / NS_PER_S, tick)
         self._last_ask_ns = now_ns
         cover_short = self.retry_ns / NS_PER_S + 2 * tick
         demand = self.demand
         users = set(recent) | short
+        slice_s = self.slice_s
+        meter = self.meter
+        if slice_s:
+            for user in users | paced:
+                m = meter.get(user)
+                if m is None:
+                    m = meter[user] = [now_ns, 0, 0, 0, 0, 0, 0]
+                self._roll(m, now_ns)
+                m[1] += recent.get(user, 0)
+                if user in short or user in paced:
+                    m[4] += 1
         # A user's demand estimate decays over a few ticks without spends.
         for user in list(demand):
             if user not in users:
                 demand[user] *= 0.5
                 if demand[user] * 2 * tick < 0.5:
                     del demand[user]
+        if meter and now_ns >= self._sweep_ns:
+            # (once a slice: meters that saw nothing for three windows go)
+            self._sweep_ns = now_ns + self._slice_ns
+            for user in [u for u, m in meter.items() if now_ns - m[0] >= 3 * self._slice_ns]:
+                del meter[user]
+                self.next_long.pop(user, None)
+                self.cut.discard(user)
         asks = []
         for user in users | set(demand) | set(used):
             if retry_at.get(user, 0) > now_ns and not used.get(user):
                 continue  # the store said no for now: ask again later
             rate = rate_of(user)
             limit = float(rate)
+            if slice_s and not used.get(user):
+                steady = self.steady_rate(user, now_ns, limit / max(1, sharing.get(user, 1)))
+                if steady is not None:
+                    # A long slice, once a slice: released over the slice,
+                    # it lasts until the next one.
+                    wanted = demand[user] = min(steady, limit)
+                    if now_ns >= self.next_long.get(user, 0):
+                        want = math.ceil(wanted * slice_s) - held.get(user, 0)
+                        if want > 0:
+                            self.next_long[user] = now_ns + self._slice_ns
+                            asks.append(LeaseAsk(user, rate, want, 0, long=True))
+                    continue
             spend = recent.get(user, 0) / elapsed
             if user in short:
                 # (Doubling from what it spent or asked last: a user whose

@@ -33,7 +33,8 @@ state from the engine's snapshot), by the read rules of ``access``: a
 customer's key reads only its own user's state; listing users, other users
 and the limits need an operator key (vLLM's ``--api-key`` or
 ``--output-rate-admin-keys``). Every 2xx completion response gets the
-caller's own ``RateLimit-Policy`` / ``RateLimit`` headers (``access``), from
+caller's own ``RateLimit-Policy`` / ``RateLimit`` headers (``access``; a
+prompt budget is a second policy there), from
 what another layer registers (``register_self_view``: telemetry reads the
 engine's snapshot, so a reloaded limits file shows there as soon as the
 engine has it in force) or, without it, the limits this process parsed.
@@ -352,11 +353,16 @@ async def ratelimit_for(user: str) -> list[tuple[bytes, bytes]]:
     if view is None and _config is not None:
         budget = _config.charged_user(user)
         view = {"limit": _config.rate_of(budget), "tier": _config.tier_of(budget),
-                "listed": budget in _config.user_rates, "ready_in_s": 0.0}
+                "listed": budget in _config.user_rates, "ready_in_s": 0.0,
+                "prompt_rate": _config.prompt_rate_of(budget)}
     if view is None:
         return []
-    return access.ratelimit_headers(access.limit_fraction(view["limit"]), view.get("tier"),
-                                    bool(view.get("listed")), view.get("ready_in_s") or 0.0)
+    prompt_rate = view.get("prompt_rate")  # (a number: a prompt budget, the second policy)
+    return access.ratelimit_headers(
+        access.limit_fraction(view["limit"]), view.get("tier"), bool(view.get("listed")),
+        view.get("ready_in_s") or 0.0,
+        None if prompt_rate is None or isinstance(prompt_rate, str)
+        else access.limit_fraction(prompt_rate), view.get("prompt_ready_in_s") or 0.0)
 
 
 def settings_from_args(args: Any) -> dict[str, Any]:

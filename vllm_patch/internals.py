@@ -146,7 +146,9 @@ a process where the feature is on (engine loop) or to add options (CLI):
   - ``ChatCompletionRequest.to_beam_search_params`` /
     ``CompletionRequest.to_beam_search_params``: refuse beam search (HTTP 400).
   - ``ChatCompletionRequest.to_sampling_params`` /
-    ``CompletionRequest.to_sampling_params``: put the trusted user (header or
+    ``CompletionRequest.to_sampling_params`` /
+    ``ResponsesRequest.to_sampling_params`` (``/v1/responses``, in
+    ``vllm.entrypoints.openai.responses.protocol`` on 0.32-0.34): put the trusted user (header or
     API key, ``vllm_output_rate.frontend``) in ``vllm_xargs``, or refuse a
     user field that is not a string or a number (HTTP 400); with the
     project's traces on, put the request's W3C ``traceparent`` /
@@ -297,6 +299,7 @@ class SchedulerView(EngineView):
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
         self.async_scheduling = isinstance(scheduler, AsyncScheduler)
+        self.chunked_prefill = bool(vllm_config.scheduler_config.enable_chunked_prefill)
         self._options_status = LimitsStatus(
             "command line", config.digest, time.time(), {}, None)
 
@@ -323,6 +326,10 @@ class SchedulerView(EngineView):
 
     def ready_at_ns(self, user: str) -> int:
         return self._state.limiter.ready_at_ns(user)
+
+    def prompt_ready_at_ns(self, user: str) -> int:
+        prompts = self._state.prompts
+        return 0 if prompts is None else prompts.ready_at_ns(user)
 
     def limiter_stats(self) -> dict[str, Any]:
         limiter = self._state.limiter

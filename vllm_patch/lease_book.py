@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from itertools import count
 
 
@@ -107,6 +108,19 @@ class LeaseBook:
         for _, _, _, lease in self._deadlines:
             lease[1] = 0
         self._deadlines.clear()
+        return dropped
+
+    def clear_users(self, drop: Callable[[str], bool]) -> int:
+        """Drop the leases of every user ``drop`` says (a shard of a cluster
+        the engine cannot trust any more). Returns the tokens dropped
+        (counted as expired)."""
+        dropped = 0
+        for user in [u for u in self._leases if drop(u)]:
+            for lease in self._leases.pop(user):
+                dropped += lease[1]
+                lease[1] = 0  # (its heap entry is skipped when it comes due)
+            self.balance.pop(user, None)
+        self.expired += dropped
         return dropped
 
     def __len__(self) -> int:

@@ -22,23 +22,36 @@ from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateErr
 #: An engine counts as live (heartbeat) and as sharing a user (lease) for
 #: this long after its last call that said so.
 LIVE_S = 2.0
+#: How long (ms) a user's hash outlives its TAT, and the heartbeat set an
+#: engine's call, in the store's own clock. (A simulation on a fake clock
+#: slower than the store's sets its stores' ``keep_ms`` far higher.)
+KEEP_MS = int(2 * LIVE_S * 1000)
 #: Store key prefix.
 KEY_PREFIX = "output_rate:"
+#: With long slices (or over a cluster: per shard), a round with nothing
+#: to ask still calls the store this often (s): its heartbeat, its epoch.
+HEARTBEAT_S = LIVE_S / 4
 
-#: One call per engine per tick. KEYS: the engines' heartbeat set, the epoch
-#: key, then one hash per user (field ``tat``: its TAT in us of the store's
-#: clock; ``slot``: 1/limit in us when it was last leased; ``e:<engine>``: when that engine last leased the user; ``s:<engine>``:
-#: the TAT of that engine's share; ``w:<engine>``: when the store last gave it
-#: less than it asked: while another engine waits, each gets its share).
-#: ARGV: engine id, now in us ('' = the store's clock), live window (us),
-#: lookahead (us), report window (us), the epoch the engine knows ('' =
-#: none), a fresh epoch to set if the store has none, then per user: slot
-#: length 1/limit (us), tokens wanted, tokens spent to report (after a
-#: fallback or a reset). Returns {now, epoch, live engines, reset, then per
-#: user: granted, engines sharing the user}. On ``reset`` (the engine's epoch
-#: is not the store's) nothing is granted: the engine reports what it spent
-#: and asks again. Three commands per user (HGETALL, HSET, PEXPIRE).
-LEASE_SCRIPT = """
+#: One call per engine per tick (per shard of a cluster: ``cluster_store``).
+#: KEYS: the engines' heartbeat set, the epoch key, then (one store) one hash
+#: per user (field ``tat``: its TAT in us of the store's clock; ``slot``:
+#: 1/limit in us when it was last leased; ``e:<engine>``: when that engine
+#: last leased the user; ``s:<engine>``: the TAT of that engine's share;
+#: ``w:<engine>``: when the store last gave it less than it asked: while
+#: another engine waits, each gets its share). ARGV: engine id, now in us
+#: ('' = the store's clock), live window (us), lookahead (us), report window
+#: (us), the epoch the engine knows ('' = none), a fresh epoch to set if the
+#: store has none, how long (ms, in the store's own clock) the heartbeat set
+#: outlives the call and a user's hash its TAT, then per user: (a cluster: its key,) slot length 1/limit
+#: (us), tokens wanted, tokens spent to report (after a fallback or a reset),
+#: and the lookahead's extension for a long slice (us; 0: none). Returns
+#: {now, epoch, live engines, reset, then per user: granted, engines sharing
+#: the user}. On ``reset`` (the engine's epoch is not the store's) nothing is
+#: granted: the engine reports what it spent and asks again. Three commands
+#: per user (HGETALL, HSET, PEXPIRE). Written once for both forms:
+#: ``@USERS@`` is the number of users, ``@KEY@`` a user's key, ``@A@`` the
+#: index of its first argument after the key.
+_LEASE_BODY = """
 local now
 if ARGV[2] ~= '' then
   now = tonumber(ARGV[2])
@@ -56,7 +69,8 @@ if not epoch then
 end
 redis.call('ZADD', KEYS[1], now, ARGV[1])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - live_us)
-redis.call('PEXPIRE', KEYS[1], math.ceil(live_us / 1000) * 2)
+local keep_ms = tonumber(ARGV[8])
+redis.call('PEXPIRE', KEYS[1], keep_ms)
 local live = redis.call('ZCARD', KEYS[1])
 local reset = 0
 if ARGV[6] ~= '' and ARGV[6] ~= epoch then reset = 1 end
@@ -65,12 +79,13 @@ local me = 'e:' .. ARGV[1]
 local my_share = 's:' .. ARGV[1]
 local my_wait = 'w:' .. ARGV[1]
 local stamp = string.format('%.0f', now)
-local keep_ms = math.ceil(live_us / 1000) * 2
-for i = 1, #KEYS - 2 do
-  local key = KEYS[2 + i]
-  local slot = tonumber(ARGV[5 + 3 * i])
-  local want = tonumber(ARGV[6 + 3 * i])
-  local used = tonumber(ARGV[7 + 3 * i])
+for i = 1, @USERS@ do
+  local key = @KEY@
+  local a = @A@
+  local slot = tonumber(ARGV[a])
+  local want = tonumber(ARGV[a + 1])
+  local used = tonumber(ARGV[a + 2])
+  local ahead = lookahead + tonumber(ARGV[a + 3])
   local fields = redis.call('HGETALL', key)
   local tat = 0
   local old_slot = slot
@@ -88,7 +103,7 @@ for i = 1, #KEYS - 2 do
     elseif f == my_share then
       share_tat = tonumber(fields[j + 1])
     elseif kind == 'w:' and f ~= my_wait then
-      if tonumber(fields[j + 1]) >= now - lookahead then
+      if tonumber(fields[j + 1]) >= now - ahead then
         others_waiting = true
       end
     elseif kind == 'e:' and f ~= me then
@@ -116,8 +131,8 @@ for i = 1, #KEYS - 2 do
       tat = math.max(tat, now - window) + used * slot
     end
     local base = math.max(tat, now)
-    if want > 0 and base - now <= lookahead then
-      granted = math.min(want, math.floor((now + lookahead - base) / slot) + 1)
+    if want > 0 and base - now <= ahead then
+      granted = math.min(want, math.floor((now + ahead - base) / slot) + 1)
       -- Contended (another engine sharing the user was refused within the
       -- lookahead): each engine gets at most its share, limit / sharing,
       -- kept as a GCRA of its own. Otherwise an engine may take more (its
@@ -126,8 +141,8 @@ for i = 1, #KEYS - 2 do
       local share_base = math.max(share_tat, now)
       if others_waiting then
         local fair = 0
-        if share_base - now <= lookahead then
-          fair = math.floor((now + lookahead - share_base) / share_slot) + 1
+        if share_base - now <= ahead then
+          fair = math.floor((now + ahead - share_base) / share_slot) + 1
         end
         granted = math.min(granted, fair)
       end
@@ -135,7 +150,7 @@ for i = 1, #KEYS - 2 do
       share_tat = share_base + granted * share_slot
     end
   end
-  redis.call('HSET', key, 'tat', string.format('%.3f', tat), 'slot', ARGV[5 + 3 * i],
+  redis.call('HSET', key, 'tat', string.format('%.3f', tat), 'slot', ARGV[a],
              me, stamp, my_share, string.format('%.3f', share_tat))
   if granted < want then
     redis.call('HSET', key, my_wait, stamp)
@@ -150,6 +165,12 @@ end
 return out
 """
 
+#: One store: the users' keys are declared (KEYS), four arguments a user.
+LEASE_SCRIPT = (_LEASE_BODY.replace("@USERS@", "#KEYS - 2").replace("@KEY@", "KEYS[2 + i]")
+                .replace("@A@", "5 + 4 * i"))
+#: Arguments a user sends, after its key.
+ARGS_PER_USER = 4
+
 
 #: An engine that stops (its engine core shutting down, an orphan included)
 #: leaves the fleet in one call: out of the heartbeat set, and its marks on
@@ -160,14 +181,16 @@ return out
 #: after them, and the fleet bound counts every grant (they lapse with
 #: their lease, within horizon + lookahead). KEYS: the heartbeat set, then
 #: one hash per user. ARGV: the engine id. Returns the users it left.
-LEAVE_SCRIPT = """
+#: (Written once for both forms: ``@USERS@`` the users' keys.)
+_LEAVE_BODY = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 local left = 0
-for i = 2, #KEYS do
-  left = left + redis.call('HDEL', KEYS[i], 'e:' .. ARGV[1], 's:' .. ARGV[1], 'w:' .. ARGV[1])
+for i = 2, #@USERS@ do
+  left = left + redis.call('HDEL', @USERS@[i], 'e:' .. ARGV[1], 's:' .. ARGV[1], 'w:' .. ARGV[1])
 end
 return left
 """
+LEAVE_SCRIPT = _LEAVE_BODY.replace("@USERS@", "KEYS")
 
 
 @dataclass(frozen=True)
@@ -178,6 +201,30 @@ class LeaseAsk:
     rate: Fraction
     want: int
     used: int = 0
+    #: a long slice (``LeaseSizer``): the store may grant slots up to
+    #: ``slice_s`` further ahead, and the lease lives ``slice_s`` longer
+    long: bool = False
+
+
+def ask_args(ask: LeaseAsk, settings: SharedStateSettings) -> tuple[str, int, int, int]:
+    """A user's arguments to the lease script, after its key."""
+    return (repr(float(ask.rate.denominator * 1e6 / ask.rate.numerator)), ask.want, ask.used,
+            int(settings.slice_s * 1e6) if ask.long else 0)
+
+
+def call_args(engine: str, settings: SharedStateSettings, known_epoch: str,
+              now_us: float | None, keep_ms: int = KEEP_MS) -> list[Any]:
+    """The lease script's arguments before the users'."""
+    return [engine, "" if now_us is None else repr(float(now_us)), int(LIVE_S * 1e6),
+            int(settings.lookahead_s * 1e6), int(report_window_s(settings) * 1e6),
+            known_epoch, secrets.token_hex(8), keep_ms]
+
+
+def report_window_s(settings: SharedStateSettings) -> float:
+    """How far back an engine reports its spends after a fallback or a
+    reset, and how far back the store may charge them: the longest a lease
+    lives plus the farthest ahead a slot is granted."""
+    return settings.long_horizon_s + settings.long_lookahead_s
 
 
 @dataclass(frozen=True)
@@ -220,28 +267,44 @@ class RedisStore:
         #: script calls made, and user entries sent in them
         self.calls = 0
         self.entries = 0
+        self._last_call_ns = -(10**18)
+        self.keep_ms = KEEP_MS + int(2000 * settings.slice_s)  # (a slice asked once a slice)
 
     def lease(self, engine: str, asks: list[LeaseAsk], known_epoch: str,
               now_us: float | None = None) -> LeaseReply:
         s = self.settings
         keys = [KEY_PREFIX + "engines", KEY_PREFIX + "epoch"]
-        args: list[Any] = [engine, "" if now_us is None else repr(float(now_us)),
-                           int(LIVE_S * 1e6), int(s.lookahead_s * 1e6),
-                           int((s.horizon_s + s.lookahead_s) * 1e6), known_epoch,
-                           secrets.token_hex(8)]
+        args = call_args(engine, s, known_epoch, now_us, self.keep_ms)
         for ask in asks:
             keys.append(KEY_PREFIX + "user:" + ask.user)
-            args.append(repr(float(ask.rate.denominator * 1e6 / ask.rate.numerator)))
-            args.append(ask.want)
-            args.append(ask.used)
+            args.extend(ask_args(ask, s))
         self.calls += 1
         self.entries += len(asks)
-        out = self._script(keys=keys, args=args)
-        granted = {}
-        for i, ask in enumerate(asks):
-            granted[ask.user] = (int(out[4 + 2 * i]), int(out[5 + 2 * i]))
-        epoch = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
-        return LeaseReply(float(out[0]), epoch, int(out[2]), bool(int(out[3])), granted)
+        return parse_reply(self._script(keys=keys, args=args), asks)
+
+    # -- what the lease thread uses (one store: one shard, ``None``) ----------
+
+    def shard_of(self, user: str) -> None:
+        return None
+
+    def plan(self, asks: list[LeaseAsk], now_ns: int) -> dict[Any, list[LeaseAsk]]:
+        """The calls of one round: one store, called every tick; with long
+        slices (``slice_ms``), a round with nothing to ask only when the
+        heartbeat is due (``HEARTBEAT_S``), as a cluster's shards are."""
+        if not asks and self.settings.slice_s and now_ns - self._last_call_ns < HEARTBEAT_S * 1e9:
+            return {}
+        self._last_call_ns = now_ns
+        return {None: asks}
+
+    def lease_shards(self, engine: str, plan: dict[Any, list[LeaseAsk]], epochs: dict[Any, str],
+                     now_us: float | None = None) -> dict[Any, LeaseReply | Exception]:
+        """Every call of a round; a failed call's entry is its exception."""
+        if not plan:
+            return {}
+        try:
+            return {None: self.lease(engine, plan[None], epochs.get(None, ""), now_us=now_us)}
+        except Exception as exc:  # the store is down, slow or refuses
+            return {None: exc}
 
     def leave(self, engine: str, users: list[str]) -> int:
         """Take ``engine`` out of the fleet (one call): see ``LEAVE_SCRIPT``.
@@ -249,6 +312,15 @@ class RedisStore:
         keys = [KEY_PREFIX + "engines", *(KEY_PREFIX + "user:" + u for u in users)]
         self.calls += 1
         return int(self._leave_script(keys=keys, args=[engine]))
+
+
+def parse_reply(out: list[Any], asks: list[LeaseAsk]) -> LeaseReply:
+    """The lease script's answer, read."""
+    granted = {}
+    for i, ask in enumerate(asks):
+        granted[ask.user] = (int(out[4 + 2 * i]), int(out[5 + 2 * i]))
+    epoch = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
+    return LeaseReply(float(out[0]), epoch, int(out[2]), bool(int(out[3])), granted)
 
 
 def new_engine_id(rank: int | str = 0) -> str:

@@ -24,6 +24,17 @@ of it is charged twice, which over-charges briefly), then leases as
 before. A store that
 lost its data (restarted empty) is told apart by an epoch key: every engine
 that sees a new epoch does the same before leasing again.
+
+**A cluster** (``cluster_store``): each shard is a store of its own to
+this thread (``ShardState``: its epoch, failures, fallback and report), so
+a shard's outage puts only its users in fallback (the limiter's fallback
+has a scope: the shards down), and a shard that lost its data, or whose
+master changed, is reported to alone; when no node answers at all, every
+user is in fallback, as with one store (the shard ``None``).
+
+**Long slices** (``slice_ms``): a long slice's grant goes to the limiter
+to be released over the slice (``long_grants``), its lease living a slice
+longer; a short lease granted after it never expires before it.
 """
 
 from __future__ import annotations
@@ -39,13 +50,13 @@ from typing import Any, Protocol
 
 from vllm_output_rate.fleet_math import LeaseSizer
 from vllm_output_rate.lease_book import LeaseBook
-from vllm_output_rate.lease_store import LIVE_S, RedisStore, new_engine_id
+from vllm_output_rate.lease_store import LIVE_S, LeaseAsk, LeaseReply, RedisStore, new_engine_id, report_window_s
 from vllm_output_rate.limiter import NS_PER_S
+from vllm_output_rate.shared_settings import SharedStateSettings
 
 #: How long the most engines seen sharing a user is remembered for its
 #: fallback share (a larger count seen again restarts it).
 SHARING_MEMORY_S = 10.0
-from vllm_output_rate.shared_settings import SharedStateSettings
 
 logger = logging.getLogger("vllm_output_rate")
 
@@ -64,14 +75,41 @@ class LeasingLimiter(Protocol):
     #: thread -> scheduler: (user, tokens, deadline_ns), and a count bumped
     #: to have every lease dropped
     grants: deque[tuple[str, int, int]]
+    #: thread -> scheduler: long slices, (user, tokens, deadline_ns,
+    #: sent_ns, span_ns), released over the span; user -> tokens not
+    #: released yet
+    long_grants: deque[tuple[str, int, int, int, int]]
+    #: scheduler -> thread: users that waited for their slice's release
+    paced: deque[str]
+    unreleased: dict[str, int]
     clear_requests: int
     book: LeaseBook
 
     def rate_of(self, user: str) -> Fraction: ...
 
-    def begin_fallback(self, sharing: Mapping[str, int], live: int) -> None: ...
+    def begin_fallback(self, sharing: Mapping[str, int], live: int,
+                       scope: frozenset[Any] | None = None,
+                       shard_of: Callable[[str], Any] | None = None) -> None: ...
 
     def end_fallback(self) -> None: ...
+
+    def clear_leases(self, scope: frozenset[Any] | None,
+                     shard_of: Callable[[str], Any] | None) -> None: ...
+
+
+@dataclass(slots=True)
+class ShardState:
+    """What the lease thread knows of one shard (one store: the only one,
+    ``None``): its epoch, its failures, its fallback."""
+
+    epoch: str = ""
+    failures_in_row: int = 0
+    in_fallback: bool = False
+    #: report what was spent before leasing again (after a fallback or a reset)
+    report: bool = False
+    #: spends up to here were reported (ns)
+    reported_ns: int = 0
+    live_engines: int = 1
 
 
 @dataclass(slots=True)
@@ -112,7 +150,9 @@ class LeaseThread:
         self._store = store
         self.clock = clock
         self.engine_id = engine_id or new_engine_id()
-        self.epoch = ""
+        #: per shard (one store: ``None`` alone); a cluster's shards appear
+        #: as they are called (``None`` then stands for "no node answers")
+        self.shards: dict[Any, ShardState] = {None: ShardState()}
         self.live_engines = 1
         #: user -> engines sharing it, as the store last said (lease sizes)
         self.sharing: dict[str, int] = {}
@@ -122,10 +162,12 @@ class LeaseThread:
         self.in_fallback = False
         self.stats = LeaseStats()
         self.sizer = LeaseSizer(settings)
-        self._report_usage = False
-        # The spends of the last horizon + lookahead per call, (monotonic
-        # ns, {user: tokens}), for the report after a fallback or a reset.
+        # The spends of the report window per call, (monotonic ns, {user:
+        # tokens}), for the report after a fallback or a reset.
         self._spends: deque[tuple[int, dict[str, int]]] = deque()
+        #: user -> deadline of its last long slice (ns): a short lease
+        #: granted after it never expires before it (leases stay in order)
+        self._long_until: dict[str, int] = {}
         #: user -> when to ask the store again (ns), for users the store
         #: granted less than asked: the fleet's budget is spent for now.
         #: Replaced whole after each call (the scheduler's thread reads it).
@@ -191,8 +233,24 @@ class LeaseThread:
     @property
     def store(self) -> Any:
         if self._store is None:
-            self._store = RedisStore(self.settings)
+            if self.settings.cluster:
+                from vllm_output_rate.cluster_store import ClusterStore
+
+                self._store = ClusterStore(self.settings)
+            else:
+                self._store = RedisStore(self.settings)
         return self._store
+
+    @property
+    def epoch(self) -> str:
+        """The epoch of the store (one store; a cluster's first shard)."""
+        return next(iter(self.shards.values())).epoch
+
+    def shard_of(self, user: str) -> Any:
+        """The shard of ``user`` (one store: ``None``); read by the
+        scheduler's thread for a fallback of some shards only."""
+        store = self._store
+        return None if store is None else store.shard_of(user)
 
     def _run(self) -> None:
         tick = self.settings.tick_s
@@ -218,53 +276,108 @@ class LeaseThread:
                 self._enter_fallback("internal error")
 
     def tick(self, now_us: float | None = None) -> None:
-        """One round: read what the scheduler spent, ask the store, post
-        the grants (tests call it directly, with the store's time)."""
+        """One round: read what the scheduler spent, ask the store (each
+        shard of a cluster), post the grants (tests call it directly, with
+        the store's time)."""
         limiter = self.limiter
-        stats = self.stats
         now_ns = self.clock()
         recent, short = self._drain(now_ns)
+        held = limiter.book.balance
+        if self.settings.slice_s and limiter.unreleased:
+            held = _Held(held, limiter.unreleased)
+        paced: set[str] = set()
+        while limiter.paced:
+            paced.add(limiter.paced.popleft())
         asks = self.sizer.asks(now_ns, recent, short, self._usage_to_report(),
-                               limiter.book.balance, self.sharing, self.retry_at,
-                               limiter.rate_of)
+                               held, self.sharing, self.retry_at, limiter.rate_of, paced)
         sent_ns = self.clock()
         t0 = time.perf_counter()
         try:
-            reply = self.store.lease(self.engine_id, asks, self.epoch, now_us=now_us)
-        except Exception as exc:  # the store is down, slow or refuses
-            stats.calls += 1
-            stats.failed_calls += 1
-            stats.failures_in_row += 1
-            # One failed call (a blip: a call slower than the timeout on a
-            # loaded machine) keeps the leases held; two in a row is an outage.
-            if stats.failures_in_row >= FAILURES_TO_FALLBACK:
-                self._enter_fallback(f"{type(exc).__name__}: {exc}")
+            store = self.store
+            plan = store.plan(asks, now_ns)
+            replies = store.lease_shards(self.engine_id, plan,
+                                         {k: v.epoch for k, v in self.shards.items()}, now_us=now_us,
+                                         **({"now_ns": now_ns} if self.settings.cluster else {}))
+        except Exception as exc:  # no store (a cluster: no node) answers
+            self._failed(None, exc)
             return
+        latency = time.perf_counter() - t0
+        if self.settings.cluster:
+            self._out_of_the_dark(replies, now_ns)
+        retry_at = {u: t for u, t in self.retry_at.items() if t > now_ns}
+        for shard, reply in replies.items():
+            if isinstance(reply, Exception):
+                self._failed(shard, reply)
+            else:
+                self.stats.latencies.append(latency)
+                self._answered(shard, reply, plan[shard], now_ns, sent_ns, retry_at)
+        self.retry_at = retry_at
+        self.live_engines = max((st.live_engines for k, st in self.shards.items()
+                                 if k is not None or not self.settings.cluster), default=1)
+        self.stats.failures_in_row = max(st.failures_in_row for st in self.shards.values())
+
+    def _out_of_the_dark(self, replies: Mapping[Any, Any], now_ns: int) -> None:
+        """(A cluster) A node answered: the "no node answers" state ends;
+        its report went out in this round's calls (a shard whose call
+        failed reports again)."""
+        dark = self.shards.setdefault(None, ShardState())
+        dark.failures_in_row = 0
+        if dark.report:
+            dark.report = False
+            for shard, reply in replies.items():
+                if isinstance(reply, Exception):
+                    st = self.shards.setdefault(shard, ShardState())
+                    st.reported_ns = min(st.reported_ns, dark.reported_ns) if st.report else dark.reported_ns
+                    st.report = True
+            dark.reported_ns = now_ns
+        if dark.in_fallback:
+            self._leave_fallback(None)
+
+    def _failed(self, shard: Any, exc: Exception) -> None:
+        stats = self.stats
         stats.calls += 1
-        stats.failures_in_row = 0
-        stats.latencies.append(time.perf_counter() - t0)
-        self.live_engines = reply.live_engines
-        if reply.reset or (self.epoch and reply.epoch != self.epoch):
+        stats.failed_calls += 1
+        st = self.shards.setdefault(shard, ShardState())
+        st.failures_in_row += 1
+        stats.failures_in_row = max(stats.failures_in_row, st.failures_in_row)
+        # One failed call (a blip: a call slower than the timeout on a
+        # loaded machine) keeps the leases held; two in a row is an outage.
+        if st.failures_in_row >= FAILURES_TO_FALLBACK:
+            self._enter_fallback(f"{type(exc).__name__}: {exc}", shard)
+
+    def _answered(self, shard: Any, reply: LeaseReply, asks: list[LeaseAsk], now_ns: int,
+                  sent_ns: int, retry_at: dict[str, int]) -> None:
+        limiter = self.limiter
+        stats = self.stats
+        st = self.shards.setdefault(shard, ShardState())
+        stats.calls += 1
+        st.failures_in_row = 0
+        st.live_engines = reply.live_engines
+        if reply.reset or (st.epoch and reply.epoch != st.epoch):
             # The store lost its data (or this engine first met it after a
             # fallback): report what was spent, then lease again.
-            if self.epoch:
+            if st.epoch:
                 stats.resets += 1
                 logger.warning("output-rate shared state: the store at %s lost its data "
-                               "(new epoch); reporting recent spends before leasing again",
-                               self.settings.redacted_url)
-            self.epoch = reply.epoch
-            self._report_usage = True
+                               "(new epoch%s); reporting recent spends before leasing again",
+                               self.settings.redacted_url, _shard_text(shard))
+            st.epoch = reply.epoch
+            st.report = True
             # The store forgot the slots of the leases held: drop them.
-            limiter.grants.clear()
-            limiter.clear_requests += 1
+            if shard is None:
+                limiter.grants.clear()
+                limiter.clear_requests += 1
+            else:
+                limiter.clear_leases(frozenset((shard,)), self.shard_of)
             self._wake.set()
             return
-        self.epoch = reply.epoch
-        deadline = sent_ns + int(self.settings.horizon_s * NS_PER_S)
-        retry_at = {u: t for u, t in self.retry_at.items() if t > now_ns}
+        st.epoch = reply.epoch
+        horizon_ns = int(self.settings.horizon_s * NS_PER_S)
+        slice_ns = int(self.settings.slice_s * NS_PER_S)
         retry = now_ns + self.sizer.retry_ns
         peak = self.sharing_peak
         memory_ns = int(SHARING_MEMORY_S * NS_PER_S)
+        long_until = self._long_until
         for ask in asks:
             tokens, sharing = reply.granted[ask.user]
             self.sharing[ask.user] = sharing
@@ -272,17 +385,34 @@ class LeaseThread:
             if seen is None or sharing >= seen[0] or now_ns - seen[1] > memory_ns:
                 peak[ask.user] = (sharing, now_ns)
             if tokens > 0:
-                limiter.grants.append((ask.user, tokens, deadline))
+                deadline = sent_ns + horizon_ns
+                if ask.long:
+                    deadline += slice_ns
+                    long_until[ask.user] = deadline
+                    # released over the slice by the scheduler's thread
+                    limiter.long_grants.append((ask.user, tokens, deadline, sent_ns, slice_ns))
+                elif long_until:
+                    last = long_until.get(ask.user)
+                    if last is not None:
+                        if last > deadline:
+                            deadline = last
+                        else:
+                            del long_until[ask.user]
+                if not ask.long:
+                    limiter.grants.append((ask.user, tokens, deadline))
+            if ask.long:
+                self.sizer.long_granted(ask.user, tokens, ask.want, now_ns)
             if tokens < ask.want:
                 retry_at[ask.user] = retry
             else:
                 retry_at.pop(ask.user, None)
-        self.retry_at = retry_at
-        if self._report_usage:
-            self._report_usage = False
-            self._spends.clear()
-        if self.in_fallback:
-            self._leave_fallback()
+        if st.report:
+            st.report = False
+            st.reported_ns = now_ns
+            if shard is None:
+                self._spends.clear()
+        if st.in_fallback:
+            self._leave_fallback(shard)
 
     def _drain(self, now_ns: int) -> tuple[dict[str, int], set[str]]:
         """What the scheduler's thread posted since the last round: tokens
@@ -303,44 +433,82 @@ class LeaseThread:
         spends = self._spends
         if recent:
             spends.append((now_ns, recent))
-        window_ns = int((self.settings.horizon_s + self.settings.lookahead_s) * NS_PER_S)
+        window_ns = int(report_window_s(self.settings) * NS_PER_S)
         while spends and spends[0][0] < now_ns - window_ns:
             spends.popleft()
         return recent, short
 
     def _usage_to_report(self) -> dict[str, int]:
-        """After a fallback or a reset: everything spent within the window
-        the store must know of (over-charges the leased part the store
-        still knows after a plain fallback: allowed, and brief)."""
+        """After a fallback or a reset of a shard (one store: the store):
+        everything its users spent within the window the store must know
+        of (over-charges the leased part the store still knows after a
+        plain fallback: allowed, and brief)."""
         used: dict[str, int] = {}
-        if self._report_usage:
-            for _, spent in self._spends:
-                for user, n in spent.items():
-                    used[user] = used.get(user, 0) + n
+        shards = self.shards
+        if not any(st.report for st in shards.values()):
+            return used
+        whole = shards.get(None)
+        if whole is not None and whole.report:
+            since, pick = whole.reported_ns, None
+        else:
+            reporting = {k: st.reported_ns for k, st in shards.items() if st.report}
+            since, pick = min(reporting.values()), reporting
+        shard_of = self.shard_of
+        for t, spent in self._spends:
+            if t <= since:
+                continue
+            for user, n in spent.items():
+                if pick is not None:
+                    mark = pick.get(shard_of(user))
+                    if mark is None or t <= mark:
+                        continue
+                used[user] = used.get(user, 0) + n
         return used
 
-    def _enter_fallback(self, why: str) -> None:
-        limiter = self.limiter
-        if not self.in_fallback:
-            self.in_fallback = True
-            self.stats.fallback_episodes += 1
-            self.stats.fallback_since = time.monotonic()
+    def _enter_fallback(self, why: str, shard: Any = None) -> None:
+        st = self.shards.setdefault(shard, ShardState())
+        if not st.in_fallback:
+            if not self.in_fallback:
+                self.in_fallback = True
+                self.stats.fallback_episodes += 1
+                self.stats.fallback_since = time.monotonic()
+            st.in_fallback = True
             logger.warning(
-                "output-rate shared state: the store at %s is unreachable (%s); each user "
+                "output-rate shared state: the store at %s is unreachable (%s%s); each user "
                 "gets its limit divided by the engines last seen sharing it (%d live "
                 "engines last seen) until it answers again",
-                self.settings.redacted_url, why[:200], self.live_engines)
-            limiter.grants.clear()
-            self.retry_at = {}
-            limiter.begin_fallback(self.fallback_sharing(), self.live_engines)
-        self._report_usage = True
+                self.settings.redacted_url, why[:200], _shard_text(shard), st.live_engines)
+            if shard is None:
+                self.limiter.grants.clear()
+                self.retry_at = {}
+            else:
+                shard_of = self.shard_of
+                self.retry_at = {u: t for u, t in self.retry_at.items() if shard_of(u) != shard}
+            self._post_fallback()
+        st.report = True
+
+    def _post_fallback(self) -> None:
+        """Tell the limiter which users are in fallback now (every user
+        when the one store, or no node of a cluster, answers)."""
+        down = [k for k, st in self.shards.items() if st.in_fallback]
+        if not down:
+            self.limiter.end_fallback()
+            return
+        scope = None if None in down else frozenset(down)
+        live = max(self.shards[k].live_engines for k in down)
+        self.limiter.begin_fallback(self.fallback_sharing(), live,
+                                    *(() if scope is None else (scope, self.shard_of)))
 
     def fallback_sharing(self) -> dict[str, int]:
         """Per user, the most engines seen sharing it lately (the
         fallback share's divisor)."""
         return {user: n for user, (n, _) in self.sharing_peak.items()}
 
-    def _leave_fallback(self) -> None:
+    def _leave_fallback(self, shard: Any = None) -> None:
+        self.shards[shard].in_fallback = False
+        if any(st.in_fallback for st in self.shards.values()):
+            self._post_fallback()
+            return
         stats = self.stats
         since = stats.fallback_since
         if since is not None:
@@ -350,3 +518,20 @@ class LeaseThread:
         self.limiter.end_fallback()
         logger.warning("output-rate shared state: the store at %s answers again; shared "
                        "budgets resumed", self.settings.redacted_url)
+
+
+class _Held:
+    """Tokens an engine holds per user for the sizer: its leases and what
+    of its long slices is not released yet (``get`` only)."""
+
+    __slots__ = ("balance", "unreleased")
+
+    def __init__(self, balance: Mapping[str, int], unreleased: Mapping[str, int]) -> None:
+        self.balance, self.unreleased = balance, unreleased
+
+    def get(self, user: str, default: int = 0) -> int:
+        return self.balance.get(user, default) + self.unreleased.get(user, 0)
+
+
+def _shard_text(shard: Any) -> str:
+    return "" if shard is None else f"; shard of slot {shard}"

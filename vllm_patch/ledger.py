@@ -150,8 +150,14 @@ class StepLedger:
     prompt_charged: dict[str, tuple[str, int]] = field(default_factory=dict)
     prompt_waits: dict[str, int] = field(default_factory=dict)
     #: users one of whose waiting requests was admitted just in time (one a
-    #: user a step, and only a user with no request running)
+    #: user a step)
     in_time: set[str] = field(default_factory=set)
+    #: users a prompt was put off for just in time -> when it is in time
+    #: (ns): the engine wakes then, its prompt computed by its token
+    jit_waits: dict[str, int] = field(default_factory=dict)
+    #: each user's output tokens its running requests may still take
+    #: (``claimed_of``)
+    claimed: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         self.charged = self.report.charged
@@ -169,6 +175,18 @@ class StepLedger:
         if streams is None:
             streams = self.streams = streams_by_user(running)
         return streams
+
+    def claimed_of(self, running: list[Request]) -> dict[str, int]:
+        """Each user's output tokens still to come of its requests in
+        ``running`` (``max_tokens`` less those sampled; a request that ends
+        early frees its share sooner), counted once in a step."""
+        claimed = self.claimed
+        if claimed is None:
+            claimed = self.claimed = {}
+            for r in running:
+                user = r.output_rate_user
+                claimed[user] = claimed.get(user, 0) + max(0, r.max_tokens - r.num_output_tokens)
+        return claimed
 
     def budgets_of(self, running: list[Request]) -> dict[str, int]:
         """Each user of ``running``'s budget at the step's start, asked once
@@ -272,12 +290,12 @@ class OutputRateState:
 
     def wake_target_ns(self) -> int | None:
         """The earliest ready_at among users refused in the last step (their
-        output budget, or their prompt budget)."""
+        output budget, or their prompt budget), or put off just in time."""
         step = self.step
-        refused, waits = step.refused, step.prompt_waits
-        if not waits:
+        refused, waits, jit = step.refused, step.prompt_waits, step.jit_waits
+        if not waits and not jit:
             return min(refused.values()) if refused else None
-        return min([*refused.values(), *waits.values()])
+        return min([*refused.values(), *waits.values(), *jit.values()])
 
     def close(self) -> None:
         """The scheduler shuts down: the watcher, the observers and the

@@ -36,6 +36,13 @@ if TYPE_CHECKING:
 logger = logging.getLogger("vllm_output_rate")
 
 
+#: Why a request's prompt was put off (``StepReport.prompt_deferred``): its
+#: user's prompt budget (``prompt_rate``), or its user's output budget (just
+#: in time: not computed before its first token may be sampled; without
+#: chunked prefill a whole prompt waits for it).
+PROMPT_DEFER_REASONS = ("prompt_budget", "just_in_time")
+
+
 @dataclass(slots=True)
 class StepReport:
     """What the limiter did in one ``schedule()`` call. Plain data."""
@@ -66,10 +73,18 @@ class StepReport:
     #: prefill chunks not computed in this step because their user had no
     #: output budget (just in time: ``--output-rate-prefill-ahead`` off)
     prefill_deferred: int = 0
-    #: user -> prompt tokens computed, and prompt tokens whose computing the
-    #: user's prompt budget put off, in this step (prompt budgets only)
-    prompt_tokens: dict[str, int] = field(default_factory=dict)
-    prompt_deferred: dict[str, int] = field(default_factory=dict)
+    #: request id -> (user, prompt tokens computed, whether its prompt is
+    #: all computed with them), for every prefill chunk dispatched in this
+    #: step (prefix-cache hits are not computed: not counted)
+    prompt_chunks: dict[str, tuple[str, int, bool]] = field(default_factory=dict)
+    #: (request id, user, reason, prompt tokens it had left to compute) of
+    #: each request whose prompt was first put off in this step for that
+    #: reason (``PROMPT_DEFER_REASONS``: once per request and reason)
+    prompt_deferred: list[tuple[str, str, str, int]] = field(default_factory=list)
+    #: tokens and requests vLLM scheduled in this step (set only when an
+    #: observer is registered): the step's make-up, for the step-time split
+    scheduled_tokens: int = 0
+    scheduled_requests: int = 0
     #: running requests left out because the active cap was full
     cap_deferred: int = 0
     #: ids of throttled requests (or borrowers, which go first) preempted in
@@ -104,6 +119,15 @@ class StepReport:
     @charged_by_user.setter
     def charged_by_user(self, value: dict[str, int]) -> None:
         self._charged_by_user = value
+
+    @property
+    def prompt_tokens(self) -> dict[str, int]:
+        """user -> prompt tokens computed in this step (every user, budgeted
+        or not; counted when read, off the scheduler's thread)."""
+        by_user: dict[str, int] = {}
+        for user, n, _done in self.prompt_chunks.values():
+            by_user[user] = by_user.get(user, 0) + n
+        return by_user
 
 
 @dataclass(slots=True)
@@ -216,6 +240,9 @@ class EngineView(ABC):
     #: whether the scheduler runs a step ahead of the outputs (vLLM's
     #: ``AsyncScheduler``): a token is charged two updates before it shows
     async_scheduling: bool = False
+    #: whether prompts are computed in chunks (vLLM's chunked prefill): a
+    #: prompt budget then cuts a chunk, else it takes a prompt whole
+    chunked_prefill: bool = True
 
     @abstractmethod
     def limits(self) -> OutputRateConfig:
@@ -270,6 +297,11 @@ class EngineView(ABC):
 
     def ready_at_ns(self, user: str) -> int:
         """When the user's budget next allows a token (monotonic ns; 0: now)."""
+        return 0
+
+    def prompt_ready_at_ns(self, user: str) -> int:
+        """When the user's prompt budget next allows a prompt token
+        (monotonic ns; 0: now, or no prompt budget). Any thread."""
         return 0
 
     def limiter_stats(self) -> dict[str, Any]:

@@ -111,10 +111,12 @@ def add_output_rate_args(parser: Any) -> Any:
         type=str,
         help="redis://HOST:PORT[/DB]: keep each user's budget in this Redis (or "
         "Valkey), shared by every engine that names it, so a user's limit holds "
-        "across replicas and data-parallel ranks. Engines lease slices of the "
-        "budgets from a background thread; when the store is unreachable each "
+        "across replicas and data-parallel ranks; redis-cluster://HOST:PORT[,HOST:PORT...]: "
+        "in a Redis Cluster, each user on one slot. Engines lease slices of the "
+        "budgets from a background thread; when the store (or a shard) is unreachable each "
         "engine gives a user its limit divided by the engines last seen sharing "
-        "it. Query settings: tick_ms, horizon_ms, lookahead_ms, timeout_ms.",
+        "it. Query settings: tick_ms, horizon_ms, lookahead_ms, timeout_ms, slice_ms "
+        "(long slices for steady users: fewer store entries, a wider fleet bound).",
     )
     group.add_argument(
         frontend.HEADER_OPTION,

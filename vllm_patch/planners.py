@@ -197,7 +197,21 @@ def turn_due(request: Request, budget: int, resident: int, st: OutputRateState,
     # (only while the step cannot run out of KV blocks: a turn would
     # otherwise preempt a stream, its user's own maybe, for its blocks)
     return 0 < budget <= resident and not request.output_rate_served_ns \
-        and request.num_output_tokens == 0 and st.kv_fits(len(running))
+        and request.num_output_tokens == 0 and st.kv_fits(len(running)) \
+        and samples_now(request, st)
+
+
+def samples_now(request: Request, st: OutputRateState) -> bool:
+    """Whether ``request``'s prompt can be computed whole in this step (the
+    step's token budget, its user's prompt budget), so that a turn gives it
+    a token now: a turn to a longer prompt would keep the token from its
+    user's streams for the steps its prompt takes (it comes in just in
+    time instead: ``residency``)."""
+    rest = request.num_tokens - request.num_computed_tokens
+    if st.chunked and rest > st.token_budget:
+        return False
+    prompts = st.prompts
+    return prompts is None or prompts.available(request.output_rate_user, st.step.now) >= rest
 
 
 def resident_shares(resident: dict[str, int], waiting: Any, rate_of: Callable[[str], Any],

@@ -362,9 +362,10 @@ def _patch_beam_search() -> None:
             ChatCompletionRequest,
         )
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
     except ImportError:  # pragma: no cover - serving extras missing
         return
-    for cls in (ChatCompletionRequest, CompletionRequest):
+    for cls in (ChatCompletionRequest, CompletionRequest, ResponsesRequest):
         upstream_sampling = cls.to_sampling_params
         if not getattr(upstream_sampling, "_output_rate", False):
 
@@ -403,8 +404,8 @@ def _patch_beam_search() -> None:
 
             to_sampling_params._output_rate = True  # type: ignore[attr-defined]
             cls.to_sampling_params = to_sampling_params
-        upstream = cls.to_beam_search_params
-        if getattr(upstream, "_output_rate", False):
+        upstream = getattr(cls, "to_beam_search_params", None)  # (not /v1/responses)
+        if upstream is None or getattr(upstream, "_output_rate", False):
             continue
 
         def to_beam_search_params(self: Any, *args: Any, __up=upstream, **kw: Any):

@@ -102,9 +102,21 @@ class PromptBudgets:
         if n > 0 and self.budgeted(user):
             self._limiter.refund(user, n)
 
+    def eta_ns(self, user: str, now_ns: int, n: int) -> int:
+        """How long (ns) from ``now_ns`` until ``user``'s budget has granted
+        ``n`` more prompt tokens (0: now, or no budget)."""
+        if n <= 0 or not self.budgeted(user):
+            return 0
+        short = n - self._limiter.available(user, now_ns)
+        if short <= 0:
+            return 0
+        rate = self.config.prompt_rate_of(user)
+        return -(-short * rate.denominator * 1_000_000_000 // rate.numerator)
+
     def ready_at_ns(self, user: str) -> int:
-        """The earliest time ``user`` may compute a prompt token (0: now)."""
-        return self._limiter.ready_at_ns(user) if self.budgeted(user) else 0
+        """The earliest time ``user`` may compute a prompt token (0: now).
+        Changes nothing (the telemetry's worker reads it too)."""
+        return self._limiter.ready_at_ns(user) if self.rate_of(user) is not None else 0
 
     def set_config(self, config: OutputRateConfig, now_ns: int) -> None:
         """Put reloaded limits in force: each user keeps its debt in tokens

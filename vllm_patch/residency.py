@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm_output_rate import lending
 from vllm_output_rate.host import SchedulerHost
-from vllm_output_rate.planners import ResidencyPlan
+from vllm_output_rate.planners import ResidencyPlan, samples_now
 
 Request = Any
 
@@ -108,6 +108,7 @@ class ResidencyMixin(SchedulerHost):
             # its prompt budget is spent: nothing of its prompt may be computed now
             step.prompt_waits[user] = 0
             step.report.waiting_skipped += 1
+            self._orl_prompt_put_off(request, "prompt_budget", request.num_computed_tokens)
             return False
         if charges.left(user) > 0:
             self._orl_take_kept(request, any_slot=True)
@@ -126,17 +127,26 @@ class ResidencyMixin(SchedulerHost):
                     st.lender is None or lending.admit_room(request, n_running, st, step)):
                 return True
             if not ahead and st.chunked and user not in step.in_time \
-                    and not step.streams_of(self.running).get(user) \
-                    and self._orl_can_hold_prefill(request) \
-                    and self._orl_in_time(request, request.num_tokens - request.num_computed_tokens,
-                                          st.token_budget):
+                    and self._orl_can_hold_prefill(request):
                 # its user's next token returns by the time its prompt is
-                # computed, and no request of its user runs to take it
-                step.in_time.add(user)
-                return True
+                # computed; with requests of its user running, the token
+                # after those they may still take, and only for a prompt no
+                # turn can serve (``planners.samples_now``: one that takes
+                # more than a step; a shorter one waits for its turn)
+                claimed = 0
+                if step.streams_of(self.running).get(user):
+                    claimed = -1 if samples_now(request, st) else \
+                        step.claimed_of(self.running).get(user, 0)
+                if claimed >= 0 and self._orl_in_time(
+                        request, request.num_tokens - request.num_computed_tokens,
+                        st.token_budget, claimed):
+                    step.in_time.add(user)
+                    return True
         else:
             step.refused[user] = 0
         step.report.waiting_skipped += 1
+        if not st.prefill_ahead and st.lender is None:  # (just in time: its budget first)
+            self._orl_prompt_put_off(request, "just_in_time", request.num_computed_tokens)
         return False
 
     def _orl_can_hold_prefill(self, request: Request) -> bool:

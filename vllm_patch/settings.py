@@ -115,6 +115,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("EVENTS", None, _text, "telemetry",
             "a file: the engine appends its per-step token events there (JSON lines), "
             "for `vllm-output-rate verify`"),
+    Setting("STEP_TIME", None, _text, "telemetry",
+            "a step-time model (the JSON `vllm-output-rate twin calibrate` writes): how the "
+            "telemetry splits each step's measured time between its fixed cost, its decodes and "
+            "each user's prompt tokens (`prompt_step_seconds`); without it a built-in estimate"),
     Setting("TRACES_FILE", None, _text, "tracing",
             "a file: spans appended as OTLP/JSON lines (offline use, no collector)"),
     Setting("TRACE_REFUSAL_STEP_EVERY", 50, _positive_int, "tracing",
@@ -122,7 +126,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("TRACE_THROTTLE_MIN_S", 1.0, _non_negative_float, "tracing",
             "a request whose longest throttle episode lasted this long (seconds) or longer gets "
             "a span for it (every episode is counted in its generation span and its user's "
-            "over-limit period)"),
+            "over-limit period), and so does a request whose prompt was put off this long"),
     Setting("PY_SPY", None, _text, "tools",
             "the py-spy executable `vllm-output-rate profile` runs (default: on PATH)"),
     Setting("EXTRA", "cpu", _text, "bootstrap",

@@ -33,6 +33,7 @@ lease thread's (``lease_thread``).
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -46,16 +47,33 @@ from vllm_output_rate.shared_settings import SharedStateSettings
 
 
 class _FallbackLimiter(OutputRateLimiter):
-    """Each user's limit divided by the engines last seen sharing it."""
+    """Each user's limit divided by the engines last seen sharing it; for
+    every user, or (a cluster with some shards down) for the users of the
+    shards in ``scope``."""
 
-    def __init__(self, base: OutputRateLimiter, sharing: Mapping[str, int], live: int) -> None:
+    def __init__(self, base: OutputRateLimiter, sharing: Mapping[str, int], live: int,
+                 scope: frozenset[Any] | None = None,
+                 shard_of: Callable[[str], Any] | None = None) -> None:
         super().__init__(base.default_rate, base.user_rates, base.burst_ns)
         self._base_rate = base.rate_of
         self._sharing = dict(sharing)
         self._live = max(1, live)
+        self.scope = scope
+        self._shard_of = shard_of
 
     def rate_of(self, user: str) -> Fraction:
         return self._base_rate(user) / max(1, self._sharing.get(user, self._live))
+
+    def covers(self, user: str) -> bool:
+        """Whether ``user`` is in fallback."""
+        return self.scope is None or self._shard_of(user) in self.scope
+
+    def inherit(self, old: _FallbackLimiter) -> None:
+        """Keep the states of users still covered at the same share (the
+        scope changed: a shard went down or came back)."""
+        for user, st in old._users.items():
+            if self.covers(user) and self.rate_of(user) == old.rate_of(user):
+                self._users[user] = st
 
 
 _plain_available = OutputRateLimiter.available
@@ -86,6 +104,18 @@ class SharedBudgetLimiter(OutputRateLimiter):
         self.starved: deque[str] = deque()
         #: lease thread -> scheduler: (user, tokens, deadline_ns)
         self.grants: deque[tuple[str, int, int]] = deque()
+        #: lease thread -> scheduler: long slices (user, tokens, deadline_ns,
+        #: sent_ns, span_ns), released over the span (at most ``slice_s``)
+        #: in parts (``_release``)
+        self.long_grants: deque[tuple[str, int, int, int, int]] = deque()
+        #: user -> tokens of its long slice not released yet, and the parts
+        #: to come: [deadline_ns, deque of (release_ns, tokens)]
+        self.unreleased: dict[str, int] = {}
+        #: scheduler -> lease thread: users that waited for their slice's release
+        self.paced: deque[str] = deque()
+        self._parts: dict[str, tuple[int, deque[tuple[int, int]]]] = {}
+        self._due: list[tuple[int, str]] = []
+        self._part_ns = max(1, int(settings.tick_s * 1e9))
         #: set by the lease thread; taken up at the next step boundary
         self.fallback_next: _FallbackLimiter | None = None
         self._fallback: _FallbackLimiter | None = None
@@ -93,6 +123,9 @@ class SharedBudgetLimiter(OutputRateLimiter):
         #: that lost its data); seen at the next step boundary
         self.clear_requests = 0
         self._clears_seen = 0
+        #: (a cluster) shards whose leases to drop: (scope, shard_of), one
+        #: per shard that lost its data
+        self.shard_clears: deque[tuple[frozenset[Any], Callable[[str], Any]]] = deque()
         self._starved_step: set[str] = set()
         self.thread = LeaseThread(self, settings, store=store, clock=clock,
                                   engine_id=engine_id)
@@ -103,10 +136,22 @@ class SharedBudgetLimiter(OutputRateLimiter):
     def in_fallback(self) -> bool:
         return self._fallback is not None
 
-    def begin_fallback(self, sharing: Mapping[str, int], live: int) -> None:
+    def begin_fallback(self, sharing: Mapping[str, int], live: int,
+                       scope: frozenset[Any] | None = None,
+                       shard_of: Callable[[str], Any] | None = None) -> None:
         """(Lease thread) From the next step on: each user's limit divided
-        by the engines last seen sharing it (``live`` for users never seen)."""
-        self.fallback_next = _FallbackLimiter(self, sharing, live)
+        by the engines last seen sharing it (``live`` for users never seen);
+        every user's, or those of the shards in ``scope`` (``shard_of``)."""
+        self.fallback_next = _FallbackLimiter(self, sharing, live, scope, shard_of)
+
+    def clear_leases(self, scope: frozenset[Any] | None,
+                     shard_of: Callable[[str], Any] | None) -> None:
+        """(Lease thread) At the next step: drop the leases of the users of
+        the shards in ``scope`` (every lease: ``None``)."""
+        if scope is None or shard_of is None:
+            self.clear_requests += 1
+        else:
+            self.shard_clears.append((scope, shard_of))
 
     def end_fallback(self) -> None:
         """(Lease thread) From the next step on: shared budgets again."""
@@ -116,23 +161,102 @@ class SharedBudgetLimiter(OutputRateLimiter):
         """Take up grants and a mode change, drop expired leases."""
         grants = self.grants
         book = self.book
+        parts = self._parts
         while grants:
             user, tokens, deadline = grants.popleft()
+            if parts and user in parts:
+                self._release(user, None)  # (its leases stay in deadline order)
             book.add_grant(user, tokens, deadline)
+        if self.long_grants:
+            self._take_long_grants()
+        if self._due:
+            self._release_due(now_ns)
         fallback = self.fallback_next
         if fallback is not self._fallback:
-            self._fallback = fallback
+            old, self._fallback = self._fallback, fallback
             if fallback is not None:
-                book.clear()
+                if fallback.scope is None:
+                    self._drop_leases(None)
+                else:
+                    if old is not None:
+                        fallback.inherit(old)
+                    covered = fallback.covers
+                    self._drop_leases(covered if old is None else
+                                      (lambda u: covered(u) and not old.covers(u)))
         if self.clear_requests != self._clears_seen:
             self._clears_seen = self.clear_requests
-            book.clear()
+            self._drop_leases(None)
+        clears = self.shard_clears
+        while clears:
+            scope, shard_of = clears.popleft()
+            self._drop_leases(lambda u: shard_of(u) in scope)
         book.expire(now_ns)
         self._starved_step.clear()
 
+    # -- long slices: released over the slice, in parts --------------------------
+
+    def _take_long_grants(self) -> None:
+        """A long slice: a part at once, the rest every tick or so over its
+        span (``slice_s``, or the part of it a cut slice covers) from its
+        ask (the user's spending on this engine stays even); every part
+        lives until the slice's deadline."""
+        parts, unreleased = self._parts, self.unreleased
+        while self.long_grants:
+            user, tokens, deadline, sent_ns, span = self.long_grants.popleft()
+            if user in parts:
+                self._release(user, None)
+            k = max(1, min(tokens, span // self._part_ns))
+            each, extra = divmod(tokens, k)
+            queue = deque((sent_ns + i * span // k, each + (1 if i < extra else 0))
+                          for i in range(k))
+            _, first = queue.popleft()
+            self.book.add_grant(user, first, deadline)
+            if queue:
+                parts[user] = (deadline, queue)
+                unreleased[user] = tokens - first
+                heapq.heappush(self._due, (queue[0][0], user))
+
+    def _release_due(self, now_ns: int) -> None:
+        due = self._due
+        while due and due[0][0] <= now_ns:
+            _, user = heapq.heappop(due)
+            part = self._parts.get(user)
+            if part is not None and part[1][0][0] <= now_ns:  # (else a stale entry)
+                self._release(user, now_ns)
+
+    def _release(self, user: str, now_ns: int | None) -> None:
+        """Release the parts of ``user``'s slice due by ``now_ns`` (None:
+        all of them)."""
+        deadline, queue = self._parts[user]
+        n = 0
+        while queue and (now_ns is None or queue[0][0] <= now_ns):
+            n += queue.popleft()[1]
+        if n:
+            self.book.add_grant(user, n, deadline)
+        if queue:
+            self.unreleased[user] -= n
+            heapq.heappush(self._due, (queue[0][0], user))
+        else:
+            del self._parts[user]
+            del self.unreleased[user]
+
+    def _drop_leases(self, drop: Callable[[str], bool] | None) -> None:
+        """Drop the leases (and slices not released yet) of the users
+        ``drop`` says, or of all (None)."""
+        if drop is None:
+            self.book.clear()
+            self._parts.clear()
+            self.unreleased.clear()
+            self._due.clear()
+            return
+        self.book.clear_users(drop)
+        for user in [u for u in self._parts if drop(u)]:
+            del self._parts[user]
+            del self.unreleased[user]
+
     def available(self, user: str, now_ns: int) -> int:
         fallback = self._fallback
-        if fallback is not None:
+        if fallback is not None and (fallback.scope is None or fallback.covers(user)):
             return fallback.available(user, now_ns)
         held = self._balance.get(user, 0)
         if held <= 0:
@@ -151,6 +275,14 @@ class SharedBudgetLimiter(OutputRateLimiter):
 
     def settle(self, now_ns: int, taken: Mapping[str, int]) -> None:
         fallback = self._fallback
+        if fallback is not None and fallback.scope is not None:
+            # some shards down: their users' tokens in fallback, the rest leased
+            down = {u: n for u, n in taken.items() if fallback.covers(u)}
+            if down:
+                fallback.settle(now_ns, down)
+                self.usage.append((now_ns, down, True))
+                taken = {u: n for u, n in taken.items() if u not in down}
+            fallback = None
         if fallback is not None:
             fallback.settle(now_ns, taken)
         else:
@@ -166,14 +298,15 @@ class SharedBudgetLimiter(OutputRateLimiter):
         # Only the plain limiter's try_take callers refund; the scheduler
         # settles net charges. A refunded token is not handed back to the
         # store (over-charging is allowed).
-        if self._fallback is not None:
-            self._fallback.refund(user)
+        fallback = self._fallback
+        if fallback is not None and fallback.covers(user):
+            fallback.refund(user)
         else:
             super().refund(user)
 
     def ready_at_ns(self, user: str) -> int:
         fallback = self._fallback
-        if fallback is not None:
+        if fallback is not None and (fallback.scope is None or fallback.covers(user)):
             return fallback.ready_at_ns(user)
         local = _plain_ready_at(self, user)
         if self._balance.get(user, 0) > 0:
@@ -184,6 +317,14 @@ class SharedBudgetLimiter(OutputRateLimiter):
             # The engine's own pacing binds (a user throttled at its limit
             # on this engine): no lease is needed before then.
             return local
+        part = self._parts.get(user) if self._parts else None
+        if part is not None:
+            # The next part of its long slice is released then (no ask; the
+            # thread hears it waited, once a step).
+            if user not in self._starved_step:
+                self._starved_step.add(user)
+                self.paced.append(user)
+            return max(part[1][0][0], local)
         retry = thread.retry_at.get(user)
         if retry is not None:
             # The store said the fleet's budget of this user is spent for

@@ -272,9 +272,15 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float, every_
 #: skips torch.compile's warm-up (recompiled at every start here); an explicit
 #: 128 MiB KV cache (with eager mode, vLLM's CPU worker then also skips its
 #: warm-up pass) spares zero-filling the 1 GiB the CPU platform takes by
-#: default (about 9 s). Both are plain ``vllm serve`` flags a user may pass;
-#: ``fast_start=False`` starts with vLLM's defaults instead.
-FAST_START_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(128 * 2**20))
+#: default (about 9 s). ``--dtype float32``: the generated models' own dtype;
+#: vLLM's CPU attention in bfloat16 takes its AMX kernels where the CPU
+#: reports AMX, and a virtual machine that reports AMX without running it
+#: (seen here: moved to another host while up) kills the model worker with
+#: SIGILL at the first step; in float32 it takes the AVX-512 kernels. All are
+#: plain ``vllm serve`` flags a user may pass; ``fast_start=False`` starts
+#: with vLLM's defaults instead.
+FAST_START_ARGS = ("--enforce-eager", "--kv-cache-memory-bytes", str(128 * 2**20),
+                   "--dtype", "float32")
 
 
 def fast_start_args(args: list[str], env: dict[str, str]) -> list[str]:
@@ -284,7 +290,9 @@ def fast_start_args(args: list[str], env: dict[str, str]) -> list[str]:
         extra.append("--enforce-eager")
     if not any(a.split("=", 1)[0] == "--kv-cache-memory-bytes" for a in args) \
             and not env.get("VLLM_CPU_KVCACHE_SPACE"):
-        extra += list(FAST_START_ARGS[1:])
+        extra += list(FAST_START_ARGS[1:3])
+    if not any(a.split("=", 1)[0] == "--dtype" for a in args):
+        extra += list(FAST_START_ARGS[3:])
     return extra
 
 

@@ -20,13 +20,22 @@ limiter, virtual time, a fixed step time):
 * ``borrowing``: this project, the same rates with ``ceiling: unlimited``
   (guaranteed rate plus what nobody within its rate uses).
 
+The ``long_prompts`` scenario has arms of its own: ``fcfs``,
+``fcfs-threshold`` (``--long-prefill-token-threshold``), ``priority``,
+``gateway-input`` (the gateway counting prompt tokens alone: LiteLLM's
+``token_rate_limit_type: input``, emulated), ``capped`` and
+``capped-prompt`` (with prompt budgets, ``prompt_rate``).
+
 Scenarios (``SCENARIOS``; fixed seeds): ``flood`` (one user opens many
 streams beside steady users; also run without the flood, the victims'
 baseline), ``overload`` (VTC's: two users, one sending twice the other's
 load, together above capacity), ``tiers`` (gold and free, the gold rate
 four times the free), ``bursts`` (on/off users beside steady ones),
 ``clients`` (many heterogeneous clients, ServeGen-like), ``alone`` (one user
-with many streams and nobody else: what borrowing gives back).
+with many streams and nobody else: what borrowing gives back),
+``long_prompts`` (issue 48: steady users beside one sending long prompts
+with short answers several times a second; its step 25 ms plus 20 us a
+prompt token, also run without the long prompts).
 
 Scales: ``small`` (16 sequences, a handful of users) and ``gpu`` (1,024
 sequences, 1,000 users), both with a 25 ms step. Per user and arm: output

@@ -17,6 +17,13 @@ from vllm_output_rate.tools.fairness.scenarios import NS, SCENARIOS, STEP_S, Sca
 from vllm_output_rate.tools.twin.step_time import StepTimeModel
 
 ARMS = ("fcfs", "priority", "gateway", "capped", "borrowing")
+#: arms that only scenarios naming them run (``Scenario.arms``): upstream
+#: with ``--long-prefill-token-threshold``, the gateway counting prompt
+#: tokens (LiteLLM's ``token_rate_limit_type: input``), this project
+#: capped with prompt budgets (``prompt_rate``)
+MORE_ARMS = ("fcfs-threshold", "gateway-input", "capped-prompt")
+#: this project's arms
+OURS = ("capped", "borrowing", "capped-prompt")
 #: this project's arms keep this many times the active sequences resident
 #: (``--max-num-seqs 4R --max-num-active-seqs R``, as the README deploys it)
 RESIDENT = 4
@@ -36,12 +43,20 @@ class GatewayEmulation:
     is refused (HTTP 429) when the window's count plus that would exceed the
     limit; when it finishes, the reservation is replaced by the tokens it
     really used. An emulation of those semantics in front of the twin, not
-    LiteLLM itself."""
+    LiteLLM itself.
+
+    ``count="input"``: LiteLLM's ``token_rate_limit_type: input`` (its
+    docs: TPM limits count only prompt tokens; enforced as the total is,
+    reserved before the call and reconciled after): a request reserves its
+    prompt tokens alone, which is also what it used."""
 
     WINDOW_NS = 60 * NS
 
-    def __init__(self, tpm: dict[str, float]) -> None:
+    def __init__(self, tpm: dict[str, float], count: str = "total") -> None:
+        if count not in ("total", "input"):
+            raise ValueError(f"count: 'total' or 'input', not {count!r}")
         self.tpm = tpm
+        self.count = count
         #: user -> [window start ns, tokens counted in it]
         self.windows: dict[str, list] = {}
         #: request id -> (user, window start, reserved) for requests in flight
@@ -56,7 +71,7 @@ class GatewayEmulation:
     def admit(self, req_id: str, user: str, prompt_tokens: int, max_tokens: int,
               now_ns: int) -> bool:
         w = self._window(user, now_ns)
-        need = prompt_tokens + max_tokens
+        need = prompt_tokens + (max_tokens if self.count == "total" else 0)
         if w[1] + need > self.tpm[user]:
             return False
         w[1] += need
@@ -67,25 +82,40 @@ class GatewayEmulation:
         user, start, need = self.reserved.pop(req_id)
         w = self.windows.get(user)
         if w is not None and w[0] == start:  # its window still open: true it up
-            w[1] += prompt_tokens + output_tokens - need
+            used = prompt_tokens + (output_tokens if self.count == "total" else 0)
+            w[1] += used - need
 
 
 # -- running the arms --------------------------------------------------------------
 
 
-def limits_yaml(rates: dict[str, float], ceiling: bool) -> str:
-    """A limits file: the most common rate as ``default``, the others listed."""
-    counts: dict[float, int] = defaultdict(int)
-    for r in rates.values():
-        counts[r] += 1
-    default = max(counts, key=lambda r: counts[r])
+def limits_yaml(rates: dict[str, float], ceiling: bool,
+                prompt_rates: dict[str, float] | None = None) -> str:
+    """A limits file: the most common rate (with ``prompt_rates``: rate and
+    prompt budget) as ``default``, the others listed."""
+    of = {u: (r, (prompt_rates or {}).get(u)) for u, r in rates.items()}
+    counts: dict[tuple, int] = defaultdict(int)
+    for key in of.values():
+        counts[key] += 1
+    default = max(counts, key=lambda k: counts[k])
 
-    def limit(r: float) -> str:
+    def limit(key: tuple) -> str:
+        r, p = key
+        if p is not None:
+            return f"{{rate: {r:.6g}, prompt_rate: {p:.6g}}}"
         return f"{{rate: {r:.6g}, ceiling: unlimited}}" if ceiling else f"{r:.6g}"
 
     lines = [f"default: {limit(default)}", "users:" if len(counts) > 1 else "users: {}"]
-    lines += [f"  {u}: {limit(r)}" for u, r in rates.items() if r != default]
+    lines += [f"  {u}: {limit(k)}" for u, k in of.items() if k != default]
     return "\n".join(lines) + "\n"
+
+
+def arm_limits(scenario: Scenario, arm: str) -> str | None:
+    """The limits file of one of this project's arms (None: not one)."""
+    if arm not in OURS:
+        return None
+    return limits_yaml(scenario.rates, ceiling=arm == "borrowing",
+                       prompt_rates=scenario.prompt_rates if arm == "capped-prompt" else None)
 
 
 def run_arm(scenario: Scenario, scale: Scale, arm: str, work: Path,
@@ -101,25 +131,31 @@ def run_arm(scenario: Scenario, scale: Scale, arm: str, work: Path,
         lines = [{**line, "priority": scenario.priorities[scenario.tiers[line["user"]]]}
                  for line in lines]
     longest = max(line["prompt_tokens"] + line["max_tokens"] for line in lines)
-    ours = arm in ("capped", "borrowing")
+    ours = arm in OURS
     engine: dict[str, Any] = {
         "max_num_seqs": RESIDENT * scale.max_num_seqs if ours else scale.max_num_seqs,
         "max_num_batched_tokens": max(2048, 2 * RESIDENT * scale.max_num_seqs),
-        "max_model_len": max(1024, longest)}
+        "max_model_len": max(1024, longest), **scenario.engine}
     admission, limits = None, TwinLimits()
     if arm == "priority":
         engine["scheduling_policy"] = "priority"
+    elif arm == "fcfs-threshold":
+        engine["long_prefill_token_threshold"] = scenario.long_prefill_threshold
     elif arm == "gateway":
         admission = GatewayEmulation({u: 60 * r for u, r in scenario.rates.items()})
+    elif arm == "gateway-input":
+        admission = GatewayEmulation({u: 60 * p for u, p in scenario.prompt_rates.items()},
+                                     count="input")
     elif ours:
         # as the project is deployed (README): the same R sequences a step,
         # four times as many resident, so throttled streams hold no slot
         # another user's request needs
         engine["max_num_active_seqs"] = scale.max_num_seqs
-        limits = TwinLimits(limits_text=limits_yaml(scenario.rates, ceiling=arm == "borrowing"))
+        limits = TwinLimits(limits_text=arm_limits(scenario, arm))
     twin = Twin(TwinConfig(
         workload=workload_of_lines(lines), out=work / "twin", engine=engine_args(**engine),
-        limits=limits, step_time=FIXED_STEP, plots=False, admission=admission,
+        limits=limits, step_time=scenario.step_time or FIXED_STEP, plots=False,
+        admission=admission,
         # cut as the real engine's run is: what is left then is not the
         # busy window's (a capped flood would drain for hours)
         until_s=scale.duration_s + fe.GRACE_S))
@@ -155,21 +191,30 @@ def engine_runner(model: str, litellm: str | None) -> Any:
 
     def run(scenario: Scenario, scale: Scale, arm: str, work: Path,
             lines: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-        ours = arm in ("capped", "borrowing")
         return fe.run_arm(
             scenario.lines if lines is None else lines, arm, work, model=model, vocab=vocab,
-            litellm=litellm, rates=scenario.rates,
+            litellm=litellm,
+            rates=scenario.prompt_rates if arm == "gateway-input" else scenario.rates,
             priority={u: scenario.priorities[t] for u, t in scenario.tiers.items()
                       if t in scenario.priorities},
-            limits_text=limits_yaml(scenario.rates, ceiling=arm == "borrowing") if ours else None,
-            r=scale.max_num_seqs, duration_s=scale.duration_s, warmup_s=WARMUP_S)
+            limits_text=arm_limits(scenario, arm), r=scale.max_num_seqs,
+            duration_s=scale.duration_s, warmup_s=WARMUP_S,
+            threshold=scenario.long_prefill_threshold)
 
     return run
 
 
-def run_scenario(name: str, scale: Scale, arms: list[str], out: Path, seed: int,
+def arms_of(scenario: Scenario, asked: list[str] | None) -> list[str]:
+    """The arms ``scenario`` runs: those asked for that it has (its own,
+    ``Scenario.arms``, or ``ARMS``), all of them when none were asked."""
+    own = list(scenario.arms or ARMS)
+    return own if asked is None else [a for a in asked if a in own]
+
+
+def run_scenario(name: str, scale: Scale, arms: list[str] | None, out: Path, seed: int,
                  progress: Any = print, runner: Any = None) -> dict[str, Any]:
     scenario = SCENARIOS[name](scale, random.Random(seed))
+    arms = arms_of(scenario, arms)
     result: dict[str, Any] = {"description": " ".join(scenario.description.split()),
                               "requests": len(scenario.lines), "users": len(scenario.rates),
                               "arms": {}, "baseline": {}}

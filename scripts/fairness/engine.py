@@ -60,6 +60,10 @@ NS = 1_000_000_000
 #: seconds after the arrivals end before what is left is cancelled
 GRACE_S = 10.0
 USER_FIELD = "output_rate_user"
+#: this project's arms (``fairness.arms.OURS``)
+OURS = ("capped", "borrowing", "capped-prompt")
+#: the gateway arms: LiteLLM's ``token_rate_limit_type`` of each
+GATEWAYS = {"gateway": "output", "gateway-input": "input"}
 METRIC_BORROWED = "vllm_output_rate_tokens_borrowed_total"
 
 CUSTOM_AUTH = '''"""LiteLLM custom_auth for the fairness benchmark: key sk-user-NAME is user
@@ -84,7 +88,7 @@ async def user_api_key_auth(request: Request, api_key: str) -> UserAPIKeyAuth:
 '''
 
 
-def litellm_config(upstream_port: int) -> str:
+def litellm_config(upstream_port: int, count: str = "output") -> str:
     """The proxy's config: one model in front of the engine, the custom
     auth (a master key only because the proxy refuses to start without one;
     custom_auth answers every request first)."""
@@ -96,7 +100,7 @@ def litellm_config(upstream_port: int) -> str:
         "general_settings:",
         "  master_key: sk-fairness-bench-" + os.urandom(8).hex(),
         "  custom_auth: custom_auth.user_api_key_auth",
-        "  token_rate_limit_type: output",
+        f"  token_rate_limit_type: {count}",
         "  always_include_stream_usage: true",
         ""])
 
@@ -106,15 +110,17 @@ def gateway_limits(rates: dict[str, float]) -> dict[str, int]:
     return {u: max(1, int(round(60 * r))) for u, r in rates.items()}
 
 
-def serve_args(arm: str, r: int, limits_file: Path | None) -> list[str]:
+def serve_args(arm: str, r: int, limits_file: Path | None, threshold: int = 0) -> list[str]:
     args = ["--max-model-len", "1024"]
-    if arm in ("capped", "borrowing"):
+    if arm in OURS:
         assert limits_file is not None
         return args + ["--max-num-seqs", str(RESIDENT * r), "--max-num-active-seqs", str(r),
                        "--output-rate-limits-file", str(limits_file)]
     args += ["--max-num-seqs", str(r)]
     if arm == "priority":
         args += ["--scheduling-policy", "priority"]
+    elif arm == "fcfs-threshold":
+        args += ["--long-prefill-token-threshold", str(threshold)]
     return args
 
 
@@ -193,7 +199,7 @@ async def drive(lines: list[dict[str, Any]], base_url: str, priority: dict[str, 
     rng = random.Random(1)
     records: list[Record] = []
     scrapes: dict[str, dict[str, float]] = {}
-    gateway = arm == "gateway"
+    gateway = arm in GATEWAYS
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         start = time.monotonic()
@@ -305,10 +311,11 @@ class Gateway:
     """LiteLLM's proxy in front of ``upstream_port``: its config, the
     custom auth and the per-user limits written to ``work``."""
 
-    def __init__(self, litellm: str, upstream_port: int, rates: dict[str, float], work: Path) -> None:
+    def __init__(self, litellm: str, upstream_port: int, rates: dict[str, float], work: Path,
+                 count: str = "output") -> None:
         work.mkdir(parents=True, exist_ok=True)
         (work / "custom_auth.py").write_text(CUSTOM_AUTH)
-        (work / "config.yaml").write_text(litellm_config(upstream_port))
+        (work / "config.yaml").write_text(litellm_config(upstream_port, count))
         self.port = _free_port()
         env = dict(os.environ, LITELLM_GW_LIMITS=json.dumps(gateway_limits(rates)),
                    LITELLM_LOCAL_MODEL_COST_MAP="True", PYTHONPATH=str(work))
@@ -346,9 +353,10 @@ class Gateway:
 def run_arm(lines: list[dict[str, Any]], arm: str, work: Path, *, model: str, vocab: int,
             litellm: str | None, rates: dict[str, float], priority: dict[str, int],
             limits_text: str | None, r: int = R, duration_s: float = DURATION_S,
-            warmup_s: float = 5.0) -> dict[str, Any]:
-    """One arm on a real engine (and, for ``gateway``, the proxy): the
-    result in the twin's shape (``result_of``) and the errors counted."""
+            warmup_s: float = 5.0, threshold: int = 0) -> dict[str, Any]:
+    """One arm on a real engine (and, for the gateway arms, the proxy: its
+    limits ``rates`` a second, x 60 a minute): the result in the twin's
+    shape (``result_of``) and the errors counted."""
     import httpx
 
     from vllm_output_rate.tools.common.client import Server
@@ -359,18 +367,20 @@ def run_arm(lines: list[dict[str, Any]], arm: str, work: Path, *, model: str, vo
         limits = work / "limits.yaml"
         limits.write_text(limits_text)
     gateway = None
-    ours = arm in ("capped", "borrowing")
+    ours = arm in OURS
     events = work / "events.jsonl"
     events.unlink(missing_ok=True)
     # this project's arms write the engine's event log: TTFT engine-side too
     env = {"OUTPUT_RATE_TELEMETRY": "1", "OUTPUT_RATE_EVENTS": str(events)} if ours else None
-    with Server(model, serve_args(arm, r, limits), work / "engine.log", extra_env=env) as server:
+    with Server(model, serve_args(arm, r, limits, threshold), work / "engine.log",
+                extra_env=env) as server:
         base_url = server.base_url
-        if arm == "gateway":
+        if arm in GATEWAYS:
             if not litellm:
-                raise RuntimeError("the gateway arm needs --litellm (the litellm command of an "
+                raise RuntimeError(f"the {arm} arm needs --litellm (the litellm command of an "
                                    "environment with litellm[proxy])")
-            gateway = Gateway(litellm, int(base_url.rsplit(":", 1)[1]), rates, work / "gateway")
+            gateway = Gateway(litellm, int(base_url.rsplit(":", 1)[1]), rates, work / "gateway",
+                              GATEWAYS[arm])
             gateway.wait_ready()
             base_url = gateway.base_url
 
@@ -397,6 +407,7 @@ def run_arm(lines: list[dict[str, Any]], arm: str, work: Path, *, model: str, vo
     result["errors"] = sum(1 for rec in records if rec.error)
     if ours and events.exists():
         result["engine_ttft"] = engine_ttft(events, records)
+        result["engine_itl"] = engine_spacing(events, records)
     return result
 
 
@@ -438,6 +449,31 @@ def engine_ttft(events: Path, records: list[Record]) -> dict[str, list[int]]:
     for cid, t in first.items():
         user, sent_ns = sent[cid]
         out[user].append(t - since.get(cid, sent_ns))
+    return dict(out)
+
+
+def engine_spacing(events: Path, records: list[Record]) -> dict[str, list[int]]:
+    """Per user, the spacing of its requests' tokens engine-side (ns): from
+    one step that gave a request tokens to the next (its tokens of a step
+    sharing the wait), in the engine's event log, without the API server's
+    work and the client's."""
+    from vllm_output_rate.telemetry.events import EngineLog
+    from vllm_output_rate.tools.twin.calibrate import _matcher
+
+    ids = [rec.cid for rec in records if rec.cid and not rec.refused and rec.error is None]
+    users = {rec.cid: rec.user for rec in records if rec.cid}
+    match = _matcher({cid: i for i, cid in enumerate(ids)})
+    last: dict[str, int] = {}
+    out: dict[str, list[int]] = defaultdict(list)
+    for t, tokens in EngineLog.read(events).steps:  # (in time order)
+        for rid, _, k in tokens:
+            i = match(rid) if k else None
+            if i is None:
+                continue
+            cid = ids[i]
+            if cid in last:
+                out[users[cid]] += [(t - last[cid]) // k] * k
+            last[cid] = t
     return dict(out)
 
 

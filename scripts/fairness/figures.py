@@ -147,6 +147,9 @@ def figures(scenario: Scenario, scale: Scale, result: dict[str, Any],
         if "engine_ttft" in result:  # the real engine, this project's arms
             eng = [x for u in members for x in result["engine_ttft"].get(u, ())]
             out_groups[group]["ttft_engine_s"] = _p50_p99_s(eng)
+            gaps = [x for u in members for x in result.get("engine_itl", {}).get(u, ())]
+            if gaps:
+                out_groups[group]["itl_engine_p99_s"] = round(quantile(gaps, 0.99) / NS, 4)
     total = sum(u["output_tokens"] for u in users.values())
     # weighted Jain's index over the backlogged users (asking for at least
     # 1.5 times their guaranteed rate): each one's busy-window tok/s over its
@@ -184,8 +187,9 @@ def _round(x: float | None, digits: int = 4) -> float | None:
 # -- goals ---------------------------------------------------------------------------
 
 
-def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's goals, each with its figure and whether it is met."""
+def goals(results: dict[str, Any], engine: bool = False) -> list[dict[str, Any]]:
+    """The issue's goals, each with its figure and whether it is met
+    (``results``: per scenario; ``engine``: a real engine's run)."""
     out = []
 
     def add(name: str, value: float | None, target: str, met: bool | None) -> None:
@@ -235,4 +239,38 @@ def goals(results: dict[str, Any]) -> list[dict[str, Any]]:
         if eng is not None and eng0:
             add(f"flood: {arm}, victims' TTFT p99 engine-side / without the flood",
                 round(eng / eng0, 4), "<= 1.2", eng / eng0 <= 1.2)
+    out += long_prompt_goals(results.get("long_prompts", {}), engine)
+    return out
+
+
+def long_prompt_goals(lp: dict[str, Any], engine: bool) -> list[dict[str, Any]]:
+    """Issue 48's goals on the long-prompts scenario, for this project's
+    recommended configuration (``capped-prompt``: just in time, prompt
+    budgets): the steady users' spacing p99 and TTFT p99 against theirs
+    without the flood (the twin: within 1.2x; the real engine: spacing
+    within 1.5x), and the flooder's output while backlogged against its
+    limit (>= 0.95)."""
+    out: list[dict[str, Any]] = []
+    arm = "capped-prompt"
+    fig = lp.get("arms", {}).get(arm)
+    base = lp.get("baseline", {}).get(arm, {}).get("groups", {}).get("steady")
+    if not fig:
+        return out
+    steady = fig["groups"].get("steady")
+    bound = 1.5 if engine else 1.2
+    checks = [("spacing p99", "itl_p99_s", bound)] + (
+        [("spacing p99 engine-side", "itl_engine_p99_s", bound)] if engine
+        else [("TTFT p99", "ttft_s", 1.2)])
+    for label, key, limit in checks:
+        now = steady and steady.get(key)
+        was = base and base.get(key)
+        if isinstance(now, dict):
+            now, was = now["p99"], was and was["p99"]
+        if now is not None and was:
+            out.append({"goal": f"long_prompts: {arm}, steady users' {label} / without the flood",
+                        "value": round(now / was, 4), "target": f"<= {limit}",
+                        "met": now / was <= limit})
+    held = fig["groups"].get("flooder", {}).get("held_while_backlogged_min")
+    out.append({"goal": f"long_prompts: {arm}, flooder's rate while backlogged / its limit",
+                "value": held, "target": ">= 0.95", "met": held is not None and held >= 0.95})
     return out

@@ -56,6 +56,13 @@ def render(results: dict[str, Any], scale: Scale, command: str) -> str:
                       "| arm | group | TTFT p50 ms | TTFT p99 ms |", "|---|---|---:|---:|"]
             lines += [f"| {arm} | {group} | {_f(g['ttft_engine_s']['p50'], 1e3)} | "
                       f"{_f(g['ttft_engine_s']['p99'], 1e3)} |" for arm, group, g in engine_side]
+            spacing = [(arm, group, g) for arm, group, g in engine_side if "itl_engine_p99_s" in g]
+            if spacing:
+                lines += ["", "Token spacing engine-side (the same arms: from a step that gave "
+                          "a request tokens to the next, in the event log):", "",
+                          "| arm | group | spacing p99 ms |", "|---|---|---:|"]
+                lines += [f"| {arm} | {group} | {_f(g['itl_engine_p99_s'], 1e3)} |"
+                          for arm, group, g in spacing]
         if res["baseline"]:
             lines += ["", "Without the flood (the victims' baseline):", "",
                       "| arm | steady TTFT p50 ms | steady TTFT p99 ms | spacing p99 ms |",

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_output_rate.tools.fairness import engine as fe
-from vllm_output_rate.tools.twin.workload import _poisson, gen_clients
+from vllm_output_rate.tools.twin.step_time import StepTimeModel
+from vllm_output_rate.tools.twin.workload import _poisson, gen_clients, long_prompt_lines
 
 NS = 1_000_000_000
 #: the step time of every run: 25 ms a step whatever it holds (a GPU's
@@ -58,6 +59,18 @@ class Scenario:
     priorities: dict[str, int] = field(default_factory=dict)
     #: the users left out for the baseline run (flood: the flooder)
     baseline_without: tuple[str, ...] = ()
+    #: the arms it runs by default (None: ``arms.ARMS``)
+    arms: tuple[str, ...] | None = None
+    #: the twin's step time (None: ``arms.FIXED_STEP``, 25 ms whatever the
+    #: step holds)
+    step_time: StepTimeModel | None = None
+    #: engine options of every arm (``twin.engine_args`` names)
+    engine: dict[str, Any] = field(default_factory=dict)
+    #: user -> prompt budget (prompt tok/s) of the arms that take one
+    #: (``capped-prompt``; ``gateway-input``: x 60 a minute)
+    prompt_rates: dict[str, float] = field(default_factory=dict)
+    #: the ``fcfs-threshold`` arm's ``--long-prefill-token-threshold``
+    long_prefill_threshold: int = 0
 
 
 # -- scenarios ---------------------------------------------------------------------
@@ -159,4 +172,71 @@ def alone(scale: Scale, rng: random.Random) -> Scenario:
                     {"alone": "alone"})
 
 
-SCENARIOS = {f.__name__: f for f in (flood, overload, tiers, bursts, clients, alone)}
+@dataclass(frozen=True)
+class LongPromptSizes:
+    """The long-prompts scenario at one scale."""
+    steady: int
+    flooders: int
+    #: the flooders' prompt (tokens) and requests a second each
+    prompt: int
+    per_s: float
+    #: a prompt token's cost: the twin's step model (25 ms a step plus
+    #: this per prefill token), and what the prompt budgets are sized on
+    per_prefill_token_s: float
+    #: the ``fcfs-threshold`` arm's threshold (tokens)
+    threshold: int
+
+
+#: issue 48's numbers at the small scale (four steady users, one flooder
+#: sending a 3,800-token prompt four times a second, 20 us a prompt token);
+#: ``gpu``: 64 copies of it (a 16-sequence slice each) on a GPU computing
+#: prompts 64 times as fast (a prompt token's share of a step the same);
+#: ``cpu``: the issue's real-engine case (three steady users, a 900-token
+#: prompt ten times a second; the tiny model's prefill about 35 us a token,
+#: the threshold scaled with the prompt)
+LONG_PROMPTS = {
+    "small": LongPromptSizes(4, 1, 3800, 4.0, 20e-6, 512),
+    "gpu": LongPromptSizes(256, 64, 3800, 4.0, 20e-6 * 16 / 1024, 512),
+    "cpu": LongPromptSizes(3, 1, 900, 10.0, 35e-6, 128),
+}
+#: the prompt budgets' share of step time (prompt_rate x a token's cost):
+#: everyone's default, and the flooder's
+PROMPT_SHARE_DEFAULT, PROMPT_SHARE_FLOODER = 0.4, 0.08
+LONG_PROMPT_ARMS = ("fcfs", "fcfs-threshold", "priority", "gateway-input", "capped",
+                    "capped-prompt")
+
+
+def long_prompts(scale: Scale, rng: random.Random) -> Scenario:
+    """Long prompts, short answers (issue 48): steady users sending a
+    request every 2 s each (200-token prompts, 150 tokens out) beside a
+    user that sends a long prompt with 20 tokens out several times a
+    second from 2 s on; limits 100 and 5 tok/s; the twin's step 25 ms
+    plus a prompt token's cost per prefill token."""
+    size = LONG_PROMPTS[scale.name]
+    # the issue's limits at every scale: the steady users within theirs
+    # (they ask for 75 tok/s each), the flooder far over its own
+    steady_rate, flood_rate = 100.0, 5.0
+    names = ["flooder"] if size.flooders == 1 else [f"flooder-{i}" for i in range(size.flooders)]
+    lines = long_prompt_lines(rng, size.steady, 2.0, 200, 150, names, size.prompt, 20, size.per_s,
+                              2.0, scale.duration_s)
+    lines.sort(key=lambda line: line["t"])
+    rates, tier_of, prompt_rates = {}, {}, {}
+    for i in range(size.steady):
+        user = f"steady-{i}"
+        rates[user], tier_of[user] = steady_rate, "steady"
+        prompt_rates[user] = PROMPT_SHARE_DEFAULT / size.per_prefill_token_s
+    for user in names:
+        rates[user], tier_of[user] = flood_rate, "flooder"
+        prompt_rates[user] = PROMPT_SHARE_FLOODER / size.per_prefill_token_s
+    return Scenario(
+        "long_prompts", long_prompts.__doc__, lines, rates, tier_of, {"steady": 0, "flooder": 1},
+        baseline_without=tuple(names), arms=LONG_PROMPT_ARMS,
+        step_time=StepTimeModel(base_s=scale.step_s, per_prefill_token_s=size.per_prefill_token_s,
+                                source="hand", note="the long-prompts scenario's step (issue 48)"),
+        engine={"max_model_len": 4096 if size.prompt > 1000 else 1024,
+                "max_num_batched_tokens": 8192, "enable_chunked_prefill": True},
+        prompt_rates=prompt_rates, long_prefill_threshold=size.threshold)
+
+
+SCENARIOS = {f.__name__: f for f in (flood, overload, tiers, bursts, clients, alone,
+                                     long_prompts)}

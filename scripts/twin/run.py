@@ -261,9 +261,14 @@ class Twin:
             tel = None
             if self.limited:
                 (self.out / "telemetry").mkdir(exist_ok=True)
+                from vllm_output_rate.telemetry.prompt_work import StepCost
+
+                model = self.step_model  # (its own split of step time between users' prompts)
                 tel = attach_telemetry(sched, str(self.out / "telemetry"), start_thread=False,
                                        events_path=str(self.out / "events.jsonl"),
-                                       clock=self.telemetry_clock)
+                                       clock=self.telemetry_clock,
+                                       step_cost=StepCost(model.base_s, model.per_decode_s,
+                                                          model.per_prefill_token_s, "twin"))
                 (self.out / "events.jsonl").unlink(missing_ok=True)
             next_export = T0_NS + EXPORT_NS
             model_steps = index = 0

@@ -30,7 +30,6 @@ next token or wait a whole period for the next one.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -223,11 +222,6 @@ def load_step_time(path: str | None) -> StepTimeModel:
     """The model in ``path``; ``DEFAULT`` for None."""
     if path is None:
         return DEFAULT
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise StepTimeError(f"{path}: cannot read it ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise StepTimeError(f"{path}: not JSON ({exc})") from None
-    return parse_step_time(data, path)
+    from vllm_output_rate.telemetry.prompt_work import read_json
+
+    return parse_step_time(read_json(path, StepTimeError), path)

@@ -29,7 +29,11 @@ Generators (``vllm-output-rate twin workload KIND --out FILE [params]
   arrivals come on and off (``--on-s``/``--off-s``), overloading while on;
 * ``clients``: many heterogeneous clients in the manner of ServeGen, each
   with its own arrival rate (log-normal across clients) and its own
-  log-normal prompt and output lengths.
+  log-normal prompt and output lengths;
+* ``long_prompts``: steady users, a request every ``1/--rate`` s each,
+  beside one (``--flood-user``) sending ``--long-prompt-tokens`` prompts
+  with ``--long-max-tokens`` out ``--long-rate`` times a second from
+  ``--long-start`` (issue 48; the fairness benchmark's scenario).
 
 ``vllm-output-rate twin workload burstgpt --trace FILE.csv --out FILE
 --users RULE`` converts a BurstGPT trace (columns ``Timestamp, Model,
@@ -283,12 +287,43 @@ def gen_clients(rng: random.Random, a: argparse.Namespace) -> list[dict[str, Any
     return out
 
 
+def long_prompt_lines(rng: random.Random, steady: int, every_s: float, prompt: int,
+                      max_tokens: int, long_users: list[str], long_prompt: int,
+                      long_max_tokens: int, per_s: float, start_s: float,
+                      duration: float) -> list[dict[str, Any]]:
+    """Long prompts, short answers (issue 48): ``steady`` users each sending
+    a request every ``every_s`` seconds (from a random phase), and each of
+    ``long_users`` a ``long_prompt``-token prompt with ``long_max_tokens``
+    out ``per_s`` times a second from ``start_s`` (the fairness benchmark's
+    ``long_prompts`` scenario)."""
+    out = []
+    for i in range(steady):
+        t = rng.uniform(0.0, every_s)
+        while t < duration:
+            out.append(_request(t, f"steady-{i}", prompt, max_tokens))
+            t += every_s
+    for user in long_users:
+        t = start_s + rng.uniform(0.0, 1.0 / per_s)
+        while t < duration:
+            out.append(_request(t, user, long_prompt, long_max_tokens))
+            t += 1.0 / per_s
+    return out
+
+
+def gen_long_prompts(rng: random.Random, a: argparse.Namespace) -> list[dict[str, Any]]:
+    return long_prompt_lines(rng, a.users, 1.0 / a.rate, a.prompt_tokens, a.max_tokens,
+                             [a.flood_user], a.long_prompt_tokens, a.long_max_tokens,
+                             a.long_rate, a.long_start, a.duration)
+
+
 GENERATORS = {
     "flood": (gen_flood, "one user opens many streams at once beside steady Poisson users"),
     "tiers": (gen_tiers, "users in named tiers, each a Poisson source"),
     "bursts": (gen_bursts, "a steady user beside an on/off bursty one (VTC fair_bench shapes)"),
     "clients": (gen_clients, "many clients, each with its own arrival rate and length "
                              "distributions (log-normal)"),
+    "long_prompts": (gen_long_prompts, "steady users beside one sending long prompts with short "
+                                       "answers several times a second (issue 48)"),
 }
 
 
@@ -320,6 +355,14 @@ def add_generator_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=int, default=100)
     parser.add_argument("--cap", type=int, default=4096,
                         help="largest prompt or output length drawn (clients)")
+    parser.add_argument("--long-prompt-tokens", type=int, default=3800,
+                        help="the long prompts (long_prompts; steady users: --users, --rate, "
+                        "a request every 1/rate s, --prompt-tokens, --max-tokens)")
+    parser.add_argument("--long-max-tokens", type=int, default=20)
+    parser.add_argument("--long-rate", type=float, default=4.0,
+                        help="long prompts a second (long_prompts)")
+    parser.add_argument("--long-start", type=float, default=2.0,
+                        help="when the long prompts start (s)")
 
 
 # --------------------------------------------------------------------------- BurstGPT

@@ -15,6 +15,11 @@ request, ``throttled`` about once a second, ``start``) and vLLM's
 * ``gcra_bound``: in every window between two token events, tokens <=
   floor((W + burst) x limit) + 1 with the limiter's burst
   (``vllm_output_rate.limiter.BURST_NS``; see "Step slack" in the report);
+* ``prompt_bound``: when the served limits carry a ``prompt_rate``, the
+  prompt budget's bound the same way over the steps that computed the
+  user's prompts (the engine log's ``prompt`` lines, stamped at dispatch):
+  prompt tokens <= floor((W + burst) x prompt_rate) + 1, or + its largest
+  prompt without chunked prefill;
 * ``rate``: the achieved rate >= ``rate_min_ratio`` x limit while the user's
   demand exceeded it (while at least one of its requests was generating);
 * ``spacing``: the per-stream spacing p50 within ``spacing_tolerance`` of

@@ -9,6 +9,7 @@ from typing import Any
 
 from vllm_output_rate.telemetry.metrics import series_name
 from vllm_output_rate.tools.common.stats import quantile
+from vllm_output_rate.tools.verify.gcra import gcra_worst_window
 from vllm_output_rate.tools.verify.analysis import (
     EVENTS_ENV,
     STALL_FACTOR,
@@ -108,6 +109,47 @@ def check_gcra(a: Analysis, stats: dict[str, UserStats]) -> list[Check]:
             details.append(f"without step slack: {s['violations']} window(s) over, worst by "
                            f"{s['excess']} token(s) ({s['tokens']} in {s['window_s']:.3f} s)")
         out.append(Check("gcra_bound", user, ok, summary, details))
+    return out
+
+
+def check_prompt_bound(a: Analysis) -> list[Check]:
+    """The prompt budget's bound, like the output limit's, for each user of
+    the run whose served limits carry a ``prompt_rate`` (the engine's start
+    line): in every window between two steps that computed its prompts
+    (stamped at dispatch, where the budget charges), prompt tokens <=
+    floor((W + burst) x prompt_rate) + 1 with chunked prefill, + its
+    largest prompt instead of 1 without (a prompt goes whole)."""
+    start = a.start_event()
+    if not start or start.get("prompt_limits") is None:
+        return []
+    window = a.run_window_ns()
+    since = int(start["t_ns"])
+    until = None if window is None else window[1]
+    changes = [int(c["t_ns"]) for c in a.log.limit_changes
+               if since < int(c["t_ns"]) <= (window[0] if window else since)]
+    since = max([since, *changes])  # (the limits in force when the run began)
+    chunked = bool(start.get("chunked_prefill", True))
+    listed = start["prompt_limits"]
+    out = []
+    for user in a.users_in_run():
+        rate = listed[user] if user in listed else start.get("default_prompt_limit")
+        if rate is None:
+            continue
+        events = a.log.user_prompt_spends(user, since, until)
+        if not events:
+            out.append(Check("prompt_bound", user, False, "no prompt tokens computed for this "
+                             "user in the engine log (no prompt lines: an engine too old?)"))
+            continue
+        largest = max([rd.rec.prompt_tokens for rd in a.user_reqs(user)] + [1])
+        extra = 1 if chunked else largest
+        g = gcra_worst_window(events, _frac(rate), extra=extra)
+        ok = g["excess"] <= 0
+        out.append(Check(
+            "prompt_bound", user, ok,
+            f"prompt_rate {float(rate):g} tok/s, {'chunked prefill' if chunked else 'whole prompts'}: "
+            f"{g['windows']} windows; worst: {g['tokens']} prompt tokens in {g['window_s']:.3f} s, "
+            f"bound {g['bound']} (floor((W + burst) x rate) + {extra})"
+            + ("" if ok else f" -> {g['violations']} window(s) over the bound")))
     return out
 
 
@@ -328,7 +370,7 @@ def check_prefix_cache(a: Analysis) -> list[Check]:
 def run_checks(a: Analysis) -> tuple[list[Check], dict[str, UserStats]]:
     stats = {u: user_stats(a, u) for u in a.users_in_run()}
     checks = (check_events(a) + check_limits(a, stats) + check_gcra(a, stats)
-              + check_rate(a, stats) + check_spacing(a, stats) + check_complete(a)
+              + check_prompt_bound(a) + check_rate(a, stats) + check_spacing(a, stats) + check_complete(a)
               + check_resumed(a, stats) + check_freed(a) + check_charged(a)
               + check_unlimited(a) + check_prefix_cache(a))
     return checks, stats

@@ -12,8 +12,11 @@ from vllm_output_rate.limiter import BURST_NS, NS_PER_S
 
 
 def gcra_worst_window(events: list[tuple[int, int]], rate: Fraction,
-                      starts: list[int] | None = None, burst_ns: int = BURST_NS) -> dict[str, Any]:
-    """The window with the largest excess over floor((W + burst) x rate) + 1.
+                      starts: list[int] | None = None, burst_ns: int = BURST_NS,
+                      extra: int = 1) -> dict[str, Any]:
+    """The window with the largest excess over floor((W + burst) x rate) +
+    ``extra`` (1: the limiter's bound; a prompt budget without chunked
+    prefill takes a prompt whole: its largest prompt).
 
     ``events``: (t_ns, tokens) sorted by time, one per step. A window runs from
     event i to event j (both included); its length W is t_j - starts[i] where
@@ -36,10 +39,10 @@ def gcra_worst_window(events: list[tuple[int, int]], rate: Fraction,
         w = t[i:] - s[i]
         tokens = cum[i + 1:] - cum[i]
         if big:
-            bound = np.array([(int(x) + burst_ns) * num // den + 1 for x in w], dtype=object)
+            bound = np.array([(int(x) + burst_ns) * num // den + extra for x in w], dtype=object)
             excess = np.array(tokens, dtype=object) - bound
         else:
-            bound = (w + burst_ns) * num // den + 1
+            bound = (w + burst_ns) * num // den + extra
             excess = tokens - bound
         k = int(np.argmax(excess))
         worst["windows"] += len(w)
