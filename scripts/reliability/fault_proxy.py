@@ -220,10 +220,12 @@ class FaultProxy:
                     await asyncio.sleep(wait)
                 await self._open.wait()
                 queue.popleft()
-                writer.write(data)
-                await writer.drain()
+                # counted as handed on (before the write: the peer may read
+                # it before this coroutine runs again)
                 with self._lock:
                     setattr(self._stats, counter, getattr(self._stats, counter) + len(data))
+                writer.write(data)
+                await writer.drain()
 
         sender = asyncio.ensure_future(deliver())
         try:
