@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -189,8 +190,15 @@ def _fake_py_spy(tmp_path, message: str, code: int = 1) -> str:
 
 @pytest.fixture
 def fake_engine_core():
-    """A process whose command line names it an engine core."""
+    """A process whose command line names it an engine core (once it does:
+    right after the fork it still has this process's command line)."""
+    import psutil
+
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", "VLLM::EngineCore"])
+    deadline = time.monotonic() + 30
+    while "VLLM::EngineCore" not in " ".join(psutil.Process(proc.pid).cmdline()):
+        assert time.monotonic() < deadline, "the fake engine core never named itself"
+        time.sleep(0.01)
     yield proc
     proc.kill()
     proc.wait()
