@@ -60,8 +60,7 @@ def serve(argv: list[str]) -> None:
         try:
             precheck(argv)
         except OutputRateConfigError as exc:
-            print(f"vllm-output-rate serve: error: {exc}", file=sys.stderr)
-            sys.exit(2)
+            refuse(exc)
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
@@ -76,10 +75,14 @@ def serve(argv: list[str]) -> None:
         validate_parsed_serve_args(args)
         ServeSubcommand.cmd(args)
     except OutputRateConfigError as exc:
-        # A refused option or file (checked before any engine starts): one
-        # line naming the option and the value, as argparse does, no traceback.
-        print(f"vllm-output-rate serve: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        refuse(exc)
+
+
+def refuse(exc: Exception) -> None:
+    """A refused option or file (checked before any engine starts): one
+    line naming the option and the value, as argparse does, no traceback."""
+    print(f"vllm-output-rate serve: error: {exc}", file=sys.stderr)
+    sys.exit(2)
 
 
 #: What ``serve --help`` says, with vLLM's hint on finding options (the
