@@ -25,6 +25,7 @@ from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.telemetry.events import EngineLog
 from vllm_output_rate.tools.bench.affinity_balance import Ring
 from vllm_output_rate.tools.common.client import (
+    http_limits,
     Server,
     free_port,
     metric_value,
@@ -106,7 +107,7 @@ def fleet(tmp_path_factory):
 
 
 async def warm_up(engines, streams):
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0),
+    async with httpx.AsyncClient(limits=http_limits(None), timeout=httpx.Timeout(300.0),
                                  headers={"X-User-Id": "warm-up"}) as client:
         results = await asyncio.gather(*(stream_chat(client, e.base_url, "tiny", None, 4)
                                          for e in engines for _ in range(streams)))
@@ -120,7 +121,7 @@ def test_each_user_lands_on_one_engine_at_its_limit(fleet):
 
     async def run():
         async def one(user):
-            async with httpx.AsyncClient(timeout=httpx.Timeout(300.0),
+            async with httpx.AsyncClient(limits=http_limits(None), timeout=httpx.Timeout(300.0),
                                          headers={"X-User-Id": user}) as client:
                 result = await stream_chat(client, base_url, "tiny", None, TOKENS)
                 result.user = user  # (no body field: the header names the user)

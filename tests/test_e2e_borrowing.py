@@ -27,7 +27,8 @@ from vllm_output_rate.dashboards import generate
 from vllm_output_rate.dashboards.config import Config
 from vllm_output_rate.dashboards.promql import render
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.common.client import metric_value, run_load, scrape_metrics, stream_chat
+from vllm_output_rate.tools.common.client import (
+    http_limits, metric_value, run_load, scrape_metrics, stream_chat)
 from vllm_output_rate.tools.verify.gcra import gcra_worst_window
 
 pytestmark = pytest.mark.e2e
@@ -66,7 +67,7 @@ def stalled_ns(step_times, lo, hi, allowance_ns) -> float:
 
 
 async def _warm_up(server, users) -> None:
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    async with httpx.AsyncClient(limits=http_limits(None), timeout=httpx.Timeout(600.0)) as client:
         done = await asyncio.gather(*(stream_chat(client, server.base_url, "tiny", u, 2)
                                       for u in users))
     assert [r.error for r in done if r.error] == []
@@ -172,7 +173,7 @@ def test_a_guaranteed_user_arriving_gets_its_rate_within_a_second(engines, pool_
 
     async def main():
         client = httpx.AsyncClient(timeout=httpx.Timeout(600.0),
-                                   limits=httpx.Limits(max_connections=64))
+                                   limits=http_limits(64))
         async with client:
             # every active slot (--max-num-active-seqs 8)
             lender = [asyncio.create_task(stream_chat(client, server.base_url, "tiny", LONE, 960))

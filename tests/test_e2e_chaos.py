@@ -32,7 +32,7 @@ from test_e2e_shared_state import fleet_tokens, per_engine_tokens, run_streams, 
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_settings import HORIZON_S, LOOKAHEAD_S
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.common.client import Server, metric_value, scrape_metrics
+from vllm_output_rate.tools.common.client import http_limits, Server, metric_value, scrape_metrics
 from vllm_output_rate.tools.reliability.fault_proxy import FaultProxy
 from vllm_output_rate.tools.fleet_sim import worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisServer, redis_server_binary
@@ -260,7 +260,7 @@ def test_an_engine_killed_whole_gives_its_share_back_within_three_seconds(chaos)
     from vllm_output_rate.tools.common.client import stream_chat
 
     async def run():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        async with httpx.AsyncClient(limits=http_limits(None), timeout=httpx.Timeout(300.0)) as client:
             jobs = [stream_chat(client, engines[i].base_url, "tiny", "user-a", tokens)
                     for i, tokens in ((0, 200), (0, 200), (1, 400), (1, 400))]
             return await asyncio.gather(*jobs)

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from harness import REPO, scrape_until, tiny_model
-from vllm_output_rate.tools.common.client import Server, metric_value, scrape_metrics
+from vllm_output_rate.tools.common.client import http_limits, Server, metric_value, scrape_metrics
 from vllm_output_rate.user_label import PLACEHOLDERS, hashed
 
 pytestmark = pytest.mark.e2e
@@ -152,7 +152,7 @@ def test_invented_ids_share_one_default_budget(server):
     before = scrape(server)
 
     async def run():
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(limits=http_limits(None), timeout=120) as client:
             body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
             return await asyncio.gather(*(
                 client.post(f"{server.base_url}/v1/completions", json=body,
@@ -195,7 +195,7 @@ def test_introspection_matches_the_metrics(server):
     n = SLOW_TOKENS
 
     async def slow_stream(received):
-        async with httpx.AsyncClient(timeout=120) as client:
+        async with httpx.AsyncClient(limits=http_limits(None), timeout=120) as client:
             body = {"model": "tiny", "prompt": "hi", "max_tokens": n, "ignore_eos": True,
                     "stream": True}
             async with client.stream("POST", f"{server.base_url}/v1/completions", json=body,

@@ -26,7 +26,7 @@ import pytest
 from harness import REPO, limit_integral, rate_while_stepping, rewrite_unseen, scrape_until, tiny_model
 from vllm_output_rate.limiter import BURST_NS, NS_PER_S
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.common.client import metric_value, scrape_metrics, stream_chat
+from vllm_output_rate.tools.common.client import http_limits, metric_value, scrape_metrics, stream_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -48,7 +48,7 @@ class Load:
         self.results = []
 
     async def _main(self):
-        async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        async with httpx.AsyncClient(limits=http_limits(None), timeout=httpx.Timeout(600.0)) as client:
             tasks = [asyncio.create_task(stream_chat(client, self.base_url, "tiny", "user-a", 900))
                      for _ in range(4)]
             await asyncio.to_thread(self.stop_event.wait)

@@ -22,7 +22,7 @@ from vllm_output_rate.fleet_math import fleet_bound
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_settings import HORIZON_S, LOOKAHEAD_S
 from vllm_output_rate.telemetry.events import EngineLog, fleet_spends
-from vllm_output_rate.tools.common.client import Server, metric_value, scrape_metrics, stream_chat
+from vllm_output_rate.tools.common.client import http_limits, Server, metric_value, scrape_metrics, stream_chat
 from vllm_output_rate.tools.fleet_sim import worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisServer, redis_server_binary
 
@@ -86,7 +86,7 @@ def run_streams(engines, plan, during=None):
     """plan: [(engine index, user, streams, max_tokens)]; ``during`` runs in
     a thread while the streams go."""
     async def run():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        async with httpx.AsyncClient(limits=http_limits(None), timeout=httpx.Timeout(300.0)) as client:
             jobs = [stream_chat(client, engines[i].base_url, "tiny", user, tokens)
                     for i, user, streams, tokens in plan for _ in range(streams)]
             return await asyncio.gather(*jobs)
@@ -351,7 +351,7 @@ def test_an_orphaned_engine_core_ends_and_gives_its_share_back(fleet):
             marks["gone"] = time.monotonic_ns()
 
     async def run():
-        async with httpx.AsyncClient(timeout=httpx.Timeout(300.0)) as client:
+        async with httpx.AsyncClient(limits=http_limits(None), timeout=httpx.Timeout(300.0)) as client:
             jobs = [stream_chat(client, engines[i].base_url, "tiny", "user-a", tokens)
                     for i, tokens in ((0, 200), (0, 200), (1, 400), (1, 400))]
             return await asyncio.gather(*jobs)

@@ -28,6 +28,7 @@ import pytest
 from harness import REPO, OtlpSpanReceiver, rate_while_stepping, spend_rate, tiny_model
 from vllm_output_rate.telemetry.events import EngineLog
 from vllm_output_rate.tools.common.client import (
+    http_limits,
     Server,
     StreamResult,
     chat_body,
@@ -50,7 +51,7 @@ ARGS = ["--max-num-seqs", "16", "--max-model-len", "1024",
 async def _streams(base_url: str, plan: list[tuple[str, int, dict[str, str]]]) -> list[StreamResult]:
     """Streams of (user, max_tokens, extra headers) at once, the user named
     by the trusted X-User header (none in the body)."""
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    async with httpx.AsyncClient(limits=http_limits(None), timeout=httpx.Timeout(600.0)) as client:
         async def one(user: str, max_tokens: int, headers: dict[str, str]) -> StreamResult:
             rec = StreamResult(user, max_tokens, started=time.monotonic())
             body = chat_body("tiny", "Explain continuous batching.", max_tokens, None)

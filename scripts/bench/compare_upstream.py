@@ -48,6 +48,7 @@ from vllm_output_rate.config import USER_FIELD
 from vllm_output_rate.tools.common.help_text import PlainHelpFormatter
 from vllm_output_rate.telemetry.metrics import metric, series_name
 from vllm_output_rate.tools.common.client import (
+    http_limits,
     Samples,
     Server,
     StreamResult,
@@ -96,7 +97,7 @@ async def _keep_streams(base_url: str, plan: list[tuple[str, int, int]]) -> None
             if not ok:
                 await asyncio.sleep(0.5)
 
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    limits = http_limits(256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         await asyncio.gather(*(slot(client, u, n) for u, s, n in plan for _ in range(s)))
 

@@ -189,7 +189,7 @@ async def _record_under_load(base_url: str, model: str, plan: list[tuple[str, in
     py-spy records; returns the tokens streamed during the recording."""
     import httpx
 
-    from vllm_output_rate.tools.common.client import stream_chat
+    from vllm_output_rate.tools.common.client import http_limits, stream_chat
 
     counting = False
     tokens: Counter = Counter()
@@ -205,7 +205,7 @@ async def _record_under_load(base_url: str, model: str, plan: list[tuple[str, in
                 errors.append(r.error)
                 await asyncio.sleep(0.5)
 
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    limits = http_limits(256)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         tasks = [asyncio.create_task(slot(client, user, n))
                  for user, streams, n in plan for _ in range(streams)]

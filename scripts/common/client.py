@@ -27,6 +27,20 @@ from vllm_output_rate import settings
 from vllm_output_rate.config import ANONYMOUS_USER, USER_FIELD
 
 
+#: idle connections are dropped after 2 s, before the server's keep-alive
+#: (uvicorn's 5 s, httpx's own default is 5 s too) closes them: a request sent
+#: on a connection the server is closing fails with a ReadError before it
+#: reaches vLLM (seen under load, after pauses of a few seconds)
+KEEPALIVE_EXPIRY_S = 2.0
+
+
+def http_limits(max_connections: int | None = 256) -> httpx.Limits:
+    """The connection limits of every client of the tools and tests."""
+    return httpx.Limits(max_connections=max_connections,
+                        max_keepalive_connections=max_connections,
+                        keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+
 @dataclass
 class StreamResult:
     user: str
@@ -386,7 +400,7 @@ async def run_load(base_url: str, plan: list[tuple[str | None, int, int]], model
 
     ``progress`` (a tqdm bar, say) gets ``update(n)`` for every n tokens.
     """
-    limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+    limits = http_limits(256)
     on_tokens = progress.update if progress is not None else None
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         return list(await asyncio.gather(*(

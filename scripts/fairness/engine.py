@@ -200,7 +200,9 @@ async def drive(lines: list[dict[str, Any]], base_url: str, priority: dict[str, 
     records: list[Record] = []
     scrapes: dict[str, dict[str, float]] = {}
     gateway = arm in GATEWAYS
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    from vllm_output_rate.tools.common.client import http_limits
+
+    limits = http_limits(None)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         start = time.monotonic()
         tasks = []

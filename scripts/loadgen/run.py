@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_output_rate.config import ANONYMOUS_USER
-from vllm_output_rate.tools.common.client import chat_body, stream_into
+from vllm_output_rate.tools.common.client import chat_body, http_limits, stream_into
 from vllm_output_rate.tools.loadgen.scenario import (
     UNLIMITED,
     Scenario,
@@ -141,7 +141,7 @@ async def run_scenario(base_url: str, scenario: Scenario, progress: Any = None,
     run = RunRecord(scenario.name, run_id, base_url, time.time_ns(), time.monotonic())
     on_tokens = progress.update if progress is not None else None
     seq = 0
-    limits = httpx.Limits(max_connections=512, max_keepalive_connections=512)
+    limits = http_limits(512)
     timeout = httpx.Timeout(scenario.request_timeout_s, connect=30.0)
 
     async def delayed(rec: RequestRecord, body: dict[str, Any]) -> None:

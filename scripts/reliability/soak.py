@@ -299,7 +299,9 @@ async def drive(base_url: str, server_pid: int, minutes: float, sample_s: float,
     from vllm_output_rate.tools.bench.profile_engine import find_engine_core
 
     procs = psutil.Process(server_pid), psutil.Process(find_engine_core(server_pid, timeout_s=30))
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+    from vllm_output_rate.tools.common.client import http_limits
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=http_limits(None)) as client:
         long_prompt = await text_of_tokens(client, base_url, MODEL_NAME, MAX_MODEL_LEN - 64, 11)
         t0 = time.monotonic()
         load = Load(client, base_url, t0 + minutes * 60.0, long_prompt, churn_s)

@@ -104,11 +104,9 @@ async def live_cases(base_url: str, profile: str, server_pid: int,
                      add: Callable[[list[CaseResult]], None] | None = None) -> list[CaseResult]:
     """The groups run against the live server; ``add`` is given each group's
     cases as the group ends."""
-    # idle connections dropped after 2 s, before the server's keep-alive
-    # (uvicorn's 5 s) closes them: a request sent on a connection the
-    # server is closing fails with a ReadError before it reaches vLLM (seen
-    # with the machine loaded, after the cases' pauses of 2.5 s)
-    limits = httpx.Limits(keepalive_expiry=2.0)
+    from vllm_output_rate.tools.common.client import http_limits
+
+    limits = http_limits(None)  # idle connections dropped before the server's keep-alive
     async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=limits) as client:
         live = Live(base_url, client)
         cases: list[CaseResult] = []

@@ -50,7 +50,9 @@ async def tenant_cases(base_url: str) -> list[CaseResult]:
     cases: list[CaseResult] = []
     seen_by_alice: list[str] = []
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0)) as client:
+    from vllm_output_rate.tools.common.client import http_limits
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(120.0), limits=http_limits(None)) as client:
         async def get(path: str, headers: dict[str, str]) -> httpx.Response:
             resp = await client.get(f"{base_url}/output-rate/{path}", headers=headers)
             if headers is as_alice:

@@ -260,7 +260,9 @@ async def replay(wl: AccuracyWorkload, server: Any, limits_path: Path, vocab: in
 
     rng = random.Random(seed)
     url = f"{server.base_url}/v1/completions"
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    from vllm_output_rate.tools.common.client import http_limits
+
+    limits = http_limits(None)
 
     def body(user: str, prompt: int, max_tokens: int) -> dict[str, Any]:
         return {"model": "tiny", "prompt": prompt_ids(rng, prompt, vocab),

@@ -46,14 +46,14 @@ async def calibration_load(base_url: str, model: str, duration_s: float, bar: An
     import httpx
 
     from vllm_output_rate.tools.common.client import (
-        chat_body, completion_body, StreamResult, stream_into)
+        chat_body, completion_body, http_limits, StreamResult, stream_into)
     from vllm_output_rate.tools.loadgen.prompts import text_of_tokens, tokenize
 
     rng = random.Random(seed)
     run = uuid.uuid4().hex[:8]
     records: list[dict[str, Any]] = []
     seq = 0
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    limits = http_limits(64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(duration_s + 60), limits=limits) as client:
         texts = {n: await text_of_tokens(client, base_url, model, n, seed + n)
                  for n in PROMPT_TOKENS}
