@@ -7,6 +7,13 @@ per user with demand, ``settle`` of what it spends, ``ready_at_ns`` for a
 user it refused; per tick one ``LeaseThread.tick`` with the store's time
 given (the script takes the fake clock instead of Redis' own, so a run is
 repeatable). What the fleet spends per user is recorded for the fleet bound.
+A fleet may also lease each user's ceiling and prompt budget (``budgets``:
+the limiters of ``SharedBudgetLimiter.second_budget``, lanes of the same
+lease thread): an engine then takes a token of the ceiling for every
+output token, lends each user what its streams want beyond its rate (an
+engine with idle capacity) up to the ceiling's tokens it holds, and
+computes each user's prompt tokens per step (``SimEngine.prompts``) within
+its prompt budget; what the fleet spends of each is recorded per kind.
 
 Used by the tests (small fleets, brute-force bound) and by
 ``python -m vllm_output_rate.tools.fleet_sim`` (64+ engines, 10,000 users:
@@ -28,7 +35,7 @@ from fractions import Fraction
 
 from vllm_output_rate.cluster_store import ClusterStore
 from vllm_output_rate.fleet_math import fleet_bound
-from vllm_output_rate.lease_store import RedisStore
+from vllm_output_rate.lease_store import CEILING, PROMPT, RedisStore
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_limiter import SharedBudgetLimiter
 from vllm_output_rate.shared_settings import SharedStateSettings, parse_shared_state
@@ -50,6 +57,10 @@ class SimEngine:
     spends: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     next_tick_ns: int = 0
     last_call_ns: int = 0
+    #: kind -> the limiter of the users' ceilings or prompt budgets
+    others: dict[str, SharedBudgetLimiter] = field(default_factory=dict)
+    #: user -> prompt tokens it wants computed per step (prompt budgets)
+    prompts: dict[str, int] = field(default_factory=dict)
 
 
 class Fleet:
@@ -57,7 +68,8 @@ class Fleet:
 
     def __init__(self, url: str, default_rate: Fraction, user_rates: dict[str, Fraction] | None = None,
                  settings: SharedStateSettings | None = None, step_s: float = 0.01,
-                 seed: int = 0) -> None:
+                 seed: int = 0,
+                 budgets: dict[str, tuple[Fraction, dict[str, Fraction]]] | None = None) -> None:
         # (the URL's query, if any: timeout_ms=..., as the engine reads it)
         self.settings = settings or parse_shared_state(url)
         self.default_rate = Fraction(default_rate)
@@ -75,6 +87,11 @@ class Fleet:
         self.keep: set[str] | None = None
         self.count_from_ns: int | None = None
         self.totals: dict[str, int] = {}
+        #: kind (``CEILING``, ``PROMPT``) -> (default, user -> rate) of the
+        #: users' other budgets, and what the fleet spent of each:
+        #: kind -> user -> [(ns, tokens)]
+        self.budgets = dict(budgets or {})
+        self.kind_spends: dict[str, dict[str, list[tuple[int, int]]]] = {k: {} for k in self.budgets}
 
     def clock(self) -> int:
         return self.now_ns
@@ -96,6 +113,8 @@ class Fleet:
                                       start_thread=False)
         tick_ns = int(self.settings.tick_s * NS_PER_S)
         engine = SimEngine(name, limiter, self.rng.randrange(tick_ns))
+        for kind, (default, rates) in self.budgets.items():
+            engine.others[kind] = limiter.second_budget(kind, default, rates)
         engine.next_tick_ns = self.now_ns + engine.offset_ns
         self.engines.append(engine)
         return engine
@@ -121,15 +140,35 @@ class Fleet:
                 thread.tick(now_us=now / 1000)
             limiter.begin_step(now)
             taken: dict[str, int] = {}
+            ceiling = engine.others.get(CEILING)
+            ceiled: dict[str, int] = {}
             for user, streams in engine.streams.items():
                 if streams <= 0:
                     continue
                 n = min(limiter.available(user, now), streams)
+                if ceiling is not None:
+                    # every token within the ceiling's leases; what its
+                    # streams want beyond its rate lent up to them
+                    c = ceiling.available(user, now)
+                    n = min(n, c)
+                    if c > n and streams > n:
+                        ceiled[user] = min(streams, c)
+                    elif n:
+                        ceiled[user] = n
                 if n > 0:
                     taken[user] = n
                 if n < streams:
                     limiter.ready_at_ns(user)
             limiter.settle(now, taken)
+            if ceiling is not None:
+                ceiling.settle(now, ceiled)
+                self._record(CEILING, engine, now, ceiled)
+            prompt = engine.others.get(PROMPT)
+            if prompt is not None:
+                computed = {u: n for u, want in engine.prompts.items()
+                            if want > 0 and (n := min(want, prompt.available(u, now))) > 0}
+                prompt.settle(now, computed)
+                self._record(PROMPT, engine, now, computed)
             for user, n in taken.items():
                 if self.keep is None or user in self.keep:
                     self.spends.setdefault(user, []).append((now, n))
@@ -137,6 +176,12 @@ class Fleet:
                 if self.count_from_ns is not None and now >= self.count_from_ns:
                     self.totals[user] = self.totals.get(user, 0) + n
         self.now_ns += self.step_ns
+
+    def _record(self, kind: str, engine: SimEngine, now: int, taken: dict[str, int]) -> None:
+        spends = self.kind_spends[kind]
+        for user, n in taken.items():
+            if self.keep is None or user in self.keep:
+                spends.setdefault(user, []).append((now, n))
 
     def run(self, seconds: float, each_step: Callable[[Fleet], None] | None = None) -> None:
         end = self.now_ns + int(seconds * NS_PER_S)

@@ -53,8 +53,11 @@ CLUSTER_LEAVE_SCRIPT = "#!lua flags=allow-cross-slot-keys\n" + _LEAVE_BODY.repla
 
 def user_key(user: str, kind: str = RATE) -> str:
     """A user's hash in a cluster (its id the hash tag: every budget of a
-    user, ``KIND_KEYS``, on the same slot)."""
-    return KEY_PREFIX + KIND_KEYS[kind] + "{" + user + "}"
+    user, ``KIND_KEYS``, on the same slot). An id that is empty or starts
+    with ``}`` would make an empty tag (Redis then hashes the whole key, a
+    slot per kind): such ids are tagged ``~`` (one slot for all of them)."""
+    tag = user if user[:1] not in ("", "}") else "~" + user
+    return KEY_PREFIX + KIND_KEYS[kind] + "{" + tag + "}"
 
 
 class ClusterStore:
