@@ -79,7 +79,8 @@ class OutputRateCore(SchedulerHost):
         problem = check_shared(config, st.chunked)
         if problem:
             raise OutputRateConfigError(problem)
-        choose(st, self._orl_new_limiter(config),
+        st.limiter = self._orl_new_limiter(config)  # (the others' maker: ``_orl_second``)
+        choose(st, st.limiter,
                Lender(config, self._orl_second("ceiling")) if config.borrowing else None)
         st.prompts = (PromptBudgets(config, make=self._orl_second("prompt"))
                       if config.prompt_budgets else None)
