@@ -13,6 +13,11 @@ after it. So in any window of ``W`` seconds the whole fleet spends at most
 ``floor((W + H + B) x limit) + 1`` tokens of a user, with ``H`` the horizon
 and ``B`` the lookahead (0.5 s and 0.25 s by default): the long-run rate is
 exactly the limit, a short window may hold ``(H + B) x limit`` more.
+The same holds for each of a user's other fleet-wide budgets, leased the
+same way (``lease_lane``): its ceiling C bounds every output token of the
+user, guaranteed or borrowed, by ``floor((W + H + B) x C) + 1``, and its
+prompt budget P the prompt tokens computed for it (with chunked prefill) by
+``floor((W + H + B) x P) + 1``.
 
 **Long slices** (``slice_ms`` = ``L``, off by default). A user whose
 spending on an engine is steady (the tokens it spent in each of the last
