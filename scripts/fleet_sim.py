@@ -300,6 +300,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="run the arms this many times, alternating")
     parser.add_argument("--latency-ms", type=float, default=0.0,
                         help="added to every store call (a store across a network)")
+    parser.add_argument("--ceiling", type=float, default=0.0,
+                        help="every user's ceiling (tok/s; 0: none): a fleet-wide budget leased "
+                        "beside the rate, each engine lending what its streams want beyond it")
+    parser.add_argument("--prompt-rate", type=float, default=0.0,
+                        help="every user's prompt budget (prompt tokens/s; 0: none), leased "
+                        "beside the rate")
+    parser.add_argument("--prompt-per-step", type=int, default=200,
+                        help="prompt tokens each engine wants computed per user per step")
     parser.add_argument("--shards", type=int, default=0,
                         help="start a Redis Cluster of this many masters (0: one plain redis-server)")
     parser.add_argument("--url", default=None, help="a Redis (or redis-cluster://) to use (default: start one)")
@@ -370,7 +378,9 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
                                        lookahead_s=settings.lookahead_s, slice_s=settings.slice_s,
                                        nodes=parse_shared_state(url).nodes)
     rate = Fraction(args.rate).limit_denominator(1000)
-    fleet = Fleet(url, rate, settings=settings, step_s=args.step_ms / 1000, seed=1)
+    second = {kind: (Fraction(v).limit_denominator(1000), {})
+              for kind, v in ((CEILING, args.ceiling), (PROMPT, args.prompt_rate)) if v > 0}
+    fleet = Fleet(url, rate, settings=settings, step_s=args.step_ms / 1000, seed=1, budgets=second)
     nodes = _store_nodes(url, settings)
     for node in nodes:
         node.flushdb()
@@ -384,6 +394,8 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
         user = f"user-{u}"
         for engine in rng.sample(fleet.engines, min(args.engines_per_user, args.engines)):
             engine.streams[user] = engine.streams.get(user, 0) + 2
+            if PROMPT in second:
+                engine.prompts[user] = args.prompt_per_step
     if args.latency_ms > 0:
         delay = args.latency_ms / 1000
         for engine in fleet.engines:
@@ -415,6 +427,22 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
         for k, v in worst_window_ratio(sorted(fleet.spends.get(user, [])), rate, settings.long_horizon_s,
                                        settings.long_lookahead_s).items():
             ratios[k] = max(ratios.get(k, 0.0), v)
+    kinds: dict[str, dict] = {}
+    for kind, (limit, _) in second.items():
+        worst: dict[str, float] = {}
+        rates_k = []
+        for user in sample:
+            spends = sorted(fleet.kind_spends[kind].get(user, []))
+            rates_k.append(sum(n for t, n in spends if t >= start_ns) / span / float(limit))
+            for k, v in worst_window_ratio(spends, limit, settings.long_horizon_s,
+                                           settings.long_lookahead_s).items():
+                worst[k] = max(worst.get(k, 0.0), v)
+        rates_k.sort()
+        kinds[kind] = {"limit": float(limit),
+                       "fleet_rate_over_limit": {"min": round(rates_k[0], 4),
+                                                 "median": round(rates_k[len(rates_k) // 2], 4),
+                                                 "max": round(rates_k[-1], 4)},
+                       "worst_window_over_bound": {k: round(v, 4) for k, v in worst.items()}}
     shard_entries = [a - b for a, b in zip(_shard_entries(fleet, settings, len(nodes)), shard0)]
     for node in nodes:
         node.close()
@@ -440,6 +468,8 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
                                   "median": round(rates[len(rates) // 2] / float(rate), 4),
                                   "max": round(rates[-1] / float(rate), 4)},
         "worst_window_over_bound": {k: round(v, 4) for k, v in ratios.items()},
+        # (with --ceiling / --prompt-rate, over the sampled users)
+        "budgets": kinds,
     }
 
 

@@ -92,6 +92,34 @@ def test_a_lane_asks_under_its_kind_and_a_reply_names_the_budget():
     assert LeaseAsk("u", Fraction(5), 1).budget == "u"  # a rate: the user, as before
 
 
+def test_a_user_out_of_its_fleet_wide_ceiling_waits_for_it_and_says_so():
+    """A token needs the ceiling's lease too: the engine loop's wake time for
+    a refused user is the later of its rate's and its ceiling's (the
+    ceiling's a round trip away once the lease thread hears it ran short);
+    an unlimited ceiling, and an engine's own ceilings, add nothing."""
+    from vllm_output_rate.borrowing import NO_CEILING, Lender
+    from vllm_output_rate.config import UNLIMITED
+    from vllm_output_rate.shared_limiter import SharedBudgetLimiter
+
+    now = [T0_NS]
+    rates = SharedBudgetLimiter(Fraction(20), {}, SharedStateSettings("redis://x:1"),
+                                clock=lambda: now[0], start_thread=False)
+    config = OutputRateConfig(Fraction(20), {"free": Fraction(5)}, ceilings={"free": UNLIMITED},
+                              default_ceiling=Fraction(60))
+    lender = Lender(config, lambda d, r: rates.second_budget(CEILING, d, r))
+    rates.begin_step(now[0])
+    assert lender.available("a", now[0]) == 0  # no lease of its ceiling yet ...
+    assert list(lender.ceilings.starved) == ["a"]  # ... and the lease thread is told
+    assert lender.ready_at_ns("a") > now[0]
+    assert lender.available("free", now[0]) == NO_CEILING and lender.ready_at_ns("free") == 0
+    assert Lender(config).ready_at_ns("a") == 0
+    rates.thread._take_lane_changes()
+    assert rates.thread.lanes.keys() == {RATE, CEILING}
+    lender.close()  # borrowing stops: the lane leaves at the thread's next round
+    rates.thread._take_lane_changes()
+    assert rates.thread.lanes.keys() == {RATE} and not rates.others
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.lists(st.tuples(st.sampled_from(["grant", "whole", "refund"]),
                                    st.sampled_from(["a", "b"]), st.integers(0, 900)),

@@ -67,6 +67,17 @@ class Lender:
             return NO_CEILING
         return self.ceilings.available(user, now_ns)
 
+    def ready_at_ns(self, user: str) -> int:
+        """When ``user``'s ceiling has a token again, for the engine loop's
+        wait (0: now, or not known here). Only a fleet-wide ceiling says: its
+        tokens come from the lease thread (a round trip, or a retry when the
+        fleet's is spent), and asking tells the thread this engine ran short;
+        an engine's own ceiling is left out (its users' rates wake it)."""
+        ceiling = self.config.ceiling_of(user)
+        if ceiling is None or ceiling == UNLIMITED or not hasattr(self.ceilings, "owner"):
+            return 0
+        return self.ceilings.ready_at_ns(user)
+
     def settle(self, now_ns: int, spent: Mapping[str, int], borrowed: Mapping[str, int]) -> None:
         """A step's net tokens: ``spent`` (every token, per user with a
         finite ceiling) charged to the ceilings, ``borrowed`` added to the

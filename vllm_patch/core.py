@@ -565,10 +565,11 @@ class OutputRateCore(SchedulerHost):
         prompts = st.prompts
         if prompts is not None:
             self._orl_prompt_finish(prompts, scheduled)
-        limiter = st.limiter
+        limiter, lender = st.limiter, st.lender
         refused = record.refused
-        for user in refused:
-            refused[user] = limiter.ready_at_ns(user)
+        for user in refused:  # (a token needs its ceiling's too)
+            refused[user] = max(limiter.ready_at_ns(user),
+                                0 if lender is None else lender.ready_at_ns(user))
         if refused or len(self.running) > st.base_active:
             # Served times feed the next step's rotation, which only runs
             # after a step that refused someone (``_orl_before_schedule``).
