@@ -300,12 +300,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="run the arms this many times, alternating")
     parser.add_argument("--latency-ms", type=float, default=0.0,
                         help="added to every store call (a store across a network)")
-    parser.add_argument("--ceiling", type=float, default=0.0,
+    parser.add_argument("--ceiling", default="0",
                         help="every user's ceiling (tok/s; 0: none): a fleet-wide budget leased "
-                        "beside the rate, each engine lending what its streams want beyond it")
-    parser.add_argument("--prompt-rate", type=float, default=0.0,
+                        "beside the rate, each engine lending what its streams want beyond it; "
+                        "several, comma-separated: one arm each, paired with --prompt-rate's")
+    parser.add_argument("--prompt-rate", default="0",
                         help="every user's prompt budget (prompt tokens/s; 0: none), leased "
-                        "beside the rate")
+                        "beside the rate; several: one arm each (as --ceiling)")
     parser.add_argument("--prompt-per-step", type=int, default=200,
                         help="prompt tokens each engine wants computed per user per step")
     parser.add_argument("--shards", type=int, default=0,
@@ -323,11 +324,18 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         slices = [float(x) for x in args.slice_ms.split(",")]
+        ceilings = [float(x) for x in args.ceiling.split(",")]
+        prompts = [float(x) for x in args.prompt_rate.split(",")]
+        n = max(len(ceilings), len(prompts))
+        if len(ceilings) not in (1, n) or len(prompts) not in (1, n):
+            parser.error("--ceiling and --prompt-rate: one value, or as many as each other")
+        arms = list(zip(ceilings * (n // len(ceilings)), prompts * (n // len(prompts))))
         for _ in range(args.repeat):
             for slice_ms in slices:
-                result = run_large(url, args, slice_ms)
-                print(json.dumps(result), flush=True)
-                results.append(result)
+                for ceiling, prompt_rate in arms:
+                    result = run_large(url, args, slice_ms, ceiling, prompt_rate)
+                    print(json.dumps(result), flush=True)
+                    results.append(result)
     finally:
         if server is not None:
             server.close()
@@ -370,7 +378,8 @@ def _shard_entries(fleet: Fleet, settings: SharedStateSettings, shards: int) -> 
     return out
 
 
-def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict:
+def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0, ceiling: float = 0.0,
+              prompt_rate: float = 0.0) -> dict:
     settings = SharedStateSettings(url, tick_s=args.tick_ms / 1000, horizon_s=args.horizon_ms / 1000,
                                    lookahead_s=args.lookahead_ms / 1000, slice_s=slice_ms / 1000)
     if url.split(":", 1)[0].endswith("-cluster"):
@@ -379,7 +388,7 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
                                        nodes=parse_shared_state(url).nodes)
     rate = Fraction(args.rate).limit_denominator(1000)
     second = {kind: (Fraction(v).limit_denominator(1000), {})
-              for kind, v in ((CEILING, args.ceiling), (PROMPT, args.prompt_rate)) if v > 0}
+              for kind, v in ((CEILING, ceiling), (PROMPT, prompt_rate)) if v > 0}
     fleet = Fleet(url, rate, settings=settings, step_s=args.step_ms / 1000, seed=1, budgets=second)
     nodes = _store_nodes(url, settings)
     for node in nodes:
@@ -451,7 +460,7 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
         "shards": len(nodes) if settings.cluster else 0,
         "rate": float(rate), "measured_s": span, "wall_s": round(wall, 2),
         "tick_ms": args.tick_ms, "horizon_ms": args.horizon_ms, "lookahead_ms": args.lookahead_ms,
-        "slice_ms": slice_ms, "latency_ms": args.latency_ms,
+        "slice_ms": slice_ms, "ceiling": ceiling, "prompt_rate": prompt_rate, "latency_ms": args.latency_ms,
         "store_calls_per_s_per_engine": round(calls / span / args.engines, 2),
         "store_calls_per_s": round(calls / span, 1),
         "user_entries_per_s": round(entries / span, 1),
