@@ -27,44 +27,21 @@ from vllm_output_rate.limiter import NS_PER_S, OutputRateLimiter
 from vllm_output_rate.prompt_budget import PromptBudgets
 from vllm_output_rate.shared_settings import SharedStateSettings, parse_shared_state
 from vllm_output_rate.tools.fleet_sim import T0_NS, Fleet, worst_window_excess
-from vllm_output_rate.tools.redis_server import RedisCluster, RedisServer, redis_server_binary
+from vllm_output_rate.tools.redis_server import redis_server_binary
+
+# (the fixtures and helpers of the modules beside: one Redis, one cluster)
+from test_cluster_store import cluster, url  # noqa: F401
+from test_long_slices import fresh, redis_server  # noqa: F401
 
 needs_redis = pytest.mark.skipif(redis_server_binary() is None,
                                  reason="redis-server not installed (make tools installs it)")
 MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
 
 
-@pytest.fixture(scope="module")
-def redis_server():
-    if redis_server_binary() is None:
-        pytest.skip("redis-server not installed")
-    with RedisServer() as server:
-        yield server
-
-
-def fresh(server: RedisServer) -> str:
-    import redis
-
-    if server.proc is None:
-        server.start()
-    redis.Redis.from_url(server.url).flushdb()
-    return server.url
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    if redis_server_binary() is None:
-        pytest.skip("redis-server not installed")
-    with RedisCluster(shards=3) as c:
-        yield c
-
-
-def fresh_cluster(cluster: RedisCluster) -> str:
-    for i, node in enumerate(cluster.nodes):
-        if node.proc is None:
-            cluster.restart_empty(i)
-    cluster.flushall()
-    return cluster.url
+def cluster_url(request: pytest.FixtureRequest) -> str:
+    """A fresh three-shard cluster's URL (``test_cluster_store``'s fixtures:
+    one cluster for this module, its nodes back and empty)."""
+    return request.getfixturevalue("url").split("?", 1)[0]
 
 
 # -- pure -----------------------------------------------------------------------------
@@ -190,10 +167,10 @@ def test_one_call_leases_a_users_rate_ceiling_and_prompt_budget_as_three_gcras(r
 # -- random fleets on a fake clock -------------------------------------------------------
 
 
-def budgets_fleet(url: str, settings_: SharedStateSettings | None = None, seed: int = 0,
+def budgets_fleet(at: str, settings_: SharedStateSettings | None = None, seed: int = 0,
                   rate: Fraction = Fraction(20), ceiling: Fraction = Fraction(60),
                   prompt: Fraction = Fraction(1000), step_s: float = 0.01) -> Fleet:
-    return Fleet(url, rate, settings=settings_, seed=seed, step_s=step_s,
+    return Fleet(at, rate, settings=settings_, seed=seed, step_s=step_s,
                  budgets={CEILING: (ceiling, {}), PROMPT: (prompt, {})})
 
 
@@ -211,11 +188,11 @@ def check_kinds(fleet: Fleet, user: str, window_from_ns: int = 0) -> None:
 @settings(max_examples=10, deadline=None)
 @given(st.data())
 def test_each_budget_keeps_its_fleet_bound_for_random_demands_joins_and_leaves(redis_server, data):
-    url = fresh(redis_server)
-    settings_ = SharedStateSettings(url, tick_s=data.draw(st.sampled_from([0.02, 0.05])),
+    at = fresh(redis_server)
+    settings_ = SharedStateSettings(at, tick_s=data.draw(st.sampled_from([0.02, 0.05])),
                                     horizon_s=data.draw(st.sampled_from([0.2, 0.5])),
                                     lookahead_s=data.draw(st.sampled_from([0.05, 0.25])))
-    fleet = budgets_fleet(url, settings_, seed=data.draw(st.integers(0, 1000)),
+    fleet = budgets_fleet(at, settings_, seed=data.draw(st.integers(0, 1000)),
                           ceiling=data.draw(st.sampled_from([Fraction(20), Fraction(45)])),
                           prompt=data.draw(st.sampled_from([Fraction(300), Fraction(2000)])),
                           step_s=data.draw(st.sampled_from([0.005, 0.01, 0.03])))
@@ -247,8 +224,8 @@ def test_the_store_restarted_empty_no_burst_of_any_kind(redis_server):
     again empty 2 s later: serving never stops (fallback shares of each
     budget), every budget back at its rate after it, and the bound of each
     kind holds across the outage and the reset."""
-    url = fresh(redis_server)
-    fleet = budgets_fleet(url, SharedStateSettings(url, timeout_s=0.05), seed=4)
+    at = fresh(redis_server)
+    fleet = budgets_fleet(at, SharedStateSettings(at, timeout_s=0.05), seed=4)
     for _ in range(3):
         engine = fleet.add_engine()
         engine.streams, engine.prompts = {"u": 2}, {"u": 300}
@@ -276,13 +253,13 @@ def test_the_store_restarted_empty_no_burst_of_any_kind(redis_server):
 
 
 @needs_redis
-def test_a_cluster_shard_restarted_empty_resets_every_budget_of_its_users(cluster):
+def test_a_cluster_shard_restarted_empty_resets_every_budget_of_its_users(request, cluster):
     """Over a three-shard cluster: the shard of "u" killed and restarted
     empty; every budget of "u" (its keys on that shard's slot) falls back,
     resets and reports together; the bound of each kind holds across."""
-    url = fresh_cluster(cluster)
-    settings_ = SharedStateSettings(url, timeout_s=0.05, nodes=parse_shared_state(url).nodes)
-    fleet = budgets_fleet(url, settings_, seed=6)
+    at = cluster_url(request)
+    settings_ = SharedStateSettings(at, timeout_s=0.05, nodes=parse_shared_state(at).nodes)
+    fleet = budgets_fleet(at, settings_, seed=6)
     for _ in range(2):
         engine = fleet.add_engine()
         engine.streams, engine.prompts = {"u": 2}, {"u": 300}
@@ -325,7 +302,7 @@ def write(path, text: str) -> None:
 @needs_redis
 @pytest.mark.parametrize("store", ["redis", "cluster"])
 @pytest.mark.parametrize("is_async", MODES)
-def test_real_schedulers_lend_within_a_fleet_wide_ceiling(redis_server, cluster, tmp_path,
+def test_real_schedulers_lend_within_a_fleet_wide_ceiling(request, redis_server, tmp_path,
                                                          monkeypatch, store, is_async):
     """Two of vLLM's own schedulers on one fake clock, each with two
     streams of user-a (tier gold: rate 20, ceiling 60) and nothing else to
@@ -339,11 +316,11 @@ def test_real_schedulers_lend_within_a_fleet_wide_ceiling(redis_server, cluster,
     from vllm_output_rate.ledger import OutputRateState
 
     monkeypatch.setattr(OutputRateState, "watch_thread", False)
-    url = fresh(redis_server) if store == "redis" else fresh_cluster(cluster)
+    at = fresh(redis_server) if store == "redis" else cluster_url(request)
     path = tmp_path / "limits.yaml"
     gold = "default: 1000\ntiers: {gold: {rate: 20, ceiling: %d}}\nusers: {user-a: gold}\n"
     write(path, gold % 60)
-    limits = {**load_limits_file(str(path)).to_dict(), "shared_state": url + "?timeout_ms=5000"}
+    limits = {**load_limits_file(str(path)).to_dict(), "shared_state": at + "?timeout_ms=5000"}
     clock = VirtualClock()
     drivers = []
     for _ in range(2):
@@ -383,7 +360,7 @@ def test_real_schedulers_lend_within_a_fleet_wide_ceiling(redis_server, cluster,
         for drv in drivers:
             assert drv.scheduler.output_rate.watcher.check() == "loaded"
 
-    s = parse_shared_state(url)
+    s = parse_shared_state(at)
     start, end = run(600)  # 6 s
     assert 0.95 * 60 <= rate_in(start + 2 * NS_PER_S, end) <= 60 * 1.05, rate_in(start + 2 * NS_PER_S, end)
     excess, window = worst_window_excess(spends, Fraction(60), s.horizon_s, s.lookahead_s)
@@ -427,10 +404,10 @@ def test_real_schedulers_keep_a_fleet_wide_prompt_budget(redis_server, monkeypat
     from vllm_output_rate.ledger import OutputRateState
 
     monkeypatch.setattr(OutputRateState, "watch_thread", False)
-    url = fresh(redis_server)
+    at = fresh(redis_server)
     limits = {"default_user_output_tokens_per_second": 1000, "unlisted_users": "shared",
               "default_prompt_rate": "2000",
-              "shared_state": url + "?timeout_ms=5000"}
+              "shared_state": at + "?timeout_ms=5000"}
     clock = VirtualClock()
     prefix = [(7 * j) % 900 + 20 for j in range(256)]
     drivers, prompt_tokens = [], 0
@@ -459,7 +436,7 @@ def test_real_schedulers_keep_a_fleet_wide_prompt_budget(redis_server, monkeypat
             if n:
                 computed.append((now, n))
         clock.advance_ms(10)
-    s = parse_shared_state(url)
+    s = parse_shared_state(at)
     excess, window = worst_window_excess(computed, Fraction(2000), s.horizon_s, s.lookahead_s)
     assert excess <= 0, (excess, window)
     warm = clock() - 4 * NS_PER_S
