@@ -73,7 +73,9 @@ def test_a_user_out_of_its_fleet_wide_ceiling_waits_for_it_and_says_so():
     """A token needs the ceiling's lease too: the engine loop's wake time for
     a refused user is the later of its rate's and its ceiling's (the
     ceiling's a round trip away once the lease thread hears it ran short);
-    an unlimited ceiling, and an engine's own ceilings, add nothing."""
+    an unlimited ceiling, and an engine's own ceilings, add nothing. A
+    prompt budget out of leases says so too; each lane leaves the thread
+    when its budgets stop (reloaded limits)."""
     from vllm_output_rate.borrowing import NO_CEILING, Lender
     from vllm_output_rate.config import UNLIMITED
     from vllm_output_rate.shared_limiter import SharedBudgetLimiter
@@ -90,9 +92,14 @@ def test_a_user_out_of_its_fleet_wide_ceiling_waits_for_it_and_says_so():
     assert lender.ready_at_ns("a") > now[0]
     assert lender.available("free", now[0]) == NO_CEILING and lender.ready_at_ns("free") == 0
     assert Lender(config).ready_at_ns("a") == 0
+    prompts = PromptBudgets(OutputRateConfig(Fraction(20), default_prompt_rate=Fraction(500)),
+                            make=lambda d, r: rates.second_budget(PROMPT, d, r))
+    assert prompts.grant("a", now[0], 300) == 0  # no lease of its prompt budget yet
+    assert list(rates.others[PROMPT].starved) == ["a"]
     rates.thread._take_lane_changes()
-    assert rates.thread.lanes.keys() == {RATE, CEILING}
+    assert rates.thread.lanes.keys() == {RATE, CEILING, PROMPT}
     lender.close()  # borrowing stops: the lane leaves at the thread's next round
+    prompts.close()  # and prompt budgets
     rates.thread._take_lane_changes()
     assert rates.thread.lanes.keys() == {RATE} and not rates.others
 
