@@ -155,6 +155,8 @@ class Fleet:
                         ceiled[user] = min(streams, c)
                     elif n:
                         ceiled[user] = n
+                    if c < streams:  # refused at its ceiling (the scheduler asks when)
+                        ceiling.ready_at_ns(user)
                 if n > 0:
                     taken[user] = n
                 if n < streams:
@@ -165,8 +167,13 @@ class Fleet:
                 self._record(CEILING, engine, now, ceiled)
             prompt = engine.others.get(PROMPT)
             if prompt is not None:
-                computed = {u: n for u, want in engine.prompts.items()
-                            if want > 0 and (n := min(want, prompt.available(u, now))) > 0}
+                computed = {}
+                for user, want in engine.prompts.items():
+                    n = min(want, prompt.available(user, now))
+                    if n > 0:
+                        computed[user] = n
+                    if n < want:  # a chunk cut (the scheduler asks when)
+                        prompt.ready_at_ns(user)
                 prompt.settle(now, computed)
                 self._record(PROMPT, engine, now, computed)
             for user, n in taken.items():
