@@ -260,6 +260,31 @@ def test_the_store_restarted_empty_no_burst_of_any_kind(redis_server):
 
 
 @needs_redis
+def test_a_budget_that_starts_during_an_outage_starts_in_fallback(redis_server):
+    """Reloaded limits give users ceilings while the store is down: the new
+    lane starts in fallback (its users' ceilings divided by the engines last
+    seen), and the rates' fallback goes on as it was (no fresh burst)."""
+    at = fresh(redis_server)
+    fleet = Fleet(at, Fraction(20), settings=SharedStateSettings(at, timeout_s=0.05), seed=8)
+    a, b = fleet.add_engine(), fleet.add_engine()
+    a.streams = b.streams = {"u": 2}
+    fleet.run(1.0)
+    redis_server.stop()
+    try:
+        fleet.run(1.0)
+        assert a.limiter.in_fallback
+        before = a.limiter._fallback
+        ceiling = a.limiter.second_budget(CEILING, Fraction(60), {})
+        fleet.run(0.2)
+        assert ceiling.in_fallback and a.limiter._fallback is before
+        assert ceiling.rate_of("u") == 60 and ceiling._fallback.rate_of("u") == 30
+    finally:
+        redis_server.start()
+    fleet.run(2.0)
+    assert not ceiling.in_fallback and not a.limiter.in_fallback
+
+
+@needs_redis
 def test_a_cluster_shard_restarted_empty_resets_every_budget_of_its_users(request, cluster):
     """Over a three-shard cluster: the shard of "u" killed and restarted
     empty; every budget of "u" (its keys on that shard's slot) falls back,

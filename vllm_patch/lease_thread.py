@@ -181,7 +181,6 @@ class LeaseThread:
 
     def _take_lane_changes(self) -> None:
         changes = self._lane_changes
-        joined = False
         while changes:
             kind, lane = changes.popleft()
             lanes = dict(self.lanes)
@@ -189,10 +188,9 @@ class LeaseThread:
                 lanes.pop(kind, None)
             else:
                 lanes[kind] = lane
-                joined = True
             self.lanes = lanes
-        if joined and self.in_fallback:
-            self._post_fallback()
+            if lane is not None and self.in_fallback:
+                self._post_fallback([lane])  # (the others' fallbacks stay as they are)
 
     # -- scheduler's side (cheap, lock-free reads) ---------------------------
 
@@ -438,11 +436,12 @@ class LeaseThread:
             self._post_fallback()
         st.report = True
 
-    def _post_fallback(self) -> None:
-        """Tell the limiter which users are in fallback now (every user
-        when the one store, or no node of a cluster, answers)."""
+    def _post_fallback(self, lanes: list[LeaseLane] | None = None) -> None:
+        """Tell the limiters (of ``lanes``, every lane's by default) which
+        users are in fallback now (every user when the one store, or no
+        node of a cluster, answers)."""
         down = [k for k, st in self.shards.items() if st.in_fallback]
-        lanes = list(self.lanes.values())
+        lanes = list(self.lanes.values()) if lanes is None else lanes
         if not down:
             for lane in lanes:
                 lane.limiter.end_fallback()
