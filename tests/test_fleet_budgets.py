@@ -143,6 +143,21 @@ def test_prompt_grants_settled_once_a_step_are_charging_each_at_once(steps, gaps
             assert max(budgets.ready_at_ns(user), now) == max(oracle.ready_at_ns(user), now)
 
 
+def test_prompt_budgets_with_shared_budgets_and_no_chunked_prefill_are_refused_at_start_up():
+    """Before the engine core loads a model (the plugin's checks), naming the
+    options; with chunked prefill (vLLM's default) they are taken."""
+    from harness import make_vllm_config
+    from vllm_output_rate.config import OutputRateConfigError
+    from vllm_output_rate.plugin import configure_output_rate
+
+    limits = {"default_user_output_tokens_per_second": 20, "default_prompt_rate": "500",
+              "shared_state": "redis://127.0.0.1:1/0"}
+    with pytest.raises(OutputRateConfigError,
+                       match="--output-rate-shared-state: prompt budgets .* need chunked prefill"):
+        make_vllm_config(limits, enable_chunked_prefill=False)
+    configure_output_rate(make_vllm_config(limits))
+
+
 # -- the store: three kinds in one call ------------------------------------------------
 
 
