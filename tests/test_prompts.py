@@ -123,6 +123,41 @@ def test_just_in_time_never_gives_more_than_the_steps_token_budget(is_async, pro
     assert drv.count(first.request_id) == 2 and drv.count(second.request_id) == 3
 
 
+@pytest.mark.parametrize("is_async", MODES)
+def test_a_prompt_computed_just_in_time_leaves_the_step_to_users_with_budget(is_async):
+    """Issue 48 at GPU scale: user f (1 tok/s) has spent its burst; its
+    2,000-token prompt is being computed just in time in chunks of the
+    whole token budget (256) when user b's 100-token prompt arrives. The
+    step keeps b's prompt's tokens: f's chunk is cut to the room left
+    (and f's prefill takes a step more), b is computed whole and samples
+    its first token in its first step (it waited for the token budget)."""
+    sched, drv, clock = setup(limits(1000, f=1), is_async, max_num_seqs=8,
+                              max_num_batched_tokens=256, max_model_len=4096)
+    first = make_request("f", prompt_len=8, max_tokens=3)
+    drv.add(first)
+    drv.run(2)  # f's burst spent
+    long = make_request("f", prompt_len=2000, max_tokens=2)
+    drv.add(long)
+    for _ in range(500):  # until its prompt is being computed, in time for its token
+        # (after the two tokens of ``first``: f has no budget while it is)
+        drv.step()
+        if long.num_computed_tokens >= 512:
+            break
+    assert long.status == RequestStatus.RUNNING and long.num_computed_tokens < 1000
+    assert drv.count(long.request_id) == 0
+    assert sched.output_rate.step.charges.left("f") <= 0
+    b = make_request("b", prompt_len=100, max_tokens=4)
+    drv.add(b)
+    out = drv.step()
+    assert out.num_scheduled_tokens.get(b.request_id) == 100
+    assert out.num_scheduled_tokens[long.request_id] == 156  # the room b's prompt left
+    at = drv.steps
+    drv.flush()
+    assert [s for s, _ in drv.tokens[b.request_id]] == [at]  # its first token, in that step
+    drv.run_until_done()
+    assert drv.count(long.request_id) == 2 and drv.count(b.request_id) == 4
+
+
 # -- prompt budgets ---------------------------------------------------------------
 
 

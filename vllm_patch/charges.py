@@ -262,3 +262,23 @@ class CeilingCharges(SettledCharges):
                  if start < NO_CEILING and start > ceil_left[user]}
         self.lender.settle(self.now, spent, lent)
         SettledCharges.settle(self, report, scheduled)
+
+
+class RoomCharges:
+    """Just in time, a step that keeps tokens for the prompts of waiting
+    requests with budget (``lending.plan_jit_room``): the step's charges
+    (``inner``, its methods as they are) and every token the charge point
+    gives off the kept room's book (``ledger.LendingBook``), so that a
+    prefill chunk of a user out of output budget takes only the room not
+    kept (``lending.jit_room``)."""
+
+    __slots__ = ("left", "take", "lend", "refund", "settle", "book")
+    gives: ClassVar[bool] = True
+
+    def __init__(self, inner: Charges, book: Any) -> None:
+        self.left, self.take, self.lend = inner.left, inner.take, inner.lend
+        self.refund, self.settle = inner.refund, inner.settle
+        self.book = book
+
+    def give(self, request: Request, n: int) -> None:
+        self.book.give(request.request_id, n)

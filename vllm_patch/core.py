@@ -188,6 +188,7 @@ class OutputRateCore(SchedulerHost):
         self._orl_apply_residency(plan_residency(
             self.running, self.waiting, st, step, st.limiter.rate_of,
             self._request_blocks_can_be_freed))
+        lending.plan_jit_room(self.waiting, self.running, st, step)
         running = len(self.running)
         # Only when more are resident than may run can the active cap bind.
         step.capped = running > st.base_active
@@ -368,9 +369,10 @@ class OutputRateCore(SchedulerHost):
                     if num_new_tokens and num_computed_tokens < request.num_prompt_tokens:
                         self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
                     return num_new_tokens
-        elif not st.prefill_ahead and st.lender is None and not self._orl_in_time(
-                request, request.num_tokens - num_computed_tokens - num_new_tokens,
-                num_new_tokens, spent=num_new_tokens):
+        elif not st.prefill_ahead and st.lender is None and (
+                lending.jit_room(step, request, num_new_tokens) < num_new_tokens  # (cut: held)
+                or not self._orl_in_time(request, request.num_tokens - num_computed_tokens
+                                         - num_new_tokens, num_new_tokens, spent=num_new_tokens)):
             # just in time: not computed before its user may sample
             return self._orl_refuse(request, request.output_rate_user, num_computed_tokens,
                                      num_new_tokens)
@@ -425,7 +427,8 @@ class OutputRateCore(SchedulerHost):
         left = request.num_tokens - 1 - num_computed_tokens
         # never more than vLLM gave the chunk (its token budget, the
         # long-prefill threshold): vLLM asserts the step's sum
-        held = min(left, num_new_tokens)
+        want = min(left, num_new_tokens)
+        held = lending.jit_room(step, request, want)  # (just in time: the room not kept)
         # Advance the prefill toward the second-to-last position; the first
         # token is sampled in a later step, when budget returns: ahead, or
         # just in time (a waiting request is admitted only then:
@@ -439,7 +442,7 @@ class OutputRateCore(SchedulerHost):
             if step.charges.gives:
                 step.charges.give(request, held)
             return held
-        if held > 0:
+        if want > 0:
             step.report.prefill_deferred += 1
             if not st.prefill_ahead and st.lender is None:
                 self._orl_prompt_put_off(request, "just_in_time", num_computed_tokens)

@@ -101,6 +101,13 @@ class LendingBook:
                 and self.given_tokens + n + tokens <= self.token_budget
                 and self.kv_fits(0, n, blocks))
 
+    def tokens_left(self, req_id: str) -> int:
+        """The step's tokens neither given nor kept for waiting requests
+        other than ``req_id`` (below 0 when more are kept than the budget)."""
+        own = self.kept.get(req_id)
+        return (self.token_budget - self.given_tokens - self.kept_tokens
+                + (own[0] if own is not None else 0))
+
 
 @dataclass(slots=True, eq=False)
 class StepLedger:
@@ -144,6 +151,9 @@ class StepLedger:
     turn_ids: dict[str, str] = field(default_factory=dict)
     #: the lending step's room (None without borrowing)
     lending: LendingBook | None = None
+    #: just in time, the tokens kept for the prompts of waiting requests
+    #: with budget (``lending.plan_jit_room``; None: nothing kept)
+    jit_room: LendingBook | None = None
     #: prompt budgets: request id -> (user, prompt tokens granted) at the
     #: charge point, and users whose prompt budget put a chunk off -> when
     #: it returns (ns; filled in when the step ends)

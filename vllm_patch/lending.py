@@ -32,10 +32,12 @@ step ends.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
+from vllm_output_rate.charges import RoomCharges
 from vllm_output_rate.ledger import LendingBook
 from vllm_output_rate.ordering import beyond_resident
 
@@ -71,16 +73,7 @@ def plan_lending(waiting: Any, running: list[Request], st: OutputRateState,
     may, slots = st.lender.may_borrow, st.base_active
     candidates = book.waiting_borrowers
     not_lent: set[str] = set()  # (out of budget from the first, may not borrow)
-    for request, n, first in beyond_resident(waiting, step.charges.left,
-                                             step.streams_of(running)):
-        if n > 0:
-            if book.kept_slots >= room:
-                # more of them than free slots: lending would keep one
-                # waiting (borrowers resident or active in its place)
-                book.lends = False
-                break
-            keep(book, request, st)
-            continue
+    for request, n, first in keep_budgeted(book, waiting, running, st, step, room):
         user = request.output_rate_user
         if first and not may(user):
             not_lent.add(user)  # neither kept nor lent to
@@ -91,6 +84,56 @@ def plan_lending(waiting: Any, running: list[Request], st: OutputRateState,
         # by borrowers) would keep them waiting longer
         book.lends = False
     return book
+
+
+def keep_budgeted(book: LendingBook, waiting: Any, running: list[Request], st: OutputRateState,
+                  step: StepLedger, room: int) -> Iterator[tuple[Request, int, bool]]:
+    """Keep room in ``book`` for the waiting requests of users with budget
+    beyond their resident streams (``ordering.beyond_resident``, in queue
+    order) while they fit in ``room`` active slots (more of them: the book
+    lends nothing, and keeps no more); yields the others as met."""
+    for request, n, first in beyond_resident(waiting, step.charges.left,
+                                             step.streams_of(running)):
+        if n <= 0:
+            yield request, n, first
+        elif book.kept_slots >= room:
+            # more of them than free slots: lending would keep one
+            # waiting (borrowers resident or active in its place)
+            book.lends = False
+            return
+        else:
+            keep(book, request, st)
+
+
+def plan_jit_room(waiting: Any, running: list[Request], st: OutputRateState,
+                  step: StepLedger) -> None:
+    """Just in time (chunked prefill, no lender, not ahead), a step begins
+    (after residency): the tokens of the prompts of waiting requests with
+    budget are kept (``keep_budgeted``) from the prefill chunks of users out
+    of output budget (``jit_room``), and the step's charges count every
+    token given (``charges.RoomCharges``). Nothing when none is kept."""
+    if not waiting or st.lender is not None or st.prefill_ahead or not st.chunked:
+        return
+    book = LendingBook(st.base_active, st.token_budget, st.kv_fits)
+    room = min(st.max_running - len(running), st.base_active)
+    for _ in keep_budgeted(book, waiting, running, st, step, room):
+        if not st.priority:
+            break  # (FCFS: residency put those with budget first, ``budgeted_first``)
+    if book.kept_tokens:
+        step.jit_room = book
+        step.charges = RoomCharges(step.charges, book)
+
+
+def jit_room(step: StepLedger, request: Request, n: int) -> int:
+    """Just in time: the tokens of ``n`` a prefill chunk of ``request`` may
+    take when its user is out of output budget, the step's tokens not given
+    nor kept for the prompts of waiting requests with budget
+    (``plan_jit_room``; 0: put off); ``n`` when nothing is kept or its user
+    has budget."""
+    book = step.jit_room
+    if book is None or n <= 0 or step.charges.left(request.output_rate_user) > 0:
+        return n
+    return max(0, min(n, book.tokens_left(request.request_id)))
 
 
 @dataclass(slots=True, eq=False)

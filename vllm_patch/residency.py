@@ -127,7 +127,8 @@ class ResidencyMixin(SchedulerHost):
                     st.lender is None or lending.admit_room(request, n_running, st, step)):
                 return True
             if not ahead and st.chunked and user not in step.in_time \
-                    and self._orl_can_hold_prefill(request):
+                    and self._orl_can_hold_prefill(request) \
+                    and lending.jit_room(step, request, 1) > 0:  # (within the room not kept)
                 # its user's next token returns by the time its prompt is
                 # computed; with requests of its user running, the token
                 # after those they may still take, and only for a prompt no
