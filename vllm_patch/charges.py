@@ -21,6 +21,10 @@ new with each step's ledger (``ledger.StepLedger.charges``).
   aside (``set_aside``); the ceilings and the borrowing counters are
   settled when the step ends (``borrowing.Lender.settle``).
 
+Just in time (no ceiling), a step that keeps the prompts' tokens of waiting
+requests with budget wraps its charges in ``RoomCharges``: the same charges,
+and every token given counted against the kept room (``lending.plan_jit_room``).
+
 The scheduler calls the protocol at the charge point (``take``, ``lend``,
 ``give``), wherever a user's tokens left are read (``left``), at the
 refund point (``refund``) and when the step ends (``settle``).

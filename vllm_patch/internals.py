@@ -76,7 +76,10 @@ vLLM", has the count before and after). The same on 0.32, 0.33 and 0.34.
      FCFS, when requests wait: ``waiting`` (an ``FCFSRequestQueue``, a
      deque) iterated, and, when a request of a user with budget waits
      behind one out of budget, reordered in place (``clear`` and
-     ``extend``: those with budget first, each part in queue order).
+     ``extend``: those with budget first, each part in queue order); then
+     (prompts just in time) each request's ``num_tokens`` and
+     ``num_computed_tokens`` read, for the tokens a step keeps for the
+     prompts of those with budget (``lending.plan_jit_room``).
   2. ``Scheduler._reserve_prefill_lookahead(request, num_computed_tokens,
      num_new_tokens)``: the charge point, overridden once (never swapped per
      step). vLLM calls it for every running and waiting request right before

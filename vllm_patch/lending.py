@@ -27,6 +27,13 @@ waiting request of a user out of budget, to borrow or to have its prefill
 computed ahead, is admitted only within that room and a free resident slot
 (``admit_room``). A token lent but not dispatched is given back when the
 step ends.
+
+Just in time (no ceiling, chunked prefill, prompts not computed ahead) a
+step keeps the same tokens (``plan_jit_room``, the same loop as
+``plan_lending``'s: ``keep_budgeted``), from the prefill chunks of users out
+of output budget, which vLLM's loop reaches before the waiting requests:
+such a chunk is cut to the tokens not kept, and a waiting request of such a
+user admitted only while some are left (``jit_room``).
 """
 
 from __future__ import annotations
