@@ -151,6 +151,8 @@ def test_a_prompt_computed_just_in_time_leaves_the_step_to_users_with_budget(is_
     out = drv.step()
     assert out.num_scheduled_tokens.get(b.request_id) == 100
     assert out.num_scheduled_tokens[long.request_id] == 156  # the room b's prompt left
+    # (its prompt tokens reported, and charged to a prompt budget if it had one)
+    assert sched.output_rate.last_step.prompt_chunks[long.request_id] == ("f", 156, False)
     at = drv.steps
     drv.flush()
     assert [s for s, _ in drv.tokens[b.request_id]] == [at]  # its first token, in that step

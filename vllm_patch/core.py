@@ -365,10 +365,7 @@ class OutputRateCore(SchedulerHost):
                 elif charges.lend(request, user, num_new_tokens):
                     step.report.borrowed[req_id] = user
                 else:
-                    num_new_tokens = self._orl_refuse(request, user, num_computed_tokens, num_new_tokens)
-                    if num_new_tokens and num_computed_tokens < request.num_prompt_tokens:
-                        self._orl_prompt_take(request, num_computed_tokens, num_new_tokens)
-                    return num_new_tokens
+                    return self._orl_refuse(request, user, num_computed_tokens, num_new_tokens)
         elif not st.prefill_ahead and st.lender is None and (
                 lending.jit_room(step, request, num_new_tokens) < num_new_tokens  # (cut: held)
                 or not self._orl_in_time(request, request.num_tokens - num_computed_tokens
@@ -441,6 +438,8 @@ class OutputRateCore(SchedulerHost):
                 step.active += 1
             if step.charges.gives:
                 step.charges.give(request, held)
+            if num_computed_tokens < request.num_prompt_tokens:  # (its prompt's tokens)
+                self._orl_prompt_take(request, num_computed_tokens, held)
             return held
         if want > 0:
             step.report.prefill_deferred += 1
