@@ -310,6 +310,9 @@ def test_a_sharer_stalled_before_the_outage_still_divides_the_fallback_share(red
     s = NS_PER_S
     fleet.run(1.0)
     b.alive = False
+    # (its alive channel lost too, say reset by a device on the way: a
+    # stalled engine whose subscription stands counts as cut off, sharing)
+    b.limiter.thread.store.drop_alive()
     fleet.run(2.5)
     assert a.limiter.thread.sharing["u"] == 1  # the premise: a's last reply
     b.alive = True
@@ -332,7 +335,7 @@ def test_a_dead_engine_holds_no_budget_past_the_horizon(store_url):
     a, b = fleet.add_engine(), fleet.add_engine()
     a.streams = {"u": 3}
     fleet.run(2.0)
-    a.alive = False  # dies holding leases
+    fleet.kill(a)  # dies holding leases
     b.streams = {"u": 3}
     fleet.run(0.05)
     start = fleet.now_ns
@@ -357,7 +360,7 @@ def test_an_engine_that_shuts_down_leaves_the_store_at_once(store_url):
     fleet.run(1.0)
     assert b.limiter.thread.sharing["u"] == 3 and b.limiter.thread.live_engines == 3
     fleet.leave(a)          # shuts down: leaves
-    c.alive = False         # dies: its marks lapse
+    fleet.kill(c)           # dies: its marks lapse
     fleet.run(0.2)          # a few of b's calls
     assert b.limiter.thread.sharing["u"] == 2  # c still counted, a not
     assert b.limiter.thread.live_engines == 2

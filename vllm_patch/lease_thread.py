@@ -52,6 +52,7 @@ from vllm_output_rate.fleet_math import LeaseSizer
 from vllm_output_rate.lease_book import LeaseBook
 from vllm_output_rate.lease_store import LIVE_S, LeaseAsk, LeaseReply, RedisStore, new_engine_id, report_window_s
 from vllm_output_rate.limiter import NS_PER_S
+from vllm_output_rate.partition import FallbackTerms, PartitionWatch
 from vllm_output_rate.shared_settings import SharedStateSettings
 
 #: How long the most engines seen sharing a user is remembered for its
@@ -89,7 +90,8 @@ class LeasingLimiter(Protocol):
 
     def begin_fallback(self, sharing: Mapping[str, int], live: int,
                        scope: frozenset[Any] | None = None,
-                       shard_of: Callable[[str], Any] | None = None) -> None: ...
+                       shard_of: Callable[[str], Any] | None = None,
+                       terms: FallbackTerms | None = None) -> None: ...
 
     def end_fallback(self) -> None: ...
 
@@ -110,6 +112,12 @@ class ShardState:
     #: spends up to here were reported (ns)
     reported_ns: int = 0
     live_engines: int = 1
+    #: (``partition``) send time of the last answered call, of the first
+    #: failed one after it, and whether the alive channel was seen closed
+    #: when this shard fell back
+    ok_ns: int = 0
+    first_failed_ns: int | None = None
+    closed_at_fallback: bool = False
 
 
 @dataclass(slots=True)
@@ -131,6 +139,10 @@ class LeaseStats:
     #: of the fallbacks that ended
     fallback_since: float | None = None
     fallback_total: float = 0.0
+    #: fallbacks with the alive channel standing (the store keeps this
+    #: engine's share reserved: ``partition``), and whether one is on
+    partitions: int = 0
+    partitioned: bool = False
     #: latencies (seconds) of the calls that succeeded, not drained yet
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -139,7 +151,7 @@ class LeaseStats:
         return self.fallback_total + (0.0 if since is None else time.monotonic() - since)
 
 
-class LeaseThread:
+class LeaseThread(PartitionWatch):
     """The engine core's background thread that leases from the store."""
 
     def __init__(self, limiter: LeasingLimiter, settings: SharedStateSettings,
@@ -160,6 +172,12 @@ class LeaseThread:
         #: many) over ``SHARING_MEMORY_S``: the fallback share's divisor
         self.sharing_peak: dict[str, tuple[int, int]] = {}
         self.in_fallback = False
+        #: user -> (send time of its last answered ask, the fallback divisor
+        #: sent with it): what the store holds in reserve (``partition``)
+        self.asked: dict[str, tuple[int, int]] = {}
+        self._asked_sweep_ns = 0
+        self._alive_seen: tuple[str, ...] = ()
+        self._partitioned_episode = False
         self.stats = LeaseStats()
         self.sizer = LeaseSizer(settings)
         # The spends of the report window per call, (monotonic ns, {user:
@@ -290,6 +308,7 @@ class LeaseThread:
             paced.add(limiter.paced.popleft())
         asks = self.sizer.asks(now_ns, recent, short, self._usage_to_report(),
                                held, self.sharing, self.retry_at, limiter.rate_of, paced)
+        divisors = {ask.user: self._divisor(ask.user) for ask in asks}
         sent_ns = self.clock()
         t0 = time.perf_counter()
         try:
@@ -297,9 +316,11 @@ class LeaseThread:
             plan = store.plan(asks, now_ns)
             replies = store.lease_shards(self.engine_id, plan,
                                          {k: v.epoch for k, v in self.shards.items()}, now_us=now_us,
+                                         divisors=divisors,
                                          **({"now_ns": now_ns} if self.settings.cluster else {}))
         except Exception as exc:  # no store (a cluster: no node) answers
-            self._failed(None, exc)
+            self._failed(None, exc, sent_ns)
+            self._watch_alive()
             return
         latency = time.perf_counter() - t0
         if self.settings.cluster:
@@ -307,11 +328,16 @@ class LeaseThread:
         retry_at = {u: t for u, t in self.retry_at.items() if t > now_ns}
         for shard, reply in replies.items():
             if isinstance(reply, Exception):
-                self._failed(shard, reply)
+                self._failed(shard, reply, sent_ns)
             else:
                 self.stats.latencies.append(latency)
-                self._answered(shard, reply, plan[shard], now_ns, sent_ns, retry_at)
+                self._answered(shard, reply, plan[shard], now_ns, sent_ns, retry_at, divisors)
         self.retry_at = retry_at
+        self._watch_alive()
+        if now_ns >= self._asked_sweep_ns:
+            self._asked_sweep_ns = now_ns + int(LIVE_S * NS_PER_S)
+            old = now_ns - int(2 * LIVE_S * NS_PER_S)
+            self.asked = {u: a for u, a in self.asked.items() if a[0] >= old}
         self.live_engines = max((st.live_engines for k, st in self.shards.items()
                                  if k is not None or not self.settings.cluster), default=1)
         self.stats.failures_in_row = max(st.failures_in_row for st in self.shards.values())
@@ -333,11 +359,13 @@ class LeaseThread:
         if dark.in_fallback:
             self._leave_fallback(None)
 
-    def _failed(self, shard: Any, exc: Exception) -> None:
+    def _failed(self, shard: Any, exc: Exception, sent_ns: int = 0) -> None:
         stats = self.stats
         stats.calls += 1
         stats.failed_calls += 1
         st = self.shards.setdefault(shard, ShardState())
+        if st.first_failed_ns is None:
+            st.first_failed_ns = sent_ns
         st.failures_in_row += 1
         stats.failures_in_row = max(stats.failures_in_row, st.failures_in_row)
         # One failed call (a blip: a call slower than the timeout on a
@@ -346,12 +374,15 @@ class LeaseThread:
             self._enter_fallback(f"{type(exc).__name__}: {exc}", shard)
 
     def _answered(self, shard: Any, reply: LeaseReply, asks: list[LeaseAsk], now_ns: int,
-                  sent_ns: int, retry_at: dict[str, int]) -> None:
+                  sent_ns: int, retry_at: dict[str, int],
+                  divisors: Mapping[str, int] | None = None) -> None:
         limiter = self.limiter
         stats = self.stats
         st = self.shards.setdefault(shard, ShardState())
         stats.calls += 1
         st.failures_in_row = 0
+        st.ok_ns = sent_ns
+        st.first_failed_ns = None
         st.live_engines = reply.live_engines
         if reply.reset or (st.epoch and reply.epoch != st.epoch):
             # The store lost its data (or this engine first met it after a
@@ -378,8 +409,10 @@ class LeaseThread:
         peak = self.sharing_peak
         memory_ns = int(SHARING_MEMORY_S * NS_PER_S)
         long_until = self._long_until
+        asked = self.asked
         for ask in asks:
             tokens, sharing = reply.granted[ask.user]
+            asked[ask.user] = (sent_ns, 1 if divisors is None else divisors.get(ask.user, 1))
             self.sharing[ask.user] = sharing
             seen = peak.get(ask.user)
             if seen is None or sharing >= seen[0] or now_ns - seen[1] > memory_ns:
@@ -473,6 +506,7 @@ class LeaseThread:
                 self.stats.fallback_episodes += 1
                 self.stats.fallback_since = time.monotonic()
             st.in_fallback = True
+            self._note_alive(shard)
             logger.warning(
                 "output-rate shared state: the store at %s is unreachable (%s%s); each user "
                 "gets its limit divided by the engines last seen sharing it (%d live "
@@ -496,8 +530,13 @@ class LeaseThread:
             return
         scope = None if None in down else frozenset(down)
         live = max(self.shards[k].live_engines for k in down)
+        terms = self.fallback_terms()
+        self.stats.partitioned = partitioned = terms.reserved()
+        if partitioned and not self._partitioned_episode:
+            self.stats.partitions += 1
+        self._partitioned_episode = partitioned
         self.limiter.begin_fallback(self.fallback_sharing(), live,
-                                    *(() if scope is None else (scope, self.shard_of)))
+                                    scope, self.shard_of if scope is not None else None, terms)
 
     def fallback_sharing(self) -> dict[str, int]:
         """Per user, the most engines seen sharing it lately (the
@@ -515,6 +554,7 @@ class LeaseThread:
             stats.fallback_total += time.monotonic() - since
         stats.fallback_since = None
         self.in_fallback = False
+        stats.partitioned = self._partitioned_episode = False
         self.limiter.end_fallback()
         logger.warning("output-rate shared state: the store at %s answers again; shared "
                        "budgets resumed", self.settings.redacted_url)
