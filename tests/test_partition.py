@@ -177,6 +177,11 @@ def test_a_cut_off_engine_spends_only_its_reserved_share_and_stops_after_p(redis
         fleet.run(4.0)
     A, B = a.spends["u"], b.spends["u"]
     c = cut_ns
+    first = min(t for t, _ in B if t > c + int(0.6 * S))
+    print(f"\ncut off: b's first unleased token {(first - c) / S:.2f} s after the cut; "
+          f"b {spent(B, c + int(1.5 * S), c + int(5.8 * S)) / 4.3:.2f} tok/s, "
+          f"a {spent(A, c + int(1.5 * S), c + int(5.8 * S)) / 4.3:.2f} until P; then b "
+          f"{spent(B, c + int(6.1 * S), c + 9 * S) / 2.9:.2f}, a {spent(A, c + int(6.1 * S), c + 9 * S) / 2.9:.2f}")
     # b: its leases run out, then nothing until the store has seen it silent
     start = c + int((settings.timeout_s + SILENT_S) * S)
     assert spent(B, c + int(0.6 * S), c + int(1.0 * S)) == 0
@@ -186,7 +191,7 @@ def test_a_cut_off_engine_spends_only_its_reserved_share_and_stops_after_p(redis
     assert abs(spent(B, lo, hi) / secs - 10) <= 2 / secs, spent(B, lo, hi) / secs
     assert spent(A, lo, hi) / secs <= 10 + 2 / secs  # the rest, not b's share
     assert spent(A + B, lo, hi) / secs <= 20 + 3 / secs
-    assert start <= min(t for t, _ in B if t > c + int(0.6 * S))
+    assert start <= first
     # P over: b spends nothing, a the whole limit
     lo, hi = c + int(6.1 * S), c + int(9.0 * S)
     secs = (hi - lo) / S
@@ -230,3 +235,75 @@ def test_a_dead_engine_gives_its_share_back_within_the_silent_window_a_cut_off_o
         t = fleet.now_ns
         assert abs(spent(a.spends["u"], t - 2 * S, t) / 2 - 20) <= 1.5
         proxy.heal()
+
+
+# -- vLLM's own schedulers on one fake clock ---------------------------------------------
+
+MODES = [pytest.param(False, id="sync"), pytest.param(True, id="async")]
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_two_real_schedulers_through_a_partition_on_one_clock(redis_server, is_async, monkeypatch):
+    """vLLM's Scheduler / AsyncScheduler and KV cache manager, two of them
+    on one fake clock, user-a (20 tok/s) with two streams on each; engine
+    1 reaches the store through the fault proxy, which drops its traffic 2 s
+    in and heals 7 s later (P = 4 s). Engine 1 spends its fallback share
+    (10) while the store keeps it, nothing once P has passed; engine 0 the
+    rest, then the whole limit; the fleet bound holds in every window, and
+    the counters say which engine was cut off."""
+    from harness import Driver, VirtualClock, make_request, make_scheduler
+    from vllm_output_rate.ledger import OutputRateState
+
+    url = fresh(redis_server)
+    monkeypatch.setattr(OutputRateState, "watch_thread", False)
+    clock = VirtualClock()
+    with FaultProxy("127.0.0.1", redis_server.port) as proxy:
+        urls = [url + "?timeout_ms=5000&partition_ms=4000",
+                # (its calls through the cut give up after 100 ms, real time)
+                proxy.redis_url() + "?timeout_ms=100&partition_ms=4000"]
+        drivers = []
+        for k in range(2):
+            sched = make_scheduler({"default_user_output_tokens_per_second": 20,
+                                    "shared_state": urls[k]}, clock=clock, async_scheduling=is_async)
+            drivers.append(Driver(sched, None, is_async=is_async))
+            for _ in range(2):
+                sched.add_request(make_request("user-a", max_tokens=2000))
+        t0 = clock()
+        spends: list[list[tuple[int, int]]] = [[], []]
+        cut_stats = {}
+        for i in range(1200):  # 12 s at 10 ms
+            now = clock()
+            if now == t0 + 2 * S:
+                proxy.cut()
+            if now == t0 + 9 * S:
+                cut_stats = drivers[1].scheduler.output_rate.limiter.stats()
+                proxy.heal()
+            for k, drv in enumerate(drivers):
+                limiter = drv.scheduler.output_rate.limiter
+                if i % 5 == 0 or limiter.starved:
+                    limiter.thread.tick(now_us=now / 1000)
+                drv.step()
+                n = sum(1 for u in drv.scheduler.output_rate.last_step.charged.values() if u == "user-a")
+                if n:
+                    spends[k].append((now, n))
+            clock.advance_ms(10)
+        c = t0 + 2 * S
+        lo, hi = c + int(1.5 * S), c + int(3.8 * S)
+        secs = (hi - lo) / S
+        assert abs(spent(spends[1], lo, hi) / secs - 10) <= 2 / secs, spent(spends[1], lo, hi) / secs
+        assert spent(spends[0], lo, hi) / secs <= 10 + 2 / secs
+        lo, hi = c + int(4.1 * S), c + 7 * S
+        secs = (hi - lo) / S
+        assert spent(spends[1], lo, hi) == 0
+        assert spent(spends[0], lo, hi) / secs >= 20 - 2 / secs
+        lo, hi = c + 8 * S, clock()
+        secs = (hi - lo) / S
+        assert spent(spends[1], lo, hi) > 0
+        assert 0.95 * 20 <= spent(spends[0] + spends[1], lo, hi) / secs <= 20 + 2 / secs
+        excess, window = worst_window_excess(sorted(spends[0] + spends[1]), Fraction(20), 0.5, 0.25)
+        assert excess <= 0, (excess, window)
+        assert cut_stats["partitioned"] == 1.0 and cut_stats["partitions"] == 1
+        assert drivers[0].scheduler.output_rate.limiter.stats()["fallback_episodes"] == 0
+        for drv in drivers:
+            drv.scheduler.output_rate.limiter.thread.store.drop_alive()
+            drv.scheduler.shutdown()
