@@ -20,6 +20,8 @@ from vllm_output_rate.shared_settings import SharedStateError, parse_shared_stat
 from vllm_output_rate.tools.fleet_sim import T0_NS, Fleet, worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisCluster, redis_server_binary
 
+from stores import fresh_cluster
+
 pytestmark = pytest.mark.skipif(redis_server_binary() is None,
                                 reason="redis-server not installed (make tools installs it)")
 
@@ -32,13 +34,9 @@ def cluster():
 
 @pytest.fixture
 def url(cluster):
-    for i, node in enumerate(cluster.nodes):
-        if node.proc is None:
-            cluster.restart_empty(i)
-    cluster.flushall()
     # (5 s: a call timing out on a loaded machine is not what these check;
     # the fault tests set their own)
-    return cluster.url + "?timeout_ms=5000"
+    return fresh_cluster(cluster) + "?timeout_ms=5000"
 
 
 @pytest.mark.parametrize("value, match", [

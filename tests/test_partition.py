@@ -22,6 +22,8 @@ from vllm_output_rate.tools.fleet_sim import T0_NS, Fleet, worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisCluster, RedisServer, redis_server_binary
 from vllm_output_rate.tools.reliability.fault_proxy import FaultProxy
 
+from stores import fresh_cluster, fresh_store
+
 pytestmark = pytest.mark.skipif(redis_server_binary() is None,
                                 reason="redis-server not installed (make tools installs it)")
 
@@ -32,15 +34,6 @@ S = NS_PER_S
 def redis_server():
     with RedisServer() as server:
         yield server
-
-
-def fresh(server: RedisServer) -> str:
-    import redis
-
-    if server.proc is None:
-        server.start()
-    redis.Redis.from_url(server.url).flushdb()
-    return server.url
 
 
 def proxied_client(proxy: FaultProxy, timeout_s: float):
@@ -83,7 +76,7 @@ def test_a_silent_engine_with_its_subscription_keeps_its_share_one_without_is_de
     still sees two engines sharing; once e1's subscription is gone (killed:
     its kernel closed the socket) it is dead: e2 gets the whole limit and
     sees one. Past e1's partition window the share is released too."""
-    base = fresh(redis_server) if form == "one store" else request.getfixturevalue("cluster_url")
+    base = fresh_store(redis_server) if form == "one store" else request.getfixturevalue("cluster_url")
     settings = parse_shared_state(base + "?partition_ms=5000&timeout_ms=5000")
     make = (lambda: RedisStore(settings)) if form == "one store" else (lambda: ClusterStore(settings))
     e1, e2, e3 = make(), make(), make()
@@ -118,11 +111,7 @@ def cluster():
 
 @pytest.fixture
 def cluster_url(cluster):
-    for i, node in enumerate(cluster.nodes):
-        if node.proc is None:
-            cluster.restart_empty(i)
-    cluster.flushall()
-    return cluster.url
+    return fresh_cluster(cluster)
 
 
 def test_the_alive_channel_of_a_cluster_is_sharded_on_the_shard_of_its_heartbeat(cluster_url):
@@ -161,7 +150,7 @@ def test_a_cut_off_engine_spends_only_its_reserved_share_and_stops_after_p(redis
     reserved (a gets the other 10), nothing once P has passed since its
     last answered call (a gets all 20), and after the heal they share
     again. The fleet bound holds in every window."""
-    url = fresh(redis_server)
+    url = fresh_store(redis_server)
     settings = parse_shared_state(url + "?partition_ms=6000")
     fleet = Fleet(url, Fraction(20), settings=settings, seed=4)
     with FaultProxy("127.0.0.1", redis_server.port) as proxy:
@@ -215,7 +204,7 @@ def test_a_dead_engine_gives_its_share_back_within_the_silent_window_a_cut_off_o
     (its alive channel closed, as its kernel would). Within SILENT_S and a
     tick the store counts b out (a sees two engines sharing: itself and the
     cut-off c), well within the liveness window plus a tick."""
-    url = fresh(redis_server)
+    url = fresh_store(redis_server)
     settings = parse_shared_state(url + "?partition_ms=10000")
     fleet = Fleet(url, Fraction(30), settings=settings, seed=8)
     with FaultProxy("127.0.0.1", redis_server.port) as proxy:
@@ -251,42 +240,28 @@ def test_two_real_schedulers_through_a_partition_on_one_clock(redis_server, is_a
     (10) while the store keeps it, nothing once P has passed; engine 0 the
     rest, then the whole limit; the fleet bound holds in every window, and
     the counters say which engine was cut off."""
-    from harness import Driver, VirtualClock, make_request, make_scheduler
+    from harness import VirtualClock, run_shared, shared_schedulers
     from vllm_output_rate.ledger import OutputRateState
 
-    url = fresh(redis_server)
+    url = fresh_store(redis_server)
     monkeypatch.setattr(OutputRateState, "watch_thread", False)
     clock = VirtualClock()
     with FaultProxy("127.0.0.1", redis_server.port) as proxy:
-        urls = [url + "?timeout_ms=5000&partition_ms=4000",
-                # (its calls through the cut give up after 100 ms, real time)
-                proxy.redis_url() + "?timeout_ms=100&partition_ms=4000"]
-        drivers = []
-        for k in range(2):
-            sched = make_scheduler({"default_user_output_tokens_per_second": 20,
-                                    "shared_state": urls[k]}, clock=clock, async_scheduling=is_async)
-            drivers.append(Driver(sched, None, is_async=is_async))
-            for _ in range(2):
-                sched.add_request(make_request("user-a", max_tokens=2000))
+        drivers = shared_schedulers(
+            [url + "?timeout_ms=5000&partition_ms=4000",
+             # (its calls through the cut give up after 100 ms, real time)
+             proxy.redis_url() + "?timeout_ms=100&partition_ms=4000"], clock, is_async)
         t0 = clock()
-        spends: list[list[tuple[int, int]]] = [[], []]
         cut_stats = {}
-        for i in range(1200):  # 12 s at 10 ms
-            now = clock()
+
+        def partition(i, now):
             if now == t0 + 2 * S:
                 proxy.cut()
             if now == t0 + 9 * S:
-                cut_stats = drivers[1].scheduler.output_rate.limiter.stats()
+                cut_stats.update(drivers[1].scheduler.output_rate.limiter.stats())
                 proxy.heal()
-            for k, drv in enumerate(drivers):
-                limiter = drv.scheduler.output_rate.limiter
-                if i % 5 == 0 or limiter.starved:
-                    limiter.thread.tick(now_us=now / 1000)
-                drv.step()
-                n = sum(1 for u in drv.scheduler.output_rate.last_step.charged.values() if u == "user-a")
-                if n:
-                    spends[k].append((now, n))
-            clock.advance_ms(10)
+
+        spends = run_shared(drivers, clock, 1200, partition)  # 12 s at 10 ms
         c = t0 + 2 * S
         lo, hi = c + int(1.5 * S), c + int(3.8 * S)
         secs = (hi - lo) / S

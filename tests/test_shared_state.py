@@ -569,48 +569,30 @@ def test_two_real_schedulers_through_a_store_outage_on_one_clock(redis_server, i
     bound holds in every window across the outage and the reset. The
     store's time is the fake clock's (the lease rounds run between steps),
     so nothing here depends on how promptly this process runs."""
-    import redis
-
-    from harness import Driver, VirtualClock, make_request, make_scheduler
+    from harness import VirtualClock, run_shared, shared_schedulers
+    from stores import fresh_store
     from vllm_output_rate.ledger import OutputRateState
 
-    if redis_server.proc is None:
-        redis_server.start()
-    redis.Redis.from_url(redis_server.url).flushdb()
+    url = fresh_store(redis_server)
     monkeypatch.setattr(OutputRateState, "watch_thread", False)
     clock = VirtualClock()
-    limits = {"default_user_output_tokens_per_second": 20,
-              # 5 s: a call timing out on a loaded machine would be a second
-              # fault (its reply lost, a lease or report counted twice); the
-              # stopped store refuses connections at once
-              "shared_state": redis_server.url + "?timeout_ms=5000"}
-    drivers = []
-    for _ in range(2):
-        sched = make_scheduler(limits, clock=clock, async_scheduling=is_async)
-        drivers.append(Driver(sched, None, is_async=is_async))
-        for _ in range(2):
-            sched.add_request(make_request("user-a", max_tokens=2000))
+    # 5 s: a call timing out on a loaded machine would be a second fault
+    # (its reply lost, a lease or report counted twice); the stopped store
+    # refuses connections at once
+    drivers = shared_schedulers([url + "?timeout_ms=5000"] * 2, clock, is_async)
     t0 = clock()
-    spends: list[list[tuple[int, int]]] = [[], []]  # per engine: (now, tokens)
     marks = {}
     s = NS_PER_S
-    for i in range(1200):  # 12 s at 10 ms
-        now = clock()
+
+    def outage(i, now):
         if now == t0 + 3 * s:
             marks["down"] = now
             redis_server.stop()
         if now == t0 + 8 * s:
             redis_server.start()  # back, and empty: a store that lost its data
             marks["up"] = now
-        for k, drv in enumerate(drivers):
-            limiter = drv.scheduler.output_rate.limiter
-            if i % 5 == 0 or limiter.starved:
-                limiter.thread.tick(now_us=now / 1000)
-            drv.step()
-            n = sum(1 for u in drv.scheduler.output_rate.last_step.charged.values() if u == "user-a")
-            if n:
-                spends[k].append((now, n))
-        clock.advance_ms(10)
+
+    spends = run_shared(drivers, clock, 1200, outage)  # 12 s at 10 ms
     fleet = sorted(spends[0] + spends[1])
 
     def tokens(of, lo, hi):
