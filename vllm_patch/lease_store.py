@@ -33,11 +33,15 @@ KEY_PREFIX = "output_rate:"
 #: With long slices (or over a cluster: per shard), a round with nothing
 #: to ask still calls the store this often (s): its heartbeat, its epoch.
 HEARTBEAT_S = LIVE_S / 4
-#: An engine whose last call is older than this is *silent* to the store
-#: (twice the longest a live engine goes between calls): with a
-#: subscriber on its alive channel it is cut off, without one dead
-#: (``partition``).
-SILENT_S = LIVE_S / 2
+#: An engine whose last call is older than its silent window is *silent*
+#: to the store: with a subscriber on its alive channel it is cut off,
+#: without one dead (``partition``). Twice the longest a live engine goes
+#: between calls when it calls once a heartbeat (long slices, a cluster's
+#: shards); an engine that calls every tick: ``SILENT_TICKS`` ticks, at
+#: least ``SILENT_MIN_S`` (``silent_window_s``).
+SILENT_S = 2 * HEARTBEAT_S
+SILENT_TICKS = 5
+SILENT_MIN_S = 0.25
 
 #: One call per engine per tick (per shard of a cluster: ``cluster_store``).
 #: KEYS: the engines' heartbeat set, the epoch key, then (one store) one hash
@@ -63,9 +67,10 @@ SILENT_S = LIVE_S / 2
 #: count of a channel (``NUMSUB``; a cluster's sharded ``SHARDNUMSUB``).
 #:
 #: **Cut off or dead** (``partition``). Each call also writes ``r:<engine>``
-#: on each user: the divisor of its fallback share and the end of its
-#: partition window (now + P). Another engine with marks on the user whose
-#: last call is older than ``SILENT_S`` is looked at once per call: with a
+#: on each user: the divisor of its fallback share, the end of its
+#: partition window (now + P) and its silent window (``silent_window_s``).
+#: Another engine with marks on the user whose last call is older than its
+#: silent window is looked at once per call: with a
 #: subscriber on its alive channel (``<heartbeat key>:alive:<engine>``) and
 #: its window not over, it is cut off: its fallback share (1/divisor of the
 #: limit) stays reserved (the others are granted from the rest: each slot
@@ -95,11 +100,11 @@ local live = redis.call('ZCARD', KEYS[1])
 local silent_us = tonumber(ARGV[9])
 local partition_us = tonumber(ARGV[10])
 local class = {}
-local function class_of(engine)
+local function class_of(engine, silent)
   local c = class[engine]
   if c == nil then
     local hb = redis.call('ZSCORE', KEYS[1], engine)
-    if hb and tonumber(hb) >= now - silent_us then
+    if hb and tonumber(hb) >= now - silent then
       c = 1
     else
       local subs = redis.call('PUBSUB', '@NUMSUB@', KEYS[1] .. ':alive:' .. engine)
@@ -117,7 +122,7 @@ local my_share = 's:' .. ARGV[1]
 local my_wait = 'w:' .. ARGV[1]
 local my_reserve = 'r:' .. ARGV[1]
 local stamp = string.format('%.0f', now)
-local reserve_end = string.format('%.0f', now + partition_us)
+local reserve_end = string.format('%.0f %d', now + partition_us, silent_us)
 for i = 1, @USERS@ do
   local key = @KEY@
   local a = @A@
@@ -159,21 +164,23 @@ for i = 1, @USERS@ do
   local cut = 0
   if marks then
     for engine, t in pairs(marks) do
-      local c = class_of(engine)
+      local r = reserves and reserves[engine]
+      local div, untl, silent = nil, nil, silent_us
+      if r then
+        div, untl, silent = string.match(r, '^(%d+) (%d+) (%d+)$')
+        silent = tonumber(silent) or silent_us
+      end
+      local c = class_of(engine, silent)
       local keep = false
       if c == 1 then
         if t >= now - live_us then
           sharing = sharing + 1
           keep = true
         end
-      elseif c == 2 and reserves and reserves[engine] then
-        local r = reserves[engine]
-        local sp = string.find(r, ' ', 1, true)
-        if tonumber(string.sub(r, sp + 1)) >= now then
-          reserved = reserved + 1 / tonumber(string.sub(r, 1, sp - 1))
-          cut = cut + 1
-          keep = true
-        end
+      elseif c == 2 and div and tonumber(untl) >= now then
+        reserved = reserved + 1 / tonumber(div)
+        cut = cut + 1
+        keep = true
       end
       if not keep then
         stale[#stale + 1] = 'e:' .. engine
@@ -294,8 +301,17 @@ def call_args(engine: str, settings: SharedStateSettings, known_epoch: str,
     """The lease script's arguments before the users'."""
     return [engine, "" if now_us is None else repr(float(now_us)), int(LIVE_S * 1e6),
             int(settings.lookahead_s * 1e6), int(report_window_s(settings) * 1e6),
-            known_epoch, secrets.token_hex(8), keep_ms, int(SILENT_S * 1e6),
+            known_epoch, secrets.token_hex(8), keep_ms, int(silent_window_s(settings) * 1e6),
             int(settings.partition_s * 1e6)]
+
+
+def silent_window_s(settings: SharedStateSettings) -> float:
+    """How long after this engine's last call the store takes it to be
+    silent (``SILENT_S``): it calls every tick unless it leases long slices
+    or calls a cluster's shards (then once a heartbeat, ``HEARTBEAT_S``)."""
+    if settings.cluster or settings.slice_s:
+        return SILENT_S
+    return max(SILENT_MIN_S, SILENT_TICKS * settings.tick_s)
 
 
 def keep_ms_of(settings: SharedStateSettings) -> int:

@@ -8,7 +8,9 @@ whether to give that share to the other engines:
   at once, so its idle subscription on its *alive channel*
   (``<heartbeat key>:alive:<engine id>``; in a Redis Cluster a sharded
   channel, ``SSUBSCRIBE``, on the slot of the shard's heartbeat key) is
-  gone. Once its last call is older than ``lease_store.SILENT_S`` the store drops its
+  gone. Once its last call is older than its silent window
+  (``lease_store.silent_window_s``: 0.25 s at the defaults, 1 s with long
+  slices or a cluster) the store drops its
   marks on every user: its share goes to the others at their next call.
 - **Cut off** (a partition: the store saw no FIN): its subscription still
   stands. The store keeps its fallback share of each user it had marked
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_output_rate.alive import CLOSED, UP
-from vllm_output_rate.lease_store import LIVE_S, SILENT_S
+from vllm_output_rate.lease_store import LIVE_S, silent_window_s
 from vllm_output_rate.limiter import NS_PER_S
 
 @dataclass(frozen=True, slots=True)
@@ -170,4 +172,4 @@ class PartitionWatch:
             contacts[k] = ShardContact(st.ok_ns, st.first_failed_ns, st.closed_at_fallback, closed_now)
         s = self.settings
         return FallbackTerms(contacts, self.asked, self.shard_of, s.timeout_s, s.partition_s,
-                             LIVE_S, SILENT_S)
+                             LIVE_S, silent_window_s(s))
