@@ -531,6 +531,7 @@ class LeaseThread(PartitionWatch):
         scope = None if None in down else frozenset(down)
         live = max(self.shards[k].live_engines for k in down)
         terms = self.fallback_terms()
+        self._alive_seen = self._alive_states()
         self.stats.partitioned = partitioned = terms.reserved()
         if partitioned and not self._partitioned_episode:
             self.stats.partitions += 1
