@@ -46,7 +46,7 @@ from vllm_output_rate.observers import (
     create_observer,
 )
 from vllm_output_rate.planners import plan_residency, plan_running_order
-from vllm_output_rate.prompt_budget import PromptBudgets, prompt_work
+from vllm_output_rate.prompt_budget import PromptBudgets, check_shared, prompt_work
 from vllm_output_rate.request_fields import resolve_user, trusted_source
 
 #: Idle users are dropped from the limiter every this many steps.
@@ -75,16 +75,24 @@ class OutputRateCore(SchedulerHost):
                 f"vllm_output_rate.plugin.configure_output_rate()"
             )
         st.config = config
-        choose(st, self._orl_new_limiter(config), Lender(config) if config.borrowing else None)
-        st.prompts = PromptBudgets(config) if config.prompt_budgets else None
+        st.chunked = bool(self.scheduler_config.enable_chunked_prefill)
+        problem = check_shared(config, st.chunked)
+        if problem:
+            raise OutputRateConfigError(problem)
+        st.limiter = self._orl_new_limiter(config)  # (the others' maker: ``_orl_second``)
+        choose(st, st.limiter,
+               Lender(config, self._orl_second("ceiling")) if config.borrowing else None)
+        st.prompts = (PromptBudgets(config, make=self._orl_second("prompt"))
+                      if config.prompt_budgets else None)
         st.prefill_ahead = config.prefill_ahead
         st.limiter_begin = getattr(st.limiter, "begin_step", None)
         if config.limits_file is not None:
             from vllm_output_rate.limits_watch import LimitsWatcher
 
-            # (a live watcher re-reads the file on SIGHUP too)
-            st.watcher = LimitsWatcher(config, start_thread=self._orl_watch_thread())
-        st.chunked = bool(self.scheduler_config.enable_chunked_prefill)
+            # (a live watcher re-reads the file on SIGHUP too; it refuses
+            # what this engine cannot serve)
+            st.watcher = LimitsWatcher(config, start_thread=self._orl_watch_thread(),
+                                       refuse=lambda c: check_shared(c, st.chunked))
         st.prefix_caching = bool(self.cache_config.enable_prefix_caching)
         st.priority = self.policy == SchedulingPolicy.PRIORITY
         st.is_async = isinstance(self, AsyncScheduler)
@@ -128,6 +136,14 @@ class OutputRateCore(SchedulerHost):
             config.default_rate, config.user_rates, parse_shared_state(config.shared_state),
             clock=lambda: st.clock(), engine_id=new_engine_id(rank),
             start_thread=self._orl_watch_thread())
+
+    def _orl_second(self, kind: str) -> Any:
+        """Makes the limiter of the users' ceilings or prompt budgets
+        (``kind``): with shared budgets a fleet-wide one, leased by the
+        same lease thread (``SharedBudgetLimiter.second_budget``); else
+        None (the engine's own)."""
+        second = getattr(self.output_rate.limiter, "second_budget", None)
+        return None if second is None else (lambda rate, rates: second(kind, rate, rates))
 
     def _orl_add(self, request: Request) -> None:
         """A new request: its user resolved once, read by attribute on every
@@ -223,11 +239,13 @@ class OutputRateCore(SchedulerHost):
         old = st.config
         st.limiter.set_limits(config.default_rate, config.user_rates, now)
         st.config = config
-        choose(st, st.limiter, lender_for(config, st.lender, now))
+        choose(st, st.limiter, lender_for(config, st.lender, now, self._orl_second("ceiling")))
         if not config.prompt_budgets:
+            if st.prompts is not None:
+                st.prompts.close()
             st.prompts = None
         elif st.prompts is None:
-            st.prompts = PromptBudgets(config)
+            st.prompts = PromptBudgets(config, make=self._orl_second("prompt"))
         else:
             st.prompts.set_config(config, now)
         if "shared" in (old.unlisted_users, config.unlisted_users):
@@ -547,10 +565,11 @@ class OutputRateCore(SchedulerHost):
         prompts = st.prompts
         if prompts is not None:
             self._orl_prompt_finish(prompts, scheduled)
-        limiter = st.limiter
+        limiter, lender = st.limiter, st.lender
         refused = record.refused
-        for user in refused:
-            refused[user] = limiter.ready_at_ns(user)
+        for user in refused:  # (a token needs its ceiling's too)
+            refused[user] = max(limiter.ready_at_ns(user),
+                                0 if lender is None else lender.ready_at_ns(user))
         if refused or len(self.running) > st.base_active:
             # Served times feed the next step's rotation, which only runs
             # after a step that refused someone (``_orl_before_schedule``).
@@ -566,6 +585,7 @@ class OutputRateCore(SchedulerHost):
         for req_id, (user, n) in step.prompt_charged.items():
             if req_id not in scheduled:
                 prompts.refund(user, n)
+        prompts.settle(step.now)
         waits = step.prompt_waits
         now = step.now
         for user in list(waits):
