@@ -228,7 +228,7 @@ def test_each_budget_keeps_its_fleet_bound_for_random_demands_joins_and_leaves(r
         engine = engines[i]
         if streams == 0 and data.draw(st.booleans()):
             if data.draw(st.booleans()):
-                engine.alive = False  # dies holding leases of every kind
+                fleet.kill(engine)  # dies holding leases of every kind
             else:
                 fleet.leave(engine)  # shuts down: off every budget it leased
         else:
