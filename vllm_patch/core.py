@@ -28,7 +28,7 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate import lending
 from vllm_output_rate.borrowing import Lender, lender_for
-from vllm_output_rate.charges import choose
+from vllm_output_rate.charges import DirectCharges, choose
 from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
     OutputRateConfig,
@@ -169,6 +169,8 @@ class OutputRateCore(SchedulerHost):
         # the step's plans (``lending``, ``planners``), applied
         if st.lender is not None:
             step.lending = lending.plan_lending(self.waiting, self.running, st, step)
+        # the last step's held tail, taken as it is while its users have no budget (``held``)
+        tail = st.held_tail.resume(self.running, step) if st.held_tail.requests else None
         self._orl_apply_residency(plan_residency(
             self.running, self.waiting, st, step, st.limiter.rate_of,
             self._request_blocks_can_be_freed))
@@ -176,6 +178,13 @@ class OutputRateCore(SchedulerHost):
         # Only when more are resident than may run can the active cap bind.
         step.capped = running > st.base_active
         throttled = None
+        if tail is not None:
+            if st.held_tail.intact(self.running):
+                front = self.running[:-len(tail)]
+                order = plan_running_order(front, st, step)  # (short: held users have no budget)
+                self.running[:] = order.ready + order.throttled + tail
+                return self._orl_hold_back(order.throttled, tail)
+            st.held_tail.release()  # (residency preempted one of them)
         if running > 1 and (was_short or step.capped) or (
                 running and (st.lender is not None or step.turns)):
             # (with borrowing every step: who borrows is decided here)
@@ -235,6 +244,7 @@ class OutputRateCore(SchedulerHost):
             for request in self.requests.values():
                 request.output_rate_user = charged_user(request.output_rate_identity)
         self._orl_forget_states(None)
+        st.held_tail.hold(st.step_no, [], [], None, False)  # (their budgets changed)
         added, removed, changed = diff_limits(old, config)
         observer = st.observer
         if observer is not None:
@@ -281,7 +291,7 @@ class OutputRateCore(SchedulerHost):
         step.lent_tail = len(tail.borrowers)
         return tail.throttled if order.short else None
 
-    def _orl_hold_back(self, throttled: list[Request]) -> list[Request] | None:
+    def _orl_hold_back(self, throttled: list[Request], tail: list | None = None) -> list | None:
         """Take the throttled tail out of ``running`` while vLLM schedules,
         as vllm-spyre holds requests back: they cost vLLM's loop nothing and
         keep their KV blocks and worker slot. They are refused here, once
@@ -291,24 +301,34 @@ class OutputRateCore(SchedulerHost):
         one new block, the token budget's worth of prefill, per KV cache
         group): under pressure they stay at the tail, where vLLM's own FCFS
         preemption (or ours, with PRIORITY) takes them first. Not with LoRA
-        (vLLM counts the adapters of all of ``running``)."""
+        (vLLM counts the adapters of all of ``running``). ``tail``: the last
+        step's, after ``throttled``, taken as it was (``held``)."""
         st = self.output_rate
         if not st.hold_back or self.lora_config:
             return None
-        step = st.step
+        step, held = st.step, st.held_tail
         running = self.running
         lent = step.lent_tail  # borrowers after them (borrowing only)
-        keep = len(running) - len(throttled) - lent
+        every = throttled + tail if tail else throttled
+        keep = len(running) - len(every) - lent
         if not st.kv_fits(keep + lent):
+            held.hold(step.no, [], [], None, False)  # (the tail is marked at the charge point)
             return None
-        del running[keep:keep + len(throttled)]
-        step.held = step.report.held_back = len(throttled)
+        del running[keep:keep + len(every)]
+        step.held = step.report.held_back = len(every)
         refused = step.refused
         mark = self._orl_mark_throttled
         for request in throttled:
             refused[request.output_rate_user] = 0  # ready time filled in at the end
             mark(request)
-        return throttled
+        ids = step.report.throttled[-len(throttled):] if throttled else []
+        if tail:  # throttled in the step before: none newly, their ready times known
+            step.report.throttled.extend(held.ids)
+            refused.update(held.ready)
+            step.refused_known = held.ready
+        held.hold(step.no, throttled, ids, tail,  # (limits reloaded: ``_orl_apply_limits``)
+                  st.charges is DirectCharges and st.prompts is None and not st.priority)
+        return every
 
     # -- the charge point ------------------------------------------------------
 
@@ -549,8 +569,11 @@ class OutputRateCore(SchedulerHost):
             self._orl_prompt_finish(prompts, scheduled)
         limiter = st.limiter
         refused = record.refused
-        for user in refused:
+        known = step.refused_known
+        refused.update(known or {})  # (held users: the charge point may have refused them again)
+        for user in refused if known is None else refused.keys() - known.keys():
             refused[user] = limiter.ready_at_ns(user)
+        st.held_tail.ended(refused)
         if refused or len(self.running) > st.base_active:
             # Served times feed the next step's rotation, which only runs
             # after a step that refused someone (``_orl_before_schedule``).
