@@ -38,7 +38,7 @@ from vllm_output_rate.config import (
 from vllm_output_rate.host import SchedulerHost
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.ledger import StepLedger
-from vllm_output_rate.limiter import OutputRateLimiter
+from vllm_output_rate.limiter import OutputRateLimiter, take_from
 from vllm_output_rate.observers import (
     PROMPT_DEFER_REASONS,
     LimitsChange,
@@ -177,6 +177,7 @@ class OutputRateCore(SchedulerHost):
         running = len(self.running)
         # Only when more are resident than may run can the active cap bind.
         step.capped = running > st.base_active
+        step.direct = not step.capped and st.charges is DirectCharges and st.prompts is None
         throttled = None
         if tail is not None:
             if st.held_tail.intact(self.running):
@@ -342,6 +343,13 @@ class OutputRateCore(SchedulerHost):
         st = self.output_rate
         step = st.step
         running = request.status == _RUNNING
+        if running and step.direct and not request.is_prefill_chunk and (
+                num_computed_tokens >= request.num_prompt_tokens):
+            # (the common case: a decode token charged on its user's state kept on the request)
+            req_id, charged, state = request.request_id, step.charged, request.output_rate_state
+            if req_id in charged or state is not None and take_from(state, step.now):
+                charged[req_id] = request.output_rate_user
+                return num_new_tokens
         capped = running and step.capped
         if capped and step.active >= st.base_active:
             step.report.cap_deferred += 1
@@ -566,7 +574,7 @@ class OutputRateCore(SchedulerHost):
                 del chunks[req_id]  # (not dispatched: not computed)
         prompts = st.prompts
         if prompts is not None:
-            self._orl_prompt_finish(prompts, scheduled)
+            prompts.finish_step(step.prompt_charged, step.prompt_waits, step.now, scheduled)
         limiter = st.limiter
         refused = record.refused
         known = step.refused_known
@@ -582,19 +590,3 @@ class OutputRateCore(SchedulerHost):
                 requests[req_id].output_rate_served_ns = now
         st.last_step = record
 
-    def _orl_prompt_finish(self, prompts: PromptBudgets, scheduled: dict[str, int]) -> None:
-        """Prompt budgets at the refund point: what was granted to a chunk
-        not dispatched goes back; users put off learn when to come again."""
-        step = self.output_rate.step
-        for req_id, (user, n) in step.prompt_charged.items():
-            if req_id not in scheduled:
-                prompts.refund(user, n)
-        waits = step.prompt_waits
-        now = step.now
-        for user in list(waits):
-            at = waits[user] = prompts.ready_at_ns(user)
-            if at <= now:
-                # its budget is there: a chunk it cut went no further for
-                # another reason (just in time, its output budget), whose
-                # own time wakes the engine
-                del waits[user]

@@ -125,8 +125,11 @@ class StepLedger:
     throttled_running: int = 0
     #: active slots given at the charge point when the cap binds
     active: int = 0
-    #: whether the active cap can bind (more resident than may run)
+    #: whether the active cap can bind (more resident than may run), and
+    #: whether a decode token is charged the plain limiter's way (directly,
+    #: no cap binding, no prompt budget: ``core._orl_charge``'s first case)
     capped: bool = False
+    direct: bool = False
     #: throttled requests held out of ``running`` while vLLM schedules
     held: int = 0
     #: borrowers at the tail of ``running``, after the throttled requests
