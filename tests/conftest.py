@@ -41,7 +41,7 @@ SLOW_FIRST = (
     # the engine pool's modules, one unit of work (POOL_SCOPE); verify's
     # last: its last test stops the engine it used in the middle of a run
     "test_e2e.py", "test_e2e_live_limits.py", "test_e2e_borrowing.py", "test_profile.py",
-    "test_verify_e2e.py",
+    "test_e2e_prompts.py", "test_verify_e2e.py",
     "test_e2e_shared_state.py", "test_e2e_traces.py", "test_stress.py",
     "test_tools_second_model.py", "test_e2e_api_servers.py", "test_dashboards_e2e.py",
     "test_package.py", "test_e2e_identity.py", "test_e2e_affinity.py",
@@ -53,7 +53,7 @@ SLOW_FIRST = (
 #: pytest-xdist, so that they run on one worker and each pooled
 #: configuration starts once.
 POOL_MODULES = ("test_e2e.py", "test_e2e_live_limits.py", "test_e2e_borrowing.py", "test_profile.py",
-                "test_verify_e2e.py")
+                "test_e2e_prompts.py", "test_verify_e2e.py")
 POOL_SCOPE = "tests/engine-pool"
 
 

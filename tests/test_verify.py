@@ -292,6 +292,29 @@ def test_a_cancelled_request_left_in_the_engine_fails_freed(good):
     assert cancelled.rid in " ".join(checks["freed[all]"].details)
 
 
+@pytest.mark.parametrize("cancelled", [True, False])
+def test_a_request_cancelled_before_the_engine_had_it_is_no_failure(good, cancelled):
+    """A request the client cancelled before the engine's scheduler had it
+    (its front end slow on a loaded machine: no token, no event, nothing
+    held) is named, not failed; a request with no engine event that the
+    client did not cancel is one the log lost."""
+    sc, run, log, metrics = copy.deepcopy(good)
+    template = next(r for r in run.requests if r.user == "a")
+    late = dataclasses.replace(template, rid=template.rid + "-late", chunks=[],
+                               completion_tokens=0, finish_reason=None,
+                               cancelled=cancelled, cancel_after_tokens=None,
+                               cancel_after_s=0.5, error=None)
+    run.requests.append(late)
+    checks, _ = checks_of(sc, run, log, metrics)
+    details = " ".join(checks["events[all]"].details)
+    assert late.rid in details
+    if cancelled:
+        assert not {"events[all]", "freed[all]"} & set(failed(checks))
+        assert "(not a failure)" in details
+    else:
+        assert "events[all]" in failed(checks)
+
+
 @pytest.mark.parametrize("gauge", IDLE_GAUGES)
 def test_anything_left_running_waiting_or_throttled_fails_freed(good, gauge):
     sc, run, log, metrics = copy.deepcopy(good)
