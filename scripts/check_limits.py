@@ -10,7 +10,8 @@ refuses, the engine refuses too (``OutputRateLimitsReloadFailed``).
 ``--schema`` prints the limits file's JSON Schema (``limits_file.schema``).
 
 Not checked here, as it depends on the engine: with
-``--output-rate-shared-state`` a limit may not have a ceiling.
+``--output-rate-shared-state`` and without chunked prefill, an engine
+refuses prompt budgets (``prompt_rate``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,13 @@ per user with demand, ``settle`` of what it spends, ``ready_at_ns`` for a
 user it refused; per tick one ``LeaseThread.tick`` with the store's time
 given (the script takes the fake clock instead of Redis' own, so a run is
 repeatable). What the fleet spends per user is recorded for the fleet bound.
+A fleet may also lease each user's ceiling and prompt budget (``budgets``:
+the limiters of ``SharedBudgetLimiter.second_budget``, lanes of the same
+lease thread): an engine then takes a token of the ceiling for every
+output token, lends each user what its streams want beyond its rate (an
+engine with idle capacity) up to the ceiling's tokens it holds, and
+computes each user's prompt tokens per step (``SimEngine.prompts``) within
+its prompt budget; what the fleet spends of each is recorded per kind.
 
 Used by the tests (small fleets, brute-force bound) and by
 ``python -m vllm_output_rate.tools.fleet_sim`` (64+ engines, 10,000 users:
@@ -28,7 +35,7 @@ from fractions import Fraction
 
 from vllm_output_rate.cluster_store import ClusterStore
 from vllm_output_rate.fleet_math import fleet_bound
-from vllm_output_rate.lease_store import RedisStore
+from vllm_output_rate.lease_store import CEILING, PROMPT, RedisStore
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_limiter import SharedBudgetLimiter
 from vllm_output_rate.shared_settings import SharedStateSettings, parse_shared_state
@@ -50,6 +57,10 @@ class SimEngine:
     spends: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
     next_tick_ns: int = 0
     last_call_ns: int = 0
+    #: kind -> the limiter of the users' ceilings or prompt budgets
+    others: dict[str, SharedBudgetLimiter] = field(default_factory=dict)
+    #: user -> prompt tokens it wants computed per step (prompt budgets)
+    prompts: dict[str, int] = field(default_factory=dict)
 
 
 class Fleet:
@@ -57,7 +68,8 @@ class Fleet:
 
     def __init__(self, url: str, default_rate: Fraction, user_rates: dict[str, Fraction] | None = None,
                  settings: SharedStateSettings | None = None, step_s: float = 0.01,
-                 seed: int = 0) -> None:
+                 seed: int = 0,
+                 budgets: dict[str, tuple[Fraction, dict[str, Fraction]]] | None = None) -> None:
         # (the URL's query, if any: timeout_ms=..., as the engine reads it)
         self.settings = settings or parse_shared_state(url)
         self.default_rate = Fraction(default_rate)
@@ -75,6 +87,11 @@ class Fleet:
         self.keep: set[str] | None = None
         self.count_from_ns: int | None = None
         self.totals: dict[str, int] = {}
+        #: kind (``CEILING``, ``PROMPT``) -> (default, user -> rate) of the
+        #: users' other budgets, and what the fleet spent of each:
+        #: kind -> user -> [(ns, tokens)]
+        self.budgets = dict(budgets or {})
+        self.kind_spends: dict[str, dict[str, list[tuple[int, int]]]] = {k: {} for k in self.budgets}
 
     def clock(self) -> int:
         return self.now_ns
@@ -96,6 +113,8 @@ class Fleet:
                                       start_thread=False)
         tick_ns = int(self.settings.tick_s * NS_PER_S)
         engine = SimEngine(name, limiter, self.rng.randrange(tick_ns))
+        for kind, (default, rates) in self.budgets.items():
+            engine.others[kind] = limiter.second_budget(kind, default, rates)
         engine.next_tick_ns = self.now_ns + engine.offset_ns
         self.engines.append(engine)
         return engine
@@ -121,15 +140,42 @@ class Fleet:
                 thread.tick(now_us=now / 1000)
             limiter.begin_step(now)
             taken: dict[str, int] = {}
+            ceiling = engine.others.get(CEILING)
+            ceiled: dict[str, int] = {}
             for user, streams in engine.streams.items():
                 if streams <= 0:
                     continue
                 n = min(limiter.available(user, now), streams)
+                if ceiling is not None:
+                    # every token within the ceiling's leases; what its
+                    # streams want beyond its rate lent up to them
+                    c = ceiling.available(user, now)
+                    n = min(n, c)
+                    if c > n and streams > n:
+                        ceiled[user] = min(streams, c)
+                    elif n:
+                        ceiled[user] = n
+                    if c < streams:  # refused at its ceiling (the scheduler asks when)
+                        ceiling.ready_at_ns(user)
                 if n > 0:
                     taken[user] = n
                 if n < streams:
                     limiter.ready_at_ns(user)
             limiter.settle(now, taken)
+            if ceiling is not None:
+                ceiling.settle(now, ceiled)
+                self._record(CEILING, engine, now, ceiled)
+            prompt = engine.others.get(PROMPT)
+            if prompt is not None:
+                computed = {}
+                for user, want in engine.prompts.items():
+                    n = min(want, prompt.available(user, now))
+                    if n > 0:
+                        computed[user] = n
+                    if n < want:  # a chunk cut (the scheduler asks when)
+                        prompt.ready_at_ns(user)
+                prompt.settle(now, computed)
+                self._record(PROMPT, engine, now, computed)
             for user, n in taken.items():
                 if self.keep is None or user in self.keep:
                     self.spends.setdefault(user, []).append((now, n))
@@ -137,6 +183,12 @@ class Fleet:
                 if self.count_from_ns is not None and now >= self.count_from_ns:
                     self.totals[user] = self.totals.get(user, 0) + n
         self.now_ns += self.step_ns
+
+    def _record(self, kind: str, engine: SimEngine, now: int, taken: dict[str, int]) -> None:
+        spends = self.kind_spends[kind]
+        for user, n in taken.items():
+            if self.keep is None or user in self.keep:
+                spends.setdefault(user, []).append((now, n))
 
     def run(self, seconds: float, each_step: Callable[[Fleet], None] | None = None) -> None:
         end = self.now_ns + int(seconds * NS_PER_S)
@@ -255,6 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeat", type=int, default=1, help="run the arms this many times, alternating")
     parser.add_argument("--latency-ms", type=float, default=0.0,
                         help="added to every store call (a store across a network)")
+    parser.add_argument("--ceiling", default="0",
+                        help="every user's ceiling (tok/s; 0: none): a fleet-wide budget leased "
+                        "beside the rate, each engine lending what its streams want beyond it; "
+                        "several, comma-separated: one arm each, paired with --prompt-rate's")
+    parser.add_argument("--prompt-rate", default="0",
+                        help="every user's prompt budget (prompt tokens/s; 0: none), leased "
+                        "beside the rate; several: one arm each (as --ceiling)")
+    parser.add_argument("--prompt-per-step", type=int, default=200,
+                        help="prompt tokens each engine wants computed per user per step")
     parser.add_argument("--shards", type=int, default=0,
                         help="start a Redis Cluster of this many masters (0: one plain redis-server)")
     parser.add_argument("--url", default=None, help="a Redis (or redis-cluster://) to use (default: start one)")
@@ -270,11 +331,18 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         slices = [float(x) for x in args.slice_ms.split(",")]
+        ceilings = [float(x) for x in args.ceiling.split(",")]
+        prompts = [float(x) for x in args.prompt_rate.split(",")]
+        n = max(len(ceilings), len(prompts))
+        if len(ceilings) not in (1, n) or len(prompts) not in (1, n):
+            parser.error("--ceiling and --prompt-rate: one value, or as many as each other")
+        arms = list(zip(ceilings * (n // len(ceilings)), prompts * (n // len(prompts))))
         for _ in range(args.repeat):
             for slice_ms in slices:
-                result = run_large(url, args, slice_ms)
-                print(json.dumps(result), flush=True)
-                results.append(result)
+                for ceiling, prompt_rate in arms:
+                    result = run_large(url, args, slice_ms, ceiling, prompt_rate)
+                    print(json.dumps(result), flush=True)
+                    results.append(result)
     finally:
         if server is not None:
             server.close()
@@ -317,7 +385,8 @@ def _shard_entries(fleet: Fleet, settings: SharedStateSettings, shards: int) -> 
     return out
 
 
-def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict:
+def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0, ceiling: float = 0.0,
+              prompt_rate: float = 0.0) -> dict:
     settings = SharedStateSettings(url, tick_s=args.tick_ms / 1000, horizon_s=args.horizon_ms / 1000,
                                    lookahead_s=args.lookahead_ms / 1000, slice_s=slice_ms / 1000)
     if url.split(":", 1)[0].endswith("-cluster"):
@@ -325,7 +394,9 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
                                        lookahead_s=settings.lookahead_s, slice_s=settings.slice_s,
                                        nodes=parse_shared_state(url).nodes)
     rate = Fraction(args.rate).limit_denominator(1000)
-    fleet = Fleet(url, rate, settings=settings, step_s=args.step_ms / 1000, seed=1)
+    second = {kind: (Fraction(v).limit_denominator(1000), {})
+              for kind, v in ((CEILING, ceiling), (PROMPT, prompt_rate)) if v > 0}
+    fleet = Fleet(url, rate, settings=settings, step_s=args.step_ms / 1000, seed=1, budgets=second)
     nodes = _store_nodes(url, settings)
     for node in nodes:
         node.flushdb()
@@ -339,6 +410,8 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
         user = f"user-{u}"
         for engine in rng.sample(fleet.engines, min(args.engines_per_user, args.engines)):
             engine.streams[user] = engine.streams.get(user, 0) + 2
+            if PROMPT in second:
+                engine.prompts[user] = args.prompt_per_step
     if args.latency_ms > 0:
         delay = args.latency_ms / 1000
         for engine in fleet.engines:
@@ -370,6 +443,22 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
         for k, v in worst_window_ratio(sorted(fleet.spends.get(user, [])), rate, settings.long_horizon_s,
                                        settings.long_lookahead_s).items():
             ratios[k] = max(ratios.get(k, 0.0), v)
+    kinds: dict[str, dict] = {}
+    for kind, (limit, _) in second.items():
+        worst: dict[str, float] = {}
+        rates_k = []
+        for user in sample:
+            spends = sorted(fleet.kind_spends[kind].get(user, []))
+            rates_k.append(sum(n for t, n in spends if t >= start_ns) / span / float(limit))
+            for k, v in worst_window_ratio(spends, limit, settings.long_horizon_s,
+                                           settings.long_lookahead_s).items():
+                worst[k] = max(worst.get(k, 0.0), v)
+        rates_k.sort()
+        kinds[kind] = {"limit": float(limit),
+                       "fleet_rate_over_limit": {"min": round(rates_k[0], 4),
+                                                 "median": round(rates_k[len(rates_k) // 2], 4),
+                                                 "max": round(rates_k[-1], 4)},
+                       "worst_window_over_bound": {k: round(v, 4) for k, v in worst.items()}}
     shard_entries = [a - b for a, b in zip(_shard_entries(fleet, settings, len(nodes)), shard0)]
     for node in nodes:
         node.close()
@@ -378,7 +467,7 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
         "shards": len(nodes) if settings.cluster else 0,
         "rate": float(rate), "measured_s": span, "wall_s": round(wall, 2),
         "tick_ms": args.tick_ms, "horizon_ms": args.horizon_ms, "lookahead_ms": args.lookahead_ms,
-        "slice_ms": slice_ms, "latency_ms": args.latency_ms,
+        "slice_ms": slice_ms, "ceiling": ceiling, "prompt_rate": prompt_rate, "latency_ms": args.latency_ms,
         "store_calls_per_s_per_engine": round(calls / span / args.engines, 2),
         "store_calls_per_s": round(calls / span, 1),
         "user_entries_per_s": round(entries / span, 1),
@@ -395,6 +484,8 @@ def run_large(url: str, args: argparse.Namespace, slice_ms: float = 0.0) -> dict
                                   "median": round(rates[len(rates) // 2] / float(rate), 4),
                                   "max": round(rates[-1] / float(rate), 4)},
         "worst_window_over_bound": {k: round(v, 4) for k, v in ratios.items()},
+        # (with --ceiling / --prompt-rate, over the sampled users)
+        "budgets": kinds,
     }
 
 

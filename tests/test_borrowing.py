@@ -108,27 +108,35 @@ def test_bad_pairs_are_refused_naming_the_key(text, match):
         parse_limits_document(text.encode(), "limits.yaml")
 
 
-def test_borrowing_is_refused_with_shared_budgets():
-    with pytest.raises(OutputRateConfigError, match="borrowing"):
-        OutputRateConfig(Fraction(5), default_ceiling=UNLIMITED, shared_state="redis://127.0.0.1:1/0")
+def test_borrowing_is_taken_with_shared_budgets():
+    config = OutputRateConfig(Fraction(5), default_ceiling=UNLIMITED,
+                              shared_state="redis://127.0.0.1:1/0")
+    assert config.borrowing and config.ceiling_of("anyone") == UNLIMITED
 
 
-def test_a_pair_reloaded_with_shared_budgets_is_refused_and_counted(tmp_path):
+def test_a_pair_reloaded_with_shared_budgets_is_taken_and_what_the_engine_refuses_counted(tmp_path):
     """A limits file changed live to hold a pair, on an engine with shared
-    budgets: refused like any invalid file (counted once, logged, what is in
-    force stays), never an exception in the watcher's thread."""
+    budgets: taken (the ceiling is a fleet-wide budget). What the engine
+    says it cannot serve (its ``refuse``: prompt budgets without chunked
+    prefill) is refused like any invalid file (counted once, logged, what
+    is in force stays), never an exception in the watcher's thread."""
     from vllm_output_rate.limits_watch import LimitsWatcher
+    from vllm_output_rate.prompt_budget import check_shared
 
     path = tmp_path / "limits.yaml"
     path.write_text("default: 5\nusers: {a: 10}\n")
     config = replace(parse_limits_document(path.read_bytes(), str(path)),
                      shared_state="redis://127.0.0.1:1/0")
-    watcher = LimitsWatcher(config, start_thread=False)
+    watcher = LimitsWatcher(config, start_thread=False, refuse=lambda c: check_shared(c, False))
     path.write_text("default: 5\nusers: {a: {rate: 10, ceiling: unlimited}}\n")
+    assert watcher.check() == "loaded"
+    paired = watcher.current
+    assert paired.borrowing and paired.shared_state == config.shared_state
+    path.write_text("default: 5\nusers: {a: {rate: 10, prompt_rate: 400}}\n")
     assert watcher.check() == "invalid"
     assert watcher.check() is None
-    assert "borrowing" in watcher.last_error
-    assert watcher.current is config and watcher.results["invalid"] == 1
+    assert "need chunked prefill" in watcher.last_error
+    assert watcher.current is paired and watcher.results["invalid"] == 1
     path.write_text("default: 5\nusers: {a: 20}\n")
     assert watcher.check() == "loaded"
     assert watcher.current.rate_of("a") == 20 and watcher.current.shared_state == config.shared_state

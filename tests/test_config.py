@@ -186,7 +186,13 @@ def test_the_prompt_option_needs_limits_and_is_not_beside_a_file():
         OutputRateConfig.from_options("20", default_prompt="-1")
 
 
-def test_prompt_budgets_are_refused_with_shared_budgets():
-    with pytest.raises(OutputRateConfigError, match="prompt budgets .* not available with shared"):
-        OutputRateConfig.from_options("20", shared_state="redis://127.0.0.1:6379/0",
-                                      default_prompt="500")
+def test_prompt_budgets_are_taken_with_shared_budgets():
+    from vllm_output_rate.prompt_budget import check_shared
+
+    config = OutputRateConfig.from_options("20", shared_state="redis://127.0.0.1:6379/0",
+                                           default_prompt="500")
+    assert config.prompt_rate_of("anyone") == 500
+    # an engine without chunked prefill cannot serve them (a prompt goes whole)
+    assert check_shared(config, chunked=True) is None
+    assert "need chunked prefill" in check_shared(config, chunked=False)
+    assert check_shared(OutputRateConfig.from_options("20", default_prompt="500"), False) is None

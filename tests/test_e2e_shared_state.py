@@ -6,7 +6,6 @@ logs; then the store stopped mid-run and started again empty."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import signal
@@ -31,6 +30,8 @@ pytestmark = [pytest.mark.e2e,
 
 LIMIT_A = 20
 LIMIT_B = 40
+#: user-c: a guaranteed rate and a ceiling, both fleet-wide
+RATE_C, CEILING_C = 5, 15
 #: engine-side stamps are taken when a step's output is processed, charges
 #: when it was dispatched: one step of slack per engine
 STEP_SLACK = 2
@@ -41,10 +42,12 @@ def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shared")
     redis = RedisServer(nice=10).start()
     events = [tmp / f"events-{i}.jsonl" for i in range(2)]
+    limits = tmp / "limits.yaml"
+    limits.write_text(f"default: {LIMIT_A}\nusers:\n  user-b: {LIMIT_B}\n  warm-up: 100000\n"
+                      f"  user-c: {{rate: {RATE_C}, ceiling: {CEILING_C}}}\n")
     engines = [Server(tiny_model(), [
         "--max-num-seqs", "16", "--max-model-len", "1024",
-        "--default-user-output-tokens-per-second", str(LIMIT_A),
-        "--user-output-tokens-per-second", json.dumps({"user-b": LIMIT_B, "warm-up": 100000}),
+        "--output-rate-limits-file", str(limits),
         "--output-rate-shared-state", redis.url],
         REPO / ".cache" / "logs" / f"e2e-shared-engine-{i}.log",
         # each engine's worker on a core of its own: two workers bound to
@@ -174,6 +177,38 @@ def test_one_users_limit_holds_across_two_engines(fleet):
         assert metric_value(samples, "vllm_output_rate_shared_store_fallback") == 0
         assert metric_value(samples, "vllm_output_rate_shared_live_engines") == 2
         assert metric_value(samples, "vllm_output_rate_shared_store_call_seconds_count") > 0
+
+
+def test_a_ceiling_holds_across_two_engines_each_lending_its_idle_capacity(fleet):
+    """user-c (``{rate: 5, ceiling: 15}``) alone, two streams on each
+    engine: each engine lends it its own idle capacity, up to the tokens it
+    holds of the ceiling's fleet-wide lease. The fleet serves it near its
+    ceiling, not two ceilings (30 tok/s, as two engines each with the
+    ceiling of their own would), and well past its guaranteed rate; the
+    ceiling's fleet bound holds in every window (``docs/fleet.md``: of the
+    rate's form). Exactly in virtual time: ``test_fleet_budgets``."""
+    redis, engines, events = fleet
+    start = time.monotonic_ns()
+    before = [scrape_metrics(e.base_url) for e in engines]
+    run_streams(engines, [(0, "user-c", 2, 40), (1, "user-c", 2, 40)])
+    wait_for_events(events, "user-c", 160, start)
+    spends = fleet_tokens(events, "user-c", start)
+    assert sum(n for _, n in spends) == 160
+    steps = sorted(t for p in events for t, _ in EngineLog.read(p).steps if t >= start)
+    stepping = rate_while_stepping(spends, steps, CEILING_C)
+    borrowed = [metric_value(scrape_metrics(e.base_url), "vllm_output_rate_tokens_borrowed_total",
+                             user="user-c")
+                - metric_value(b, "vllm_output_rate_tokens_borrowed_total", user="user-c")
+                for e, b in zip(engines, before)]
+    excess, window = worst_window_excess(spends, Fraction(CEILING_C), HORIZON_S, LOOKAHEAD_S,
+                                         STEP_SLACK)
+    print(f"\nuser-c: fleet {spend_rate(spends):.2f} tok/s first to last, {stepping:.2f} while "
+          f"stepping (rate {RATE_C}, ceiling {CEILING_C}); borrowed per engine {borrowed}; "
+          f"worst window {excess:+d} tokens against the ceiling's fleet bound")
+    assert excess <= 0, (excess, window)
+    assert all(n > 0 for n in borrowed), borrowed  # each engine lent its own capacity
+    # past its guaranteed rate (the machine's stalls only lower this side)
+    assert stepping >= 2 * RATE_C, stepping
 
 
 class StallWatch:

@@ -18,12 +18,19 @@ first (the weighted counters of VTC, OSDI'24): leftover capacity is split in
 proportion to the guaranteed rates. A user who starts borrowing begins at
 the smallest counter among those borrowing, not at zero (no catch-up burst).
 
+With shared budgets (``--output-rate-shared-state``) a user's ceiling is a
+fleet-wide budget of its own (``shared_limiter.SharedBudgetLimiter.second_budget``,
+the ``make`` of ``Lender``), leased beside its guaranteed rate: each engine
+lends only its own idle capacity, and only within the ceiling's tokens it
+holds, so the fleet spends at most ``floor((W + H + B) * C) + 1`` tokens of
+the user in any W seconds (``fleet_math``).
+
 Pure logic: imports nothing from vLLM.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -34,13 +41,17 @@ from vllm_output_rate.limiter import OutputRateLimiter
 #: can dispatch).
 NO_CEILING = 1 << 30
 
+#: Makes the ceilings' limiter from a default rate and the users' rates.
+MakeLimiter = Callable[[Fraction, dict[str, Fraction]], OutputRateLimiter]
+
 
 class Lender:
-    """The ceilings and the borrowing counters of one engine."""
+    """The ceilings and the borrowing counters of one engine (``make``:
+    the ceilings' limiter, the engine's own by default)."""
 
-    def __init__(self, config: OutputRateConfig) -> None:
+    def __init__(self, config: OutputRateConfig, make: MakeLimiter | None = None) -> None:
         self.config = config
-        self.ceilings = OutputRateLimiter(*_ceiling_rates(config))
+        self.ceilings = (make or OutputRateLimiter)(*_ceiling_rates(config))
         #: user -> tokens borrowed / guaranteed rate (weighted service)
         self.served: dict[str, float] = {}
 
@@ -55,6 +66,17 @@ class Lender:
         if ceiling is None or ceiling == UNLIMITED:
             return NO_CEILING
         return self.ceilings.available(user, now_ns)
+
+    def ready_at_ns(self, user: str) -> int:
+        """When ``user``'s ceiling has a token again, for the engine loop's
+        wait (0: now, or not known here). Only a fleet-wide ceiling says: its
+        tokens come from the lease thread (a round trip, or a retry when the
+        fleet's is spent), and asking tells the thread this engine ran short;
+        an engine's own ceiling is left out (its users' rates wake it)."""
+        ceiling = self.config.ceiling_of(user)
+        if ceiling is None or ceiling == UNLIMITED or not hasattr(self.ceilings, "owner"):
+            return 0
+        return self.ceilings.ready_at_ns(user)
 
     def settle(self, now_ns: int, spent: Mapping[str, int], borrowed: Mapping[str, int]) -> None:
         """A step's net tokens: ``spent`` (every token, per user with a
@@ -97,6 +119,13 @@ class Lender:
         for user in [u for u in self.served if not self.may_borrow(u)]:
             del self.served[user]
 
+    def close(self) -> None:
+        """Borrowing stops (reloaded limits): a fleet-wide ceilings'
+        limiter leaves its lease thread."""
+        close = getattr(self.ceilings, "close", None)
+        if close is not None:
+            close()
+
     def cleanup_idle_users(self, now_ns: int) -> None:
         self.ceilings.cleanup_idle_users(now_ns)
         if self.served and len(self.served) > 4 * max(len(self.ceilings), 1):
@@ -105,13 +134,17 @@ class Lender:
             self.served = {u: v for u, v in self.served.items() if v > floor}
 
 
-def lender_for(config: OutputRateConfig, lender: Lender | None, now_ns: int) -> Lender | None:
-    """The lender of reloaded limits: borrowing starts (a new one), stops
-    (None) or takes new ceilings (``lender``, changed at ``now_ns``)."""
+def lender_for(config: OutputRateConfig, lender: Lender | None, now_ns: int,
+               make: MakeLimiter | None = None) -> Lender | None:
+    """The lender of reloaded limits: borrowing starts (a new one, its
+    ceilings made by ``make``), stops (None) or takes new ceilings
+    (``lender``, changed at ``now_ns``)."""
     if not config.borrowing:
+        if lender is not None:
+            lender.close()
         return None
     if lender is None:
-        return Lender(config)
+        return Lender(config, make)
     lender.set_limits(config, now_ns)
     return lender
 

@@ -1,8 +1,9 @@
 """The shared store over a Redis Cluster (or a Valkey cluster): one script call per shard per tick.
 
 ``--output-rate-shared-state redis-cluster://HOST:PORT[,HOST:PORT...]``.
-Each user's budget is one hash, ``output_rate:user:{USER}``: the braces are
-a hash tag, so everything of one user is on one slot. A shard (a master and
+Each user's budget is one hash, ``output_rate:user:{USER}`` (its ceiling's
+and prompt budget's ``output_rate:ceiling:{USER}``, ``output_rate:prompt:{USER}``):
+the braces are a hash tag, so everything of one user is on one slot. A shard (a master and
 the slots it serves) has its own heartbeat set and epoch key, on a slot of
 its own (``output_rate:shard:{TAG}:engines`` / ``:epoch``, ``TAG`` chosen to
 hash to the shard's first slot). An engine's round groups its users by
@@ -28,8 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm_output_rate.lease_store import (_LEASE_BODY, _LEAVE_BODY, ARGS_PER_USER, HEARTBEAT_S, KEEP_MS, KEY_PREFIX, LeaseAsk,
-                                          LeaseReply, ask_args, call_args, parse_reply)
+from vllm_output_rate.lease_store import (_LEASE_BODY, _LEAVE_BODY, ARGS_PER_USER, HEARTBEAT_S, KEEP_MS, KEY_PREFIX,
+                                          KIND_KEYS, RATE, LeaseAsk, LeaseReply, ask_args, call_args, parse_reply)
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, SharedStateSettings
 
 #: Slots of a Redis Cluster.
@@ -50,9 +51,13 @@ CLUSTER_LEASE_SCRIPT = "#!lua flags=allow-cross-slot-keys\n" + (
 CLUSTER_LEAVE_SCRIPT = "#!lua flags=allow-cross-slot-keys\n" + _LEAVE_BODY.replace("@USERS@", "ARGV")
 
 
-def user_key(user: str) -> str:
-    """A user's hash in a cluster (its id the hash tag)."""
-    return KEY_PREFIX + "user:{" + user + "}"
+def user_key(user: str, kind: str = RATE) -> str:
+    """A user's hash in a cluster (its id the hash tag: every budget of a
+    user, ``KIND_KEYS``, on the same slot). An id that is empty or starts
+    with ``}`` would make an empty tag (Redis then hashes the whole key, a
+    slot per kind): such ids are tagged ``~`` (one slot for all of them)."""
+    tag = user if user[:1] not in ("", "}") else "~" + user
+    return KEY_PREFIX + KIND_KEYS[kind] + "{" + tag + "}"
 
 
 class ClusterStore:
@@ -207,7 +212,7 @@ class ClusterStore:
             epoch = MOVED_EPOCH if shard in self._moved else epochs.get(shard, "")
             args = call_args(engine, s, epoch, now_us, self.keep_ms)
             for ask in asks:
-                args.append(user_key(ask.user))
+                args.append(user_key(ask.user, ask.kind))
                 args.extend(ask_args(ask, s))
             self.calls += 1
             self.entries += len(asks)
@@ -256,16 +261,17 @@ class ClusterStore:
             conn.disconnect()
         pool.release(conn)
 
-    def leave(self, engine: str, users: list[str]) -> int:
+    def leave(self, engine: str, users: list[str], kinds: tuple[str, ...] = (RATE,)) -> int:
         """Take ``engine`` out of the fleet: one call per shard (see
-        ``lease_store.LEAVE_SCRIPT``). Returns the marks removed."""
+        ``lease_store.LEAVE_SCRIPT``), off the budgets of ``kinds`` of each
+        of ``users``. Returns the marks removed."""
         if self._stale_map or self._slot_shard is None:
             self.refresh()
         by_shard: dict[int, list[str]] = {shard: [] for shard in self.masters}
         for user in users:
             shard = self.shard_of(user)
             if shard is not None:
-                by_shard[shard].append(user_key(user))
+                by_shard[shard].extend(user_key(user, kind) for kind in kinds)
         left = 0
         for shard, keys in by_shard.items():
             client = self._client(self.masters[shard])

@@ -175,14 +175,6 @@ class OutputRateConfig:
             if problem:
                 raise OutputRateConfigError(
                     f"{'default' if user is None else f'users.{user}'}: {problem}")
-        if self.shared_state is not None and self.prompt_budgets:
-            raise OutputRateConfigError(
-                f"{SHARED_STATE_OPTION}: prompt budgets (prompt_rate) are not available "
-                f"with shared budgets yet: each engine would keep its own")
-        if self.shared_state is not None and self.borrowing:
-            raise OutputRateConfigError(
-                f"{SHARED_STATE_OPTION}: borrowing (a limit with a ceiling) is not "
-                f"available with shared budgets yet; give plain rates")
 
     @property
     def borrowing(self) -> bool:

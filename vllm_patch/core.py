@@ -12,9 +12,10 @@ what was charged and not dispatched, and the charges are settled
 (``_orl_finish``). Reloaded limits are put in force at a step boundary
 (``_orl_apply_limits``).
 
-``OutputRateCore`` is mixed by ``scheduler`` over vLLM's ``Scheduler``; it
-reads and calls what ``host.SchedulerHost`` declares, and keeps its state in
-the host's ``output_rate`` (``ledger.OutputRateState``).
+``OutputRateCore`` (over the prompt budgets' part, ``prompt_points``) is
+mixed by ``scheduler`` over vLLM's ``Scheduler``; it reads and calls what
+``host.SchedulerHost`` declares, and keeps its state in the host's
+``output_rate`` (``ledger.OutputRateState``).
 """
 
 from __future__ import annotations
@@ -35,29 +36,22 @@ from vllm_output_rate.config import (
     OutputRateConfigError,
     config_of,
 )
-from vllm_output_rate.host import SchedulerHost
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.ledger import StepLedger
 from vllm_output_rate.limiter import OutputRateLimiter, take_from
-from vllm_output_rate.observers import (
-    PROMPT_DEFER_REASONS,
-    LimitsChange,
-    StepReport,
-    create_observer,
-)
+from vllm_output_rate.observers import LimitsChange, StepReport, create_observer
 from vllm_output_rate.planners import plan_residency, plan_running_order
-from vllm_output_rate.prompt_budget import PromptBudgets, prompt_work
+from vllm_output_rate.prompt_budget import PromptBudgets, check_shared
+from vllm_output_rate.prompt_points import PromptPointsMixin
 from vllm_output_rate.request_fields import resolve_user, trusted_source
 
 #: Idle users are dropped from the limiter every this many steps.
 CLEANUP_EVERY_STEPS = 256
 
 _RUNNING = RequestStatus.RUNNING
-#: The reasons a prompt is put off, as bits of ``Request.output_rate_deferred``.
-_DEFER_BITS = {reason: 1 << i for i, reason in enumerate(PROMPT_DEFER_REASONS)}
 
 
-class OutputRateCore(SchedulerHost):
+class OutputRateCore(PromptPointsMixin):
     """The limiter's step (see the module)."""
 
     # -- start-up and requests ----------------------------------------------
@@ -75,16 +69,24 @@ class OutputRateCore(SchedulerHost):
                 f"vllm_output_rate.plugin.configure_output_rate()"
             )
         st.config = config
-        choose(st, self._orl_new_limiter(config), Lender(config) if config.borrowing else None)
-        st.prompts = PromptBudgets(config) if config.prompt_budgets else None
+        st.chunked = bool(self.scheduler_config.enable_chunked_prefill)
+        problem = check_shared(config, st.chunked)
+        if problem:
+            raise OutputRateConfigError(problem)
+        st.limiter = self._orl_new_limiter(config)  # (the others' maker: ``_orl_second``)
+        choose(st, st.limiter,
+               Lender(config, self._orl_second("ceiling")) if config.borrowing else None)
+        st.prompts = (PromptBudgets(config, make=self._orl_second("prompt"))
+                      if config.prompt_budgets else None)
         st.prefill_ahead = config.prefill_ahead
         st.limiter_begin = getattr(st.limiter, "begin_step", None)
         if config.limits_file is not None:
             from vllm_output_rate.limits_watch import LimitsWatcher
 
-            # (a live watcher re-reads the file on SIGHUP too)
-            st.watcher = LimitsWatcher(config, start_thread=self._orl_watch_thread())
-        st.chunked = bool(self.scheduler_config.enable_chunked_prefill)
+            # (a live watcher re-reads the file on SIGHUP too; it refuses
+            # what this engine cannot serve)
+            st.watcher = LimitsWatcher(config, start_thread=self._orl_watch_thread(),
+                                       refuse=lambda c: check_shared(c, st.chunked))
         st.prefix_caching = bool(self.cache_config.enable_prefix_caching)
         st.priority = self.policy == SchedulingPolicy.PRIORITY
         st.is_async = isinstance(self, AsyncScheduler)
@@ -129,6 +131,14 @@ class OutputRateCore(SchedulerHost):
             clock=lambda: st.clock(), engine_id=new_engine_id(rank),
             start_thread=self._orl_watch_thread())
 
+    def _orl_second(self, kind: str) -> Any:
+        """Makes the limiter of the users' ceilings or prompt budgets
+        (``kind``): with shared budgets a fleet-wide one, leased by the
+        same lease thread (``SharedBudgetLimiter.second_budget``); else
+        None (the engine's own)."""
+        second = getattr(self.output_rate.limiter, "second_budget", None)
+        return None if second is None else (lambda rate, rates: second(kind, rate, rates))
+
     def _orl_add(self, request: Request) -> None:
         """A new request: its user resolved once, read by attribute on every
         step after. The identity: who the request says it is; the user:
@@ -147,7 +157,7 @@ class OutputRateCore(SchedulerHost):
         request.output_rate_served_ns = 0
         # The step it may borrow in (set when the scheduler lends to it).
         request.output_rate_borrow_step = -1
-        # The reasons its prompt was put off so far (``_DEFER_BITS``: each
+        # The reasons its prompt was put off so far (``prompt_points.DEFER_BITS``: each
         # reported once, ``StepReport.prompt_deferred``).
         request.output_rate_deferred = 0
 
@@ -233,11 +243,13 @@ class OutputRateCore(SchedulerHost):
         old = st.config
         st.limiter.set_limits(config.default_rate, config.user_rates, now)
         st.config = config
-        choose(st, st.limiter, lender_for(config, st.lender, now))
+        choose(st, st.limiter, lender_for(config, st.lender, now, self._orl_second("ceiling")))
         if not config.prompt_budgets:
+            if st.prompts is not None:
+                st.prompts.close()
             st.prompts = None
         elif st.prompts is None:
-            st.prompts = PromptBudgets(config)
+            st.prompts = PromptBudgets(config, make=self._orl_second("prompt"))
         else:
             st.prompts.set_config(config, now)
         if "shared" in (old.unlisted_users, config.unlisted_users):
@@ -458,72 +470,6 @@ class OutputRateCore(SchedulerHost):
             self._orl_mark_throttled(request)
         return 0
 
-    # -- prompt budgets (``prompt_budget``) -------------------------------------------
-
-    def _orl_prompt_cut(self, request: Request, num_computed_tokens: int,
-                        num_new_tokens: int) -> int:
-        """The chunk's tokens within its user's prompt budget: cut to it
-        (chunked prefill), or all or none (without); 0 puts it off."""
-        st = self.output_rate
-        user = request.output_rate_user
-        prompts = st.prompts
-        if not prompts.budgeted(user):
-            return num_new_tokens
-        step = st.step
-        work = prompt_work(request.num_prompt_tokens, num_computed_tokens, num_new_tokens)
-        available = prompts.available(user, step.now)
-        short = work - available if st.chunked else (work if available < 1 else 0)
-        if short <= 0:
-            return num_new_tokens
-        if not st.chunked:
-            short = num_new_tokens  # (whole or not at all)
-        self._orl_prompt_put_off(request, "prompt_budget",
-                                 num_computed_tokens + num_new_tokens - short)
-        step.prompt_waits[user] = 0  # ready time filled in when the step ends
-        if short >= num_new_tokens and request.status == _RUNNING:
-            step.throttled_running += 1
-        return num_new_tokens - short
-
-    def _orl_prompt_take(self, request: Request, num_computed_tokens: int,
-                         num_new_tokens: int) -> None:
-        """A prefill chunk dispatched: its prompt tokens reported (every
-        user's) and, with a prompt budget, charged (within
-        ``_orl_prompt_cut``'s cut); both kept until the refund point."""
-        st = self.output_rate
-        num_prompt = request.num_prompt_tokens
-        work = prompt_work(num_prompt, num_computed_tokens, num_new_tokens)
-        if work <= 0:
-            return
-        user = request.output_rate_user
-        step = st.step
-        req_id = request.request_id
-        chunks = step.report.prompt_chunks
-        old = chunks.get(req_id)
-        chunks[req_id] = (user, work + (old[1] if old else 0),
-                          num_computed_tokens + num_new_tokens >= num_prompt)
-        prompts = st.prompts
-        if prompts is None or not prompts.budgeted(user):
-            return
-        if st.chunked:
-            work = prompts.grant(user, step.now, work)
-        elif not prompts.grant_whole(user, step.now, work):
-            return
-        old = step.prompt_charged.get(req_id)
-        step.prompt_charged[req_id] = (user, work + (old[1] if old else 0))
-
-    def _orl_prompt_put_off(self, request: Request, reason: str, done: int) -> None:
-        """``request``'s prompt is put off (``reason``: one of
-        ``PROMPT_DEFER_REASONS``) with ``done`` of its tokens computed by the
-        end of this step: reported the first time for that reason."""
-        bit = _DEFER_BITS[reason]
-        if request.output_rate_deferred & bit:
-            return
-        left = request.num_prompt_tokens - done
-        if left > 0:
-            request.output_rate_deferred |= bit
-            self.output_rate.step.report.prompt_deferred.append(
-                (request.request_id, request.output_rate_user, reason, left))
-
     def _orl_mark_throttled(self, request: Request) -> None:
         """Record a running request skipped in this step for lack of budget
         (at the charge point, or held back): in ``throttled``, and in
@@ -575,12 +521,14 @@ class OutputRateCore(SchedulerHost):
         prompts = st.prompts
         if prompts is not None:
             prompts.finish_step(step.prompt_charged, step.prompt_waits, step.now, scheduled)
-        limiter = st.limiter
+        limiter, lender = st.limiter, st.lender
         refused = record.refused
         known = step.refused_known
         refused.update(known or {})  # (held users: the charge point may have refused them again)
         for user in refused if known is None else refused.keys() - known.keys():
-            refused[user] = limiter.ready_at_ns(user)
+            # (a token needs its ceiling's too)
+            refused[user] = max(limiter.ready_at_ns(user),
+                                0 if lender is None else lender.ready_at_ns(user))
         st.held_tail.ended(refused)
         if refused or len(self.running) > st.base_active:
             # Served times feed the next step's rotation, which only runs
@@ -589,4 +537,3 @@ class OutputRateCore(SchedulerHost):
             for req_id in (*charged, *record.borrowed):
                 requests[req_id].output_rate_served_ns = now
         st.last_step = record
-

@@ -13,6 +13,11 @@ after it. So in any window of ``W`` seconds the whole fleet spends at most
 ``floor((W + H + B) x limit) + 1`` tokens of a user, with ``H`` the horizon
 and ``B`` the lookahead (0.5 s and 0.25 s by default): the long-run rate is
 exactly the limit, a short window may hold ``(H + B) x limit`` more.
+The same holds for each of a user's other fleet-wide budgets, leased the
+same way (``lease_lane``): its ceiling C bounds every output token of the
+user, guaranteed or borrowed, by ``floor((W + H + B) x C) + 1``, and its
+prompt budget P the prompt tokens computed for it (with chunked prefill) by
+``floor((W + H + B) x P) + 1``.
 
 **Long slices** (``slice_ms`` = ``L``, off by default). A user whose
 spending on an engine is steady (the tokens it spent in each of the last
@@ -33,7 +38,7 @@ import math
 from collections.abc import Callable, Mapping, Set
 from fractions import Fraction
 
-from vllm_output_rate.lease_store import LeaseAsk
+from vllm_output_rate.lease_store import RATE, LeaseAsk
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_settings import SharedStateSettings
 
@@ -48,10 +53,12 @@ def fleet_bound(window_s: float, rate: Fraction | float, horizon_s: float,
 class LeaseSizer:
     """How many tokens one engine asks the store for, per user and round.
 
-    Kept by the engine's lease thread (one caller): each user's recent
-    demand, and when it last asked."""
+    Kept by the engine's lease thread (one caller), one per kind of budget
+    (``kind``: its asks name it): each user's recent demand, and when it
+    last asked."""
 
-    def __init__(self, settings: SharedStateSettings) -> None:
+    def __init__(self, settings: SharedStateSettings, kind: str = RATE) -> None:
+        self.kind = kind
         self.tick_s = settings.tick_s
         #: how long after the store granted a user less than asked the
         #: engine asks again (ns): the fleet's budget is spent for now
@@ -185,7 +192,7 @@ class LeaseSizer:
                         want = math.ceil(wanted * slice_s) - held.get(user, 0)
                         if want > 0:
                             self.next_long[user] = now_ns + self._slice_ns
-                            asks.append(LeaseAsk(user, rate, want, 0, long=True))
+                            asks.append(LeaseAsk(user, rate, want, 0, long=True, kind=self.kind))
                     continue
             spend = recent.get(user, 0) / elapsed
             if user in short:
@@ -200,5 +207,5 @@ class LeaseSizer:
             wanted = demand[user] = min(wanted, limit)
             want = max(0, math.ceil(wanted * cover) - held.get(user, 0))
             if want or used.get(user):
-                asks.append(LeaseAsk(user, rate, want, used.get(user, 0)))
+                asks.append(LeaseAsk(user, rate, want, used.get(user, 0), kind=self.kind))
         return asks

@@ -2,7 +2,10 @@
 
 Every user's budget lives in the store (Redis, or Valkey) as one GCRA state,
 its TAT in the store's own clock; ``LEASE_SCRIPT`` grants an engine slices
-of it atomically, all of an engine's users in one call per tick. Only the
+of it atomically, all of an engine's users in one call per tick. A user's
+ceiling and prompt budget (``KIND_KEYS``) are budgets of the same form,
+each a hash of its own, leased in the same call (the script does not tell
+them apart: an entry is a key and its arguments). Only the
 lease thread (``lease_thread``) calls the store, through ``RedisStore``; it
 sends ``LeaseAsk`` entries sized by ``fleet_math`` and reads a
 ``LeaseReply``. The Redis client is imported only when a store is built.
@@ -28,6 +31,13 @@ LIVE_S = 2.0
 KEEP_MS = int(2 * LIVE_S * 1000)
 #: Store key prefix.
 KEY_PREFIX = "output_rate:"
+#: The kinds of budget a user may have in the store, each its own hash (its
+#: own GCRA) leased by the same per-tick call: ``RATE`` its (guaranteed)
+#: output rate, ``CEILING`` its ceiling (``borrowing``: every output token
+#: of the user, guaranteed or borrowed), ``PROMPT`` its prompt budget
+#: (``prompt_budget``: prompt tokens computed). Kind -> the hash's key part.
+RATE, CEILING, PROMPT = "rate", "ceiling", "prompt"
+KIND_KEYS = {RATE: "user:", CEILING: "ceiling:", PROMPT: "prompt:"}
 #: With long slices (or over a cluster: per shard), a round with nothing
 #: to ask still calls the store this often (s): its heartbeat, its epoch.
 HEARTBEAT_S = LIVE_S / 4
@@ -195,7 +205,8 @@ LEAVE_SCRIPT = _LEAVE_BODY.replace("@USERS@", "KEYS")
 
 @dataclass(frozen=True)
 class LeaseAsk:
-    """What an engine asks of the store for one user in one call."""
+    """What an engine asks of the store for one budget of one user in one
+    call (``kind``: which of the user's budgets, ``KIND_KEYS``)."""
 
     user: str
     rate: Fraction
@@ -204,6 +215,18 @@ class LeaseAsk:
     #: a long slice (``LeaseSizer``): the store may grant slots up to
     #: ``slice_s`` further ahead, and the lease lives ``slice_s`` longer
     long: bool = False
+    kind: str = RATE
+
+    @property
+    def budget(self) -> str | tuple[str, str]:
+        """The budget's name in a reply: the user for its rate, (kind,
+        user) for its other budgets."""
+        return self.user if self.kind == RATE else (self.kind, self.user)
+
+
+def budget_key(user: str, kind: str = RATE) -> str:
+    """The key of one of a user's budgets in a single store."""
+    return KEY_PREFIX + KIND_KEYS[kind] + user
 
 
 def ask_args(ask: LeaseAsk, settings: SharedStateSettings) -> tuple[str, int, int, int]:
@@ -235,8 +258,9 @@ class LeaseReply:
     epoch: str
     live_engines: int
     reset: bool
-    #: user -> (tokens granted, engines sharing the user)
-    granted: dict[str, tuple[int, int]]
+    #: budget (``LeaseAsk.budget``: a user's rate by its name) -> (tokens
+    #: granted, engines sharing the budget)
+    granted: dict[Any, tuple[int, int]]
 
 
 class RedisStore:
@@ -276,7 +300,7 @@ class RedisStore:
         keys = [KEY_PREFIX + "engines", KEY_PREFIX + "epoch"]
         args = call_args(engine, s, known_epoch, now_us, self.keep_ms)
         for ask in asks:
-            keys.append(KEY_PREFIX + "user:" + ask.user)
+            keys.append(budget_key(ask.user, ask.kind))
             args.extend(ask_args(ask, s))
         self.calls += 1
         self.entries += len(asks)
@@ -306,10 +330,11 @@ class RedisStore:
         except Exception as exc:  # the store is down, slow or refuses
             return {None: exc}
 
-    def leave(self, engine: str, users: list[str]) -> int:
-        """Take ``engine`` out of the fleet (one call): see ``LEAVE_SCRIPT``.
-        Returns the marks removed."""
-        keys = [KEY_PREFIX + "engines", *(KEY_PREFIX + "user:" + u for u in users)]
+    def leave(self, engine: str, users: list[str], kinds: tuple[str, ...] = (RATE,)) -> int:
+        """Take ``engine`` out of the fleet (one call): see ``LEAVE_SCRIPT``;
+        off the budgets of ``kinds`` of each of ``users``. Returns the marks
+        removed."""
+        keys = [KEY_PREFIX + "engines", *(budget_key(u, k) for k in kinds for u in users)]
         self.calls += 1
         return int(self._leave_script(keys=keys, args=[engine]))
 
@@ -318,7 +343,7 @@ def parse_reply(out: list[Any], asks: list[LeaseAsk]) -> LeaseReply:
     """The lease script's answer, read."""
     granted = {}
     for i, ask in enumerate(asks):
-        granted[ask.user] = (int(out[4 + 2 * i]), int(out[5 + 2 * i]))
+        granted[ask.budget] = (int(out[4 + 2 * i]), int(out[5 + 2 * i]))
     epoch = out[1].decode() if isinstance(out[1], bytes) else str(out[1])
     return LeaseReply(float(out[0]), epoch, int(out[2]), bool(int(out[3])), granted)
 

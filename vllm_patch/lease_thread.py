@@ -35,6 +35,13 @@ user is in fallback, as with one store (the shard ``None``).
 **Long slices** (``slice_ms``): a long slice's grant goes to the limiter
 to be released over the slice (``long_grants``), its lease living a slice
 longer; a short lease granted after it never expires before it.
+
+**Lanes** (``lease_lane``): the users' rates are one kind of budget; their
+ceilings and prompt budgets, where the limits set them, are two more, each
+a lane of this thread with a limiter of its own (``attach``). A round asks
+for every lane's users in the same call (per shard), so a user's budgets
+cost no second round trip; a fault, a fallback or a reset is the shard's,
+for every lane.
 """
 
 from __future__ import annotations
@@ -45,56 +52,17 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Any, Protocol
+from typing import Any
 
-from vllm_output_rate.fleet_math import LeaseSizer
-from vllm_output_rate.lease_book import LeaseBook
-from vllm_output_rate.lease_store import LIVE_S, LeaseAsk, LeaseReply, RedisStore, new_engine_id, report_window_s
+from vllm_output_rate.lease_lane import LeaseLane, LeasingLimiter
+from vllm_output_rate.lease_store import LIVE_S, RATE, LeaseAsk, LeaseReply, RedisStore, new_engine_id
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_settings import SharedStateSettings
-
-#: How long the most engines seen sharing a user is remembered for its
-#: fallback share (a larger count seen again restarts it).
-SHARING_MEMORY_S = 10.0
 
 logger = logging.getLogger("vllm_output_rate")
 
 #: Failed calls in a row that put an engine in fallback.
 FAILURES_TO_FALLBACK = 2
-
-
-class LeasingLimiter(Protocol):
-    """What the lease thread uses of its engine's limiter
-    (``shared_limiter.SharedBudgetLimiter``, which starts the thread)."""
-
-    #: scheduler -> thread: (now_ns, {user: tokens}, fallback?) per step
-    #: that charged, and the users short of leases
-    usage: deque[tuple[int, Mapping[str, int], bool]]
-    starved: deque[str]
-    #: thread -> scheduler: (user, tokens, deadline_ns), and a count bumped
-    #: to have every lease dropped
-    grants: deque[tuple[str, int, int]]
-    #: thread -> scheduler: long slices, (user, tokens, deadline_ns,
-    #: sent_ns, span_ns), released over the span; user -> tokens not
-    #: released yet
-    long_grants: deque[tuple[str, int, int, int, int]]
-    #: scheduler -> thread: users that waited for their slice's release
-    paced: deque[str]
-    unreleased: dict[str, int]
-    clear_requests: int
-    book: LeaseBook
-
-    def rate_of(self, user: str) -> Fraction: ...
-
-    def begin_fallback(self, sharing: Mapping[str, int], live: int,
-                       scope: frozenset[Any] | None = None,
-                       shard_of: Callable[[str], Any] | None = None) -> None: ...
-
-    def end_fallback(self) -> None: ...
-
-    def clear_leases(self, scope: frozenset[Any] | None,
-                     shard_of: Callable[[str], Any] | None) -> None: ...
 
 
 @dataclass(slots=True)
@@ -154,24 +122,15 @@ class LeaseThread:
         #: as they are called (``None`` then stands for "no node answers")
         self.shards: dict[Any, ShardState] = {None: ShardState()}
         self.live_engines = 1
-        #: user -> engines sharing it, as the store last said (lease sizes)
-        self.sharing: dict[str, int] = {}
-        #: user -> (the most engines seen sharing it, when last seen that
-        #: many) over ``SHARING_MEMORY_S``: the fallback share's divisor
-        self.sharing_peak: dict[str, tuple[int, int]] = {}
         self.in_fallback = False
         self.stats = LeaseStats()
-        self.sizer = LeaseSizer(settings)
-        # The spends of the report window per call, (monotonic ns, {user:
-        # tokens}), for the report after a fallback or a reset.
-        self._spends: deque[tuple[int, dict[str, int]]] = deque()
-        #: user -> deadline of its last long slice (ns): a short lease
-        #: granted after it never expires before it (leases stay in order)
-        self._long_until: dict[str, int] = {}
-        #: user -> when to ask the store again (ns), for users the store
-        #: granted less than asked: the fleet's budget is spent for now.
-        #: Replaced whole after each call (the scheduler's thread reads it).
-        self.retry_at: dict[str, int] = {}
+        #: kind -> its lane (``lease_lane``): the users' rates (``limiter``'s)
+        #: and, joined from the scheduler's thread (``attach``), their
+        #: ceilings and prompt budgets. Replaced whole by this thread only.
+        self.lanes: dict[str, LeaseLane] = {RATE: LeaseLane(RATE, limiter, settings)}
+        #: scheduler -> thread: lanes to join (a lane) or leave (kind, None),
+        #: taken up at the next round
+        self._lane_changes: deque[tuple[str, LeaseLane | None]] = deque()
         self._wake = threading.Event()
         self._stop = threading.Event()
         #: shortest time between two calls (a user short of budget wakes
@@ -182,6 +141,56 @@ class LeaseThread:
         self.round_trip_ns = 2_000_000
         self._thread: threading.Thread | None = None
         self._left = False
+
+    # -- the users' rates: the first lane's books ------------------------------
+
+    @property
+    def sharing(self) -> dict[str, int]:
+        """User -> engines sharing its rate, as the store last said."""
+        return self.lanes[RATE].sharing
+
+    @property
+    def retry_at(self) -> dict[str, int]:
+        """User -> when its rate is asked for again (``LeaseLane.retry_at``)."""
+        return self.lanes[RATE].retry_at
+
+    @property
+    def sizer(self) -> Any:
+        return self.lanes[RATE].sizer
+
+    def fallback_sharing(self) -> dict[str, int]:
+        """Per user, the most engines seen sharing its rate lately."""
+        return self.lanes[RATE].fallback_sharing()
+
+    # -- lanes of a user's other budgets (``lease_lane``) ----------------------------
+
+    def attach(self, kind: str, limiter: LeasingLimiter) -> LeaseLane:
+        """(Scheduler's thread) A limiter of another kind of budget
+        (``lease_store.KIND_KEYS``) leased by this thread from its next
+        round on, in the same calls; returns its lane."""
+        lane = LeaseLane(kind, limiter, self.settings)
+        self._lane_changes.append((kind, lane))
+        self.wake()
+        return lane
+
+    def detach(self, kind: str) -> None:
+        """(Scheduler's thread) The lane of ``kind`` leases no more (its
+        leases lapse; the store stops counting this engine as sharing those
+        budgets ``LIVE_S`` later)."""
+        self._lane_changes.append((kind, None))
+
+    def _take_lane_changes(self) -> None:
+        changes = self._lane_changes
+        while changes:
+            kind, lane = changes.popleft()
+            lanes = dict(self.lanes)
+            if lane is None:
+                lanes.pop(kind, None)
+            else:
+                lanes[kind] = lane
+            self.lanes = lanes
+            if lane is not None and self.in_fallback:
+                self._post_fallback([lane])  # (the others' fallbacks stay as they are)
 
     # -- scheduler's side (cheap, lock-free reads) ---------------------------
 
@@ -215,19 +224,22 @@ class LeaseThread:
         share of those users at their next call, not ``LIVE_S`` later.
         A store that does not answer changes nothing: the marks lapse then.
         Returns whether the store took it."""
-        if self._left or (self._store is None and not self.sharing):
+        lanes = list(self.lanes.values())
+        users = sorted({u for lane in lanes for u in lane.sharing})
+        if self._left or (self._store is None and not users):
             return False  # left already, or never leased: nothing to leave
         self._left = True
         try:
-            self.store.leave(self.engine_id, sorted(self.sharing))
+            self.store.leave(self.engine_id, users, tuple(lane.kind for lane in lanes))
         except Exception as exc:  # down or slow: the liveness window does it
             logger.warning("output-rate shared state: could not leave the store at %s (%s: %s); "
                            "the other engines stop counting this one within %.0f s",
                            self.settings.redacted_url, type(exc).__name__, str(exc)[:200], LIVE_S)
             return False
         logger.info("output-rate shared state: left the store at %s (%d users)",
-                    self.settings.redacted_url, len(self.sharing))
-        self.sharing = {}
+                    self.settings.redacted_url, len(users))
+        for lane in lanes:
+            lane.sharing = {}
         return True
 
     @property
@@ -258,10 +270,10 @@ class LeaseThread:
         while not self._stop.is_set():
             started = time.monotonic()
             # At the next tick, or when the first retry falls due.
-            retry_at = self.retry_at
             wait = tick
-            if retry_at:
-                wait = min(tick, max(0.0, (min(retry_at.values()) - self.clock()) / NS_PER_S))
+            retries = [t for lane in self.lanes.values() for t in lane.retry_at.values()]
+            if retries:
+                wait = min(tick, max(0.0, (min(retries) - self.clock()) / NS_PER_S))
             self._wake.wait(wait)
             self._wake.clear()
             if self._stop.is_set():
@@ -279,17 +291,18 @@ class LeaseThread:
         """One round: read what the scheduler spent, ask the store (each
         shard of a cluster), post the grants (tests call it directly, with
         the store's time)."""
-        limiter = self.limiter
         now_ns = self.clock()
-        recent, short = self._drain(now_ns)
-        held = limiter.book.balance
-        if self.settings.slice_s and limiter.unreleased:
-            held = _Held(held, limiter.unreleased)
-        paced: set[str] = set()
-        while limiter.paced:
-            paced.add(limiter.paced.popleft())
-        asks = self.sizer.asks(now_ns, recent, short, self._usage_to_report(),
-                               held, self.sharing, self.retry_at, limiter.rate_of, paced)
+        if self._lane_changes:
+            self._take_lane_changes()
+        lanes = self.lanes
+        asks: list[LeaseAsk] = []
+        report = self._report_marks()
+        for lane in lanes.values():
+            recent, short, unleased = lane.drain(now_ns)
+            if lane.kind == RATE:
+                self.stats.unleased_spent += unleased
+            used = {} if report is None else lane.usage_to_report(*report, self.shard_of)
+            asks.extend(lane.asks(now_ns, recent, short, used))
         sent_ns = self.clock()
         t0 = time.perf_counter()
         try:
@@ -304,14 +317,16 @@ class LeaseThread:
         latency = time.perf_counter() - t0
         if self.settings.cluster:
             self._out_of_the_dark(replies, now_ns)
-        retry_at = {u: t for u, t in self.retry_at.items() if t > now_ns}
+        retries = {kind: {u: t for u, t in lane.retry_at.items() if t > now_ns}
+                   for kind, lane in lanes.items()}
         for shard, reply in replies.items():
             if isinstance(reply, Exception):
                 self._failed(shard, reply)
             else:
                 self.stats.latencies.append(latency)
-                self._answered(shard, reply, plan[shard], now_ns, sent_ns, retry_at)
-        self.retry_at = retry_at
+                self._answered(shard, reply, plan[shard], now_ns, sent_ns, retries)
+        for kind, lane in lanes.items():
+            lane.retry_at = retries[kind]
         self.live_engines = max((st.live_engines for k, st in self.shards.items()
                                  if k is not None or not self.settings.cluster), default=1)
         self.stats.failures_in_row = max(st.failures_in_row for st in self.shards.values())
@@ -346,13 +361,13 @@ class LeaseThread:
             self._enter_fallback(f"{type(exc).__name__}: {exc}", shard)
 
     def _answered(self, shard: Any, reply: LeaseReply, asks: list[LeaseAsk], now_ns: int,
-                  sent_ns: int, retry_at: dict[str, int]) -> None:
-        limiter = self.limiter
+                  sent_ns: int, retries: dict[str, dict[str, int]]) -> None:
         stats = self.stats
         st = self.shards.setdefault(shard, ShardState())
         stats.calls += 1
         st.failures_in_row = 0
         st.live_engines = reply.live_engines
+        lanes = self.lanes
         if reply.reset or (st.epoch and reply.epoch != st.epoch):
             # The store lost its data (or this engine first met it after a
             # fallback): report what was spent, then lease again.
@@ -364,106 +379,39 @@ class LeaseThread:
             st.epoch = reply.epoch
             st.report = True
             # The store forgot the slots of the leases held: drop them.
-            if shard is None:
-                limiter.grants.clear()
-                limiter.clear_requests += 1
-            else:
-                limiter.clear_leases(frozenset((shard,)), self.shard_of)
+            for lane in lanes.values():
+                lane.clear(shard, self.shard_of)
             self._wake.set()
             return
         st.epoch = reply.epoch
-        horizon_ns = int(self.settings.horizon_s * NS_PER_S)
-        slice_ns = int(self.settings.slice_s * NS_PER_S)
-        retry = now_ns + self.sizer.retry_ns
-        peak = self.sharing_peak
-        memory_ns = int(SHARING_MEMORY_S * NS_PER_S)
-        long_until = self._long_until
+        granted = reply.granted
         for ask in asks:
-            tokens, sharing = reply.granted[ask.user]
-            self.sharing[ask.user] = sharing
-            seen = peak.get(ask.user)
-            if seen is None or sharing >= seen[0] or now_ns - seen[1] > memory_ns:
-                peak[ask.user] = (sharing, now_ns)
-            if tokens > 0:
-                deadline = sent_ns + horizon_ns
-                if ask.long:
-                    deadline += slice_ns
-                    long_until[ask.user] = deadline
-                    # released over the slice by the scheduler's thread
-                    limiter.long_grants.append((ask.user, tokens, deadline, sent_ns, slice_ns))
-                elif long_until:
-                    last = long_until.get(ask.user)
-                    if last is not None:
-                        if last > deadline:
-                            deadline = last
-                        else:
-                            del long_until[ask.user]
-                if not ask.long:
-                    limiter.grants.append((ask.user, tokens, deadline))
-            if ask.long:
-                self.sizer.long_granted(ask.user, tokens, ask.want, now_ns)
-            if tokens < ask.want:
-                retry_at[ask.user] = retry
-            else:
-                retry_at.pop(ask.user, None)
+            tokens, sharing = granted[ask.budget]
+            lanes[ask.kind].answer(ask, tokens, sharing, now_ns, sent_ns, retries[ask.kind])
         if st.report:
             st.report = False
             st.reported_ns = now_ns
             if shard is None:
-                self._spends.clear()
+                for lane in lanes.values():
+                    lane.spends.clear()
         if st.in_fallback:
             self._leave_fallback(shard)
 
-    def _drain(self, now_ns: int) -> tuple[dict[str, int], set[str]]:
-        """What the scheduler's thread posted since the last round: tokens
-        spent per user, and the users it ran short of leases for."""
-        limiter = self.limiter
-        usage = limiter.usage
-        recent: dict[str, int] = {}
-        while usage:
-            _, taken, unleased = usage.popleft()
-            for user, n in taken.items():
-                if n > 0:
-                    recent[user] = recent.get(user, 0) + n
-                    if unleased:
-                        self.stats.unleased_spent += n
-        short: set[str] = set()
-        while limiter.starved:
-            short.add(limiter.starved.popleft())
-        spends = self._spends
-        if recent:
-            spends.append((now_ns, recent))
-        window_ns = int(report_window_s(self.settings) * NS_PER_S)
-        while spends and spends[0][0] < now_ns - window_ns:
-            spends.popleft()
-        return recent, short
-
-    def _usage_to_report(self) -> dict[str, int]:
+    def _report_marks(self) -> tuple[dict[Any, int] | None, int] | None:
         """After a fallback or a reset of a shard (one store: the store):
+        the spends each lane reports (``LeaseLane.usage_to_report``):
         everything its users spent within the window the store must know
         of (over-charges the leased part the store still knows after a
-        plain fallback: allowed, and brief)."""
-        used: dict[str, int] = {}
+        plain fallback: allowed, and brief), every user's since a mark
+        (None), or per reporting shard since its mark; None: no report."""
         shards = self.shards
         if not any(st.report for st in shards.values()):
-            return used
+            return None
         whole = shards.get(None)
         if whole is not None and whole.report:
-            since, pick = whole.reported_ns, None
-        else:
-            reporting = {k: st.reported_ns for k, st in shards.items() if st.report}
-            since, pick = min(reporting.values()), reporting
-        shard_of = self.shard_of
-        for t, spent in self._spends:
-            if t <= since:
-                continue
-            for user, n in spent.items():
-                if pick is not None:
-                    mark = pick.get(shard_of(user))
-                    if mark is None or t <= mark:
-                        continue
-                used[user] = used.get(user, 0) + n
-        return used
+            return None, whole.reported_ns
+        reporting = {k: st.reported_ns for k, st in shards.items() if st.report}
+        return reporting, min(reporting.values())
 
     def _enter_fallback(self, why: str, shard: Any = None) -> None:
         st = self.shards.setdefault(shard, ShardState())
@@ -478,31 +426,31 @@ class LeaseThread:
                 "gets its limit divided by the engines last seen sharing it (%d live "
                 "engines last seen) until it answers again",
                 self.settings.redacted_url, why[:200], _shard_text(shard), st.live_engines)
-            if shard is None:
-                self.limiter.grants.clear()
-                self.retry_at = {}
-            else:
-                shard_of = self.shard_of
-                self.retry_at = {u: t for u, t in self.retry_at.items() if shard_of(u) != shard}
+            shard_of = self.shard_of
+            for lane in self.lanes.values():
+                if shard is None:
+                    lane.limiter.grants.clear()
+                    lane.retry_at = {}
+                else:
+                    lane.retry_at = {u: t for u, t in lane.retry_at.items() if shard_of(u) != shard}
             self._post_fallback()
         st.report = True
 
-    def _post_fallback(self) -> None:
-        """Tell the limiter which users are in fallback now (every user
-        when the one store, or no node of a cluster, answers)."""
+    def _post_fallback(self, lanes: list[LeaseLane] | None = None) -> None:
+        """Tell the limiters (of ``lanes``, every lane's by default) which
+        users are in fallback now (every user when the one store, or no
+        node of a cluster, answers)."""
         down = [k for k, st in self.shards.items() if st.in_fallback]
+        lanes = list(self.lanes.values()) if lanes is None else lanes
         if not down:
-            self.limiter.end_fallback()
+            for lane in lanes:
+                lane.limiter.end_fallback()
             return
         scope = None if None in down else frozenset(down)
         live = max(self.shards[k].live_engines for k in down)
-        self.limiter.begin_fallback(self.fallback_sharing(), live,
-                                    *(() if scope is None else (scope, self.shard_of)))
-
-    def fallback_sharing(self) -> dict[str, int]:
-        """Per user, the most engines seen sharing it lately (the
-        fallback share's divisor)."""
-        return {user: n for user, (n, _) in self.sharing_peak.items()}
+        for lane in lanes:
+            lane.limiter.begin_fallback(lane.fallback_sharing(), live,
+                                        *(() if scope is None else (scope, self.shard_of)))
 
     def _leave_fallback(self, shard: Any = None) -> None:
         self.shards[shard].in_fallback = False
@@ -515,22 +463,10 @@ class LeaseThread:
             stats.fallback_total += time.monotonic() - since
         stats.fallback_since = None
         self.in_fallback = False
-        self.limiter.end_fallback()
+        for lane in self.lanes.values():
+            lane.limiter.end_fallback()
         logger.warning("output-rate shared state: the store at %s answers again; shared "
                        "budgets resumed", self.settings.redacted_url)
-
-
-class _Held:
-    """Tokens an engine holds per user for the sizer: its leases and what
-    of its long slices is not released yet (``get`` only)."""
-
-    __slots__ = ("balance", "unreleased")
-
-    def __init__(self, balance: Mapping[str, int], unreleased: Mapping[str, int]) -> None:
-        self.balance, self.unreleased = balance, unreleased
-
-    def get(self, user: str, default: int = 0) -> int:
-        return self.balance.get(user, default) + self.unreleased.get(user, 0)
 
 
 def _shard_text(shard: Any) -> str:

@@ -26,6 +26,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -173,7 +174,7 @@ class WatchedFile:
         if digest == self._failed_digest and not forced:
             return None  # the same bad content: logged and counted already
         try:
-            # accept() may refuse too (a ceiling with shared budgets)
+            # accept() may refuse too (what this engine cannot serve)
             current = self.accept(self.current, self.parse(content), digest)
         except OutputRateConfigError as exc:
             self._failed_digest = digest
@@ -198,9 +199,12 @@ class LimitsWatcher(WatchedFile):
     thread_name = "output-rate-limits"
 
     def __init__(self, config: OutputRateConfig, poll_s: float = POLL_S,
-                 start_thread: bool = True) -> None:
+                 start_thread: bool = True,
+                 refuse: Callable[[OutputRateConfig], str | None] | None = None) -> None:
         if config.limits_file is None:
             raise ValueError("LimitsWatcher needs a config read from a limits file")
+        #: what the engine cannot serve of a new file (its error, or None)
+        self.refuse = refuse
         super().__init__(config.limits_file, config, config.digest, poll_s, start_thread)
 
     def parse(self, content: bytes) -> OutputRateConfig:
@@ -210,6 +214,9 @@ class LimitsWatcher(WatchedFile):
                digest: str) -> OutputRateConfig:
         config = replace(new, unlisted_users=old.unlisted_users, shared_state=old.shared_state,
                          prefill_ahead=old.prefill_ahead)
+        problem = self.refuse(config) if self.refuse is not None else None
+        if problem:
+            raise OutputRateConfigError(problem)
         added, removed, changed = diff_limits(old, config)
         logger.info("output-rate: limits reloaded from %s (sha256 %s): default %s tok/s, "
                     "%d user(s) added, %d removed, %d changed",

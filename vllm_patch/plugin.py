@@ -39,6 +39,7 @@ from vllm_output_rate.config import (
     config_of,
     to_wire,
 )
+from vllm_output_rate.prompt_budget import check_shared
 from vllm_output_rate.request_fields import resolve_user, user_from_sources
 from vllm_output_rate import frontend, observers, settings, user_label
 from vllm_output_rate.shared_settings import parse_shared_state
@@ -320,6 +321,9 @@ def configure_output_rate(vllm_config: Any) -> OutputRateConfig | None:
             + "\n  - ".join(reasons)
         )
     sched = vllm_config.scheduler_config
+    problem = check_shared(config, bool(sched.enable_chunked_prefill))
+    if problem:  # (before the engine core loads a model; it checks again)
+        raise OutputRateConfigError(f"{SHARED_STATE_OPTION}: {problem}")
     sched.scheduler_cls = ASYNC_SCHEDULER if sched.async_scheduling else SYNC_SCHEDULER
     # Telemetry (or any other observer) gets ready in this process, before
     # the engine core is spawned.

@@ -26,7 +26,12 @@ network:
   expires (an engine that dies holds nothing hostage past that).
 
 This module is that limiter, ``SharedBudgetLimiter``, the one the scheduler
-holds in this mode, and the limiter it switches to in fallback. The bound
+holds in this mode, and the limiter it switches to in fallback. A user's
+ceiling and prompt budget, where the limits set them, are fleet-wide
+budgets of the same form: limiters of this class too (``second_budget``:
+the ceilings' of ``borrowing.Lender``, the prompt budgets' of
+``prompt_budget.PromptBudgets``), each a lane of the same lease thread
+(``lease_lane``), begun with the users' rates at each step. The bound
 the fleet keeps is stated in ``fleet_math``; faults and fallback are the
 lease thread's (``lease_thread``).
 """
@@ -41,6 +46,7 @@ from fractions import Fraction
 from typing import Any
 
 from vllm_output_rate.lease_book import LeaseBook
+from vllm_output_rate.lease_store import RATE
 from vllm_output_rate.lease_thread import LeaseThread
 from vllm_output_rate.limiter import BURST_NS, OutputRateLimiter
 from vllm_output_rate.shared_settings import SharedStateSettings
@@ -93,9 +99,18 @@ class SharedBudgetLimiter(OutputRateLimiter):
     def __init__(self, default_rate: Fraction, user_rates: Mapping[str, Fraction] | None,
                  settings: SharedStateSettings, burst_ns: int = BURST_NS,
                  store: Any | None = None, clock: Callable[[], int] = time.monotonic_ns,
-                 engine_id: str | None = None, start_thread: bool = True) -> None:
+                 engine_id: str | None = None, start_thread: bool = True,
+                 kind: str = RATE, owner: SharedBudgetLimiter | None = None) -> None:
         super().__init__(default_rate, user_rates, burst_ns)
         self.settings = settings
+        #: which of the users' budgets (``lease_store.KIND_KEYS``); the
+        #: users' rates own the lease thread, another kind is a lane of
+        #: its ``owner``'s (``second_budget``)
+        self.kind = kind
+        self.owner = owner
+        #: kind -> the limiter of another of the users' budgets, leased by
+        #: this one's thread and begun with it (the rates' only)
+        self.others: dict[str, SharedBudgetLimiter] = {}
         self.book = LeaseBook()
         self._balance = self.book.balance  # (the same dict, for the hot path)
         #: scheduler -> lease thread: (now_ns, {user: tokens}, fallback?)
@@ -127,10 +142,29 @@ class SharedBudgetLimiter(OutputRateLimiter):
         #: per shard that lost its data
         self.shard_clears: deque[tuple[frozenset[Any], Callable[[str], Any]]] = deque()
         self._starved_step: set[str] = set()
+        if owner is not None:
+            self.thread = owner.thread
+            self.lane = self.thread.attach(kind, self)
+            return
         self.thread = LeaseThread(self, settings, store=store, clock=clock,
                                   engine_id=engine_id)
+        self.lane = self.thread.lanes[RATE]
         if start_thread:
             self.thread.start()
+
+    def second_budget(self, kind: str, default_rate: Fraction,
+                      user_rates: Mapping[str, Fraction] | None) -> SharedBudgetLimiter:
+        """(The users' rates) The fleet-wide limiter of another of the
+        users' budgets (``kind``: ``CEILING``, ``PROMPT``), leased by this
+        limiter's lease thread in the same calls and begun with it at each
+        step; one of each kind (a new one replaces the last)."""
+        old = self.others.get(kind)
+        if old is not None:
+            old.close()
+        other = SharedBudgetLimiter(default_rate, user_rates, self.settings, self.burst_ns,
+                                    kind=kind, owner=self)
+        self.others[kind] = other
+        return other
 
     @property
     def in_fallback(self) -> bool:
@@ -158,7 +192,11 @@ class SharedBudgetLimiter(OutputRateLimiter):
         self.fallback_next = None
 
     def begin_step(self, now_ns: int) -> None:
-        """Take up grants and a mode change, drop expired leases."""
+        """Take up grants and a mode change, drop expired leases (and the
+        same for the users' other budgets: ``others``)."""
+        if self.others:
+            for other in self.others.values():
+                other.begin_step(now_ns)
         grants = self.grants
         book = self.book
         parts = self._parts
@@ -260,6 +298,10 @@ class SharedBudgetLimiter(OutputRateLimiter):
             return fallback.available(user, now_ns)
         held = self._balance.get(user, 0)
         if held <= 0:
+            if self.owner is not None:
+                # (a ceiling or a prompt budget: no refusal asks for its
+                # ready time, this look says it ran short)
+                self.ready_at_ns(user)
             return 0
         local = _plain_available(self, user, now_ns)
         return local if local < held else held
@@ -294,15 +336,15 @@ class SharedBudgetLimiter(OutputRateLimiter):
         if taken:
             self.usage.append((now_ns, taken, fallback is not None))
 
-    def refund(self, user: str) -> None:
+    def refund(self, user: str, n: int = 1) -> None:
         # Only the plain limiter's try_take callers refund; the scheduler
         # settles net charges. A refunded token is not handed back to the
         # store (over-charging is allowed).
         fallback = self._fallback
         if fallback is not None and fallback.covers(user):
-            fallback.refund(user)
+            fallback.refund(user, n)
         else:
-            super().refund(user)
+            super().refund(user, n)
 
     def ready_at_ns(self, user: str) -> int:
         fallback = self._fallback
@@ -325,7 +367,7 @@ class SharedBudgetLimiter(OutputRateLimiter):
                 self._starved_step.add(user)
                 self.paced.append(user)
             return max(part[1][0][0], local)
-        retry = thread.retry_at.get(user)
+        retry = self.lane.retry_at.get(user)
         if retry is not None:
             # The store said the fleet's budget of this user is spent for
             # now: the thread asks again then (and wakes for it), the grant
@@ -355,7 +397,14 @@ class SharedBudgetLimiter(OutputRateLimiter):
 
     def close(self) -> None:
         """The engine core is shutting down: stop the lease thread, then
-        leave the fleet (``LeaseThread.leave``)."""
+        leave the fleet (``LeaseThread.leave``). Another kind of budget
+        (reloaded limits without it): its lane leaves the thread."""
+        owner = self.owner
+        if owner is not None:
+            if owner.others.get(self.kind) is self:
+                del owner.others[self.kind]
+                self.thread.detach(self.kind)
+            return
         self.thread.stop()
         self.thread.leave()
 

@@ -44,6 +44,9 @@ SHARED_STATE: str | None = None
 #: --waiting: requests of the throttled users waiting beside the resident
 #: ones (the resident set full): what a step scans for the slots it keeps
 WAITING = 0
+#: --prompt-rate: every user's prompt budget (tokens/s) in the limited arm
+#: (None: no prompt budgets)
+PROMPT_RATE: float | None = None
 
 
 def build(limited: bool, running: int, users: int, throttled_share: float):
@@ -58,6 +61,8 @@ def build(limited: bool, running: int, users: int, throttled_share: float):
             "default_user_output_tokens_per_second": NEVER_BINDS,
             "user_output_tokens_per_second": throttled_limits(user_names[:throttled_users]),
         }
+        if PROMPT_RATE is not None:
+            limits["default_prompt_rate"] = str(PROMPT_RATE)
     if limited and SHARED_STATE is not None:
         import redis
 
@@ -449,7 +454,7 @@ def measure(running: int, users: int, share: float, blocks: int, block_steps: in
 
 
 def main(argv: list[str] | None = None) -> None:
-    global THROTTLED, CPU, THREAD_CPU, SHARED_STATE, WAITING
+    global THROTTLED, CPU, THREAD_CPU, SHARED_STATE, WAITING, PROMPT_RATE
     parser = argparse.ArgumentParser(prog="python -m vllm_output_rate.tools.bench.scheduler",
                                      description=__doc__, formatter_class=PlainHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="skip R=1024")
@@ -490,11 +495,16 @@ def main(argv: list[str] | None = None) -> None:
                         "waiting beside the R resident ones, which fill the resident set: "
                         "each step looks through them for users with budget (the worst "
                         "case of the slots a step keeps: none found)")
+    parser.add_argument("--prompt-rate", type=float, default=None,
+                        help="every user's prompt budget (prompt tokens/s) in the limited arm: "
+                        "the limiter's cost with prompt budgets on (the decodes of the rows "
+                        "compute no prompt: the budgets' cost where nothing is to charge)")
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--block-steps", type=int, default=5)
     args = parser.parse_args(argv)
     SHARED_STATE = None
     WAITING = args.waiting
+    PROMPT_RATE = args.prompt_rate
     THROTTLED = str(args.throttled_rate)
     CPU = args.cpu
     THREAD_CPU = args.thread_cpu

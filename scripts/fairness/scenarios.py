@@ -200,7 +200,8 @@ LONG_PROMPTS = {
     "cpu": LongPromptSizes(3, 1, 900, 10.0, 35e-6, 128),
 }
 #: the prompt budgets' share of step time (prompt_rate x a token's cost):
-#: everyone's default, and the flooder's
+#: everyone's default, and the flooders' (all of them together: each
+#: flooder's is this over their number)
 PROMPT_SHARE_DEFAULT, PROMPT_SHARE_FLOODER = 0.4, 0.08
 LONG_PROMPT_ARMS = ("fcfs", "fcfs-threshold", "priority", "gateway-input", "capped",
                     "capped-prompt")
@@ -227,7 +228,7 @@ def long_prompts(scale: Scale, rng: random.Random) -> Scenario:
         prompt_rates[user] = PROMPT_SHARE_DEFAULT / size.per_prefill_token_s
     for user in names:
         rates[user], tier_of[user] = flood_rate, "flooder"
-        prompt_rates[user] = PROMPT_SHARE_FLOODER / size.per_prefill_token_s
+        prompt_rates[user] = PROMPT_SHARE_FLOODER / size.flooders / size.per_prefill_token_s
     return Scenario(
         "long_prompts", long_prompts.__doc__, lines, rates, tier_of, {"steady": 0, "flooder": 1},
         baseline_without=tuple(names), arms=LONG_PROMPT_ARMS,
