@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import secrets
 import time
 from bisect import bisect_right
 from collections.abc import Callable
@@ -100,7 +101,9 @@ class Fleet:
         """An engine; its store a ``RedisStore`` (on ``client``, if given),
         or over a cluster a ``ClusterStore`` (its node clients shared by the
         fleet's engines)."""
-        name = name or f"engine-{len(self.engines)}"
+        # (unique: a store keeps the alive channels of another fleet's
+        # engines that were not closed)
+        name = name or f"engine-{len(self.engines)}-{secrets.token_hex(3)}"
         if self.settings.cluster:
             store = ClusterStore(self.settings, clients=self.cluster_clients)
         else:
@@ -197,6 +200,13 @@ class Fleet:
                 each_step(self)
             self.step()
 
+    def kill(self, engine: SimEngine) -> None:
+        """The engine dies whole: it stops, and its kernel closes its
+        sockets (the store sees its alive channel go: ``partition``); its
+        leases simply lapse."""
+        engine.alive = False
+        engine.limiter.thread.store.drop_alive()
+
     def leave(self, engine: SimEngine) -> None:
         """The engine shuts down as an engine core does: it stops, then
         leaves the store (``SharedBudgetLimiter.close``)."""
@@ -218,7 +228,7 @@ class Fleet:
             engine = engines[i]
             if streams == 0 and coin():
                 if coin():
-                    engine.alive = False  # an engine that dies (its leases simply lapse)
+                    self.kill(engine)  # an engine that dies (its leases simply lapse)
                 else:
                     self.leave(engine)  # one that shuts down and leaves the store
             else:

@@ -36,6 +36,7 @@ from vllm_output_rate.telemetry.metrics import (
     SHARED_STORE_CALLS,
     SHARED_STORE_FALLBACK,
     SHARED_STORE_FALLBACK_SECONDS,
+    SHARED_STORE_PARTITIONED,
     SHARED_STORE_RESETS,
     SHARED_TOKENS_EXPIRED,
     SHARED_TOKENS_LEASED,
@@ -164,6 +165,7 @@ class SnapshotWriter:
         counters[SHARED_STORE_CALLS.key("failed")] = shared["failed_calls"]
         gauges[SHARED_STORE_FALLBACK.key()] = shared["fallback"]
         gauges[SHARED_LIVE_ENGINES.key()] = shared["live_engines"]
+        gauges[SHARED_STORE_PARTITIONED.key()] = shared.get("partitioned", 0.0)
         # Only this thread touches it (not the series' histograms: the worker's).
         hist = self._store_call_hist
         if hist is None:

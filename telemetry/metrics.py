@@ -186,6 +186,11 @@ METRICS: tuple[Metric, ...] = (
     Metric("shared_store_fallback", "gauge", "state",
            "1 while this engine is in fallback (the shared store unreachable: each user gets its "
            "limit divided by the engines last seen sharing it), else 0.", renamed=False, only_in="shared_state"),
+    Metric("shared_store_partitioned", "gauge", "state",
+           "1 while this engine is in fallback with its alive channel standing at the shared store "
+           "(cut off, not the store down: the store keeps its fallback share reserved, and it "
+           "spends nothing once the partition window has passed), else 0.", renamed=False,
+           only_in="shared_state"),
     Metric("shared_store_fallback_seconds", "counter", "seconds",
            "Time this engine spent in fallback.", renamed=False, only_in="shared_state"),
     Metric("shared_store_resets", "counter", "resets",
@@ -248,6 +253,7 @@ SHARED_STORE_FALLBACK = BY_NAME["shared_store_fallback"]
 SHARED_STORE_FALLBACK_SECONDS = BY_NAME["shared_store_fallback_seconds"]
 SHARED_STORE_RESETS = BY_NAME["shared_store_resets"]
 SHARED_LIVE_ENGINES = BY_NAME["shared_live_engines"]
+SHARED_STORE_PARTITIONED = BY_NAME["shared_store_partitioned"]
 STATE_ENTRIES = BY_NAME["state_entries"]
 TELEMETRY_DROPPED = BY_NAME["telemetry_dropped"]
 

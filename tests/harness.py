@@ -261,3 +261,45 @@ def rewrite_unseen(path, old: str, new: str) -> None:
         f.write(text)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert os.stat(path).st_size == st.st_size
+
+
+# -- shared budgets: schedulers sharing one store on one fake clock ---------------------
+
+
+def shared_schedulers(urls: list[str], clock, is_async: bool, limit: int = 20,
+                      user: str = "user-a", streams: int = 2) -> list:
+    """One of vLLM's schedulers per store URL (shared-budget mode, the
+    lease rounds run by ``run_shared``), ``streams`` long requests of
+    ``user`` on each; their drivers."""
+    drivers = []
+    for url in urls:
+        sched = make_scheduler({"default_user_output_tokens_per_second": limit,
+                                "shared_state": url}, clock=clock, async_scheduling=is_async)
+        drivers.append(Driver(sched, None, is_async=is_async))
+        for _ in range(streams):
+            sched.add_request(make_request(user, max_tokens=2000))
+    return drivers
+
+
+def run_shared(drivers: list, clock, steps: int, at=None,
+               user: str = "user-a") -> list[list[tuple[int, int]]]:
+    """``steps`` steps of 10 ms of every driver on ``clock``, each engine's
+    lease round every 5 steps (or at once when short of leases) with the
+    store's time the fake clock's (so nothing depends on how promptly this
+    process runs); ``at(step, now)`` first at each step. Per engine: (now,
+    tokens of ``user`` charged)."""
+    spends: list[list[tuple[int, int]]] = [[] for _ in drivers]
+    for i in range(steps):
+        now = clock()
+        if at is not None:
+            at(i, now)
+        for k, drv in enumerate(drivers):
+            limiter = drv.scheduler.output_rate.limiter
+            if i % 5 == 0 or limiter.starved:
+                limiter.thread.tick(now_us=now / 1000)
+            drv.step()
+            n = sum(1 for u in drv.scheduler.output_rate.last_step.charged.values() if u == user)
+            if n:
+                spends[k].append((now, n))
+        clock.advance_ms(10)
+    return spends

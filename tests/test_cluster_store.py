@@ -20,6 +20,8 @@ from vllm_output_rate.shared_settings import SharedStateError, parse_shared_stat
 from vllm_output_rate.tools.fleet_sim import T0_NS, Fleet, worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisCluster, redis_server_binary
 
+from stores import fresh_cluster
+
 pytestmark = pytest.mark.skipif(redis_server_binary() is None,
                                 reason="redis-server not installed (make tools installs it)")
 
@@ -32,13 +34,9 @@ def cluster():
 
 @pytest.fixture
 def url(cluster):
-    for i, node in enumerate(cluster.nodes):
-        if node.proc is None:
-            cluster.restart_empty(i)
-    cluster.flushall()
     # (5 s: a call timing out on a loaded machine is not what these check;
     # the fault tests set their own)
-    return cluster.url + "?timeout_ms=5000"
+    return fresh_cluster(cluster) + "?timeout_ms=5000"
 
 
 @pytest.mark.parametrize("value, match", [
@@ -111,7 +109,7 @@ def test_one_call_per_shard_a_user_on_one_slot_and_an_epoch_per_shard(url, clust
     assert all(g == (0, 2) for r in second.values() for g in r.granted.values())
     # a shard called with no users only when its heartbeat is due
     assert store.plan([], 0) == {} and set(store.plan([], 10**9)) == set(users)
-    assert store.leave("e1", [a.user for a in asks]) == 6 * 3  # e:, s:, w: (e1 wanted more)
+    assert store.leave("e1", [a.user for a in asks]) == 6 * 4  # e:, s:, w: (e1 wanted more), r:
     store.close()
 
 
@@ -205,7 +203,11 @@ def test_lost_replies_blip_or_fall_back_one_shard_and_the_bound_holds(url):
         if shard != lossy_shard:
             assert rate >= 0.97 * 20, (user, rate)  # the other shards: untouched
         else:
-            assert rate >= 0.5 * 20, (user, rate)  # served throughout, if below the limit
+            # served, if below the limit: each fallback (two replies lost in
+            # a row: often, with half of them lost) first waits until the
+            # store must have seen the engine silent (``partition``), then
+            # spends its share (9.0 tok/s here; 10+ before that wait)
+            assert rate >= 0.4 * 20, (user, rate)
 
 
 def two_engines_a_user_a_shard(url: str, cluster: RedisCluster, timeout_ms: int, seed: int):

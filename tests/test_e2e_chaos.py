@@ -239,6 +239,50 @@ def test_a_limit_changed_during_an_outage_holds_in_fallback_and_after(chaos):
     assert back <= 5.0, back
 
 
+def test_an_engine_cut_off_from_the_store_keeps_to_the_share_the_store_reserves(chaos):
+    """Engine 1's proxy drops all its traffic for 10 s (its calls time
+    out, its alive channel stands at the store: the proxy holds it) while
+    user-a streams on both engines; P is 30 s, longer than the cut. Every
+    stream on both engines completes; engine 1 spends its fallback share
+    (10) once the store must have seen it silent, engine 0 the other half
+    (not the whole limit: 30 tok/s before the change); the bound holds in
+    every window; engine 1's gauge says it was cut off, engine 0 never fell
+    back; back at the limit after the heal."""
+    proxies, engines, events = chaos["proxies"], chaos["engines"], chaos["events"]
+    seen: dict[str, float] = {}
+
+    def fault(marks):
+        time.sleep(3.0)
+        marks["cut"] = time.monotonic_ns()
+        proxies[1].cut()
+        time.sleep(5.0)
+        seen["partitioned"] = engine_counter(engines[1], "vllm_output_rate_shared_store_partitioned")
+        seen["fallback0"] = engine_counter(engines[0], "vllm_output_rate_shared_store_fallback")
+        time.sleep(5.0)
+        proxies[1].heal()
+        marks["heal"] = time.monotonic_ns()
+
+    start, marks, spends, _ = fault_run(chaos, fault, tokens=150)
+    assert sum(n for _, n in spends) == 600
+    check_bound(spends)
+    lo, hi = marks["cut"] + 2 * NS_PER_S, marks["heal"]
+    mine = [[(t, n) for t, n in EngineLog.read(p).user_spends("user-a", start) if lo <= t < hi]
+            for p in events]
+    secs = (hi - lo) / NS_PER_S
+    rates = [sum(n for _, n in m) / secs for m in mine]
+    steps = fleet_steps(events, start)
+    back = back_at_limit_s(spends, steps, marks["heal"])
+    print(f"\none engine cut off for 10 s (P 30 s): from 2 s after the cut, engine 0 "
+          f"{rates[0]:.2f} tok/s, the cut-off engine {rates[1]:.2f}, the fleet "
+          f"{sum(rates):.2f}; back at the limit {back:.2f} s after the heal; per engine "
+          f"{per_engine_tokens(events, 'user-a', start)}")
+    assert sum(rates) <= LIMIT * 1.05 + 2 * STEP_SLACK / secs, rates
+    assert rates[1] <= LIMIT / 2 * 1.05 + STEP_SLACK / secs, rates
+    assert rates[1] > 0 and rates[0] > 0, rates
+    assert seen == {"partitioned": 1.0, "fallback0": 0.0}, seen
+    assert back <= 5.0, back
+
+
 def test_an_engine_killed_whole_gives_its_share_back_within_three_seconds(chaos):
     """Engine 1 killed whole (its API server, engine core and worker at
     once, SIGKILL) while user-a streams on both: engine 0's streams complete,

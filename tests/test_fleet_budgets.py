@@ -182,7 +182,7 @@ def test_one_call_leases_a_users_rate_ceiling_and_prompt_budget_as_three_gcras(r
     # granted over both calls: floor(250 ms / slot) + 1), each shared by two
     again = store.lease("e2", asks, reply.epoch, now_us=now)
     assert again.granted == {"a": (0, 2), (CEILING, "a"): (1, 2), (PROMPT, "a"): (0, 2)}
-    assert store.leave("e2", ["a"], tuple(KIND_KEYS)) == 3 * 3  # e:, s:, w: of each kind
+    assert store.leave("e2", ["a"], tuple(KIND_KEYS)) == 3 * 4  # e:, s:, w:, r: of each kind
     client.close()
 
 
@@ -228,7 +228,7 @@ def test_each_budget_keeps_its_fleet_bound_for_random_demands_joins_and_leaves(r
         engine = engines[i]
         if streams == 0 and data.draw(st.booleans()):
             if data.draw(st.booleans()):
-                engine.alive = False  # dies holding leases of every kind
+                fleet.kill(engine)  # dies holding leases of every kind
             else:
                 fleet.leave(engine)  # shuts down: off every budget it leased
         else:

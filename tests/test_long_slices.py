@@ -20,6 +20,8 @@ from vllm_output_rate.shared_settings import SharedStateSettings, parse_shared_s
 from vllm_output_rate.tools.fleet_sim import T0_NS, Fleet, worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisServer, redis_server_binary
 
+from stores import fresh_store
+
 MS = 1_000_000
 
 
@@ -32,12 +34,7 @@ def redis_server():
 
 
 def fresh(server: RedisServer) -> str:
-    import redis
-
-    if server.proc is None:
-        server.start()
-    redis.Redis.from_url(server.url).flushdb()
-    return server.url
+    return fresh_store(server)
 
 
 # -- pure: the sizer and the release in parts ------------------------------------------

@@ -310,6 +310,9 @@ def test_a_sharer_stalled_before_the_outage_still_divides_the_fallback_share(red
     s = NS_PER_S
     fleet.run(1.0)
     b.alive = False
+    # (its alive channel lost too, say reset by a device on the way: a
+    # stalled engine whose subscription stands counts as cut off, sharing)
+    b.limiter.thread.store.drop_alive()
     fleet.run(2.5)
     assert a.limiter.thread.sharing["u"] == 1  # the premise: a's last reply
     b.alive = True
@@ -332,7 +335,7 @@ def test_a_dead_engine_holds_no_budget_past_the_horizon(store_url):
     a, b = fleet.add_engine(), fleet.add_engine()
     a.streams = {"u": 3}
     fleet.run(2.0)
-    a.alive = False  # dies holding leases
+    fleet.kill(a)  # dies holding leases
     b.streams = {"u": 3}
     fleet.run(0.05)
     start = fleet.now_ns
@@ -357,7 +360,7 @@ def test_an_engine_that_shuts_down_leaves_the_store_at_once(store_url):
     fleet.run(1.0)
     assert b.limiter.thread.sharing["u"] == 3 and b.limiter.thread.live_engines == 3
     fleet.leave(a)          # shuts down: leaves
-    c.alive = False         # dies: its marks lapse
+    fleet.kill(c)           # dies: its marks lapse
     fleet.run(0.2)          # a few of b's calls
     assert b.limiter.thread.sharing["u"] == 2  # c still counted, a not
     assert b.limiter.thread.live_engines == 2
@@ -566,48 +569,30 @@ def test_two_real_schedulers_through_a_store_outage_on_one_clock(redis_server, i
     bound holds in every window across the outage and the reset. The
     store's time is the fake clock's (the lease rounds run between steps),
     so nothing here depends on how promptly this process runs."""
-    import redis
-
-    from harness import Driver, VirtualClock, make_request, make_scheduler
+    from harness import VirtualClock, run_shared, shared_schedulers
+    from stores import fresh_store
     from vllm_output_rate.ledger import OutputRateState
 
-    if redis_server.proc is None:
-        redis_server.start()
-    redis.Redis.from_url(redis_server.url).flushdb()
+    url = fresh_store(redis_server)
     monkeypatch.setattr(OutputRateState, "watch_thread", False)
     clock = VirtualClock()
-    limits = {"default_user_output_tokens_per_second": 20,
-              # 5 s: a call timing out on a loaded machine would be a second
-              # fault (its reply lost, a lease or report counted twice); the
-              # stopped store refuses connections at once
-              "shared_state": redis_server.url + "?timeout_ms=5000"}
-    drivers = []
-    for _ in range(2):
-        sched = make_scheduler(limits, clock=clock, async_scheduling=is_async)
-        drivers.append(Driver(sched, None, is_async=is_async))
-        for _ in range(2):
-            sched.add_request(make_request("user-a", max_tokens=2000))
+    # 5 s: a call timing out on a loaded machine would be a second fault
+    # (its reply lost, a lease or report counted twice); the stopped store
+    # refuses connections at once
+    drivers = shared_schedulers([url + "?timeout_ms=5000"] * 2, clock, is_async)
     t0 = clock()
-    spends: list[list[tuple[int, int]]] = [[], []]  # per engine: (now, tokens)
     marks = {}
     s = NS_PER_S
-    for i in range(1200):  # 12 s at 10 ms
-        now = clock()
+
+    def outage(i, now):
         if now == t0 + 3 * s:
             marks["down"] = now
             redis_server.stop()
         if now == t0 + 8 * s:
             redis_server.start()  # back, and empty: a store that lost its data
             marks["up"] = now
-        for k, drv in enumerate(drivers):
-            limiter = drv.scheduler.output_rate.limiter
-            if i % 5 == 0 or limiter.starved:
-                limiter.thread.tick(now_us=now / 1000)
-            drv.step()
-            n = sum(1 for u in drv.scheduler.output_rate.last_step.charged.values() if u == "user-a")
-            if n:
-                spends[k].append((now, n))
-        clock.advance_ms(10)
+
+    spends = run_shared(drivers, clock, 1200, outage)  # 12 s at 10 ms
     fleet = sorted(spends[0] + spends[1])
 
     def tokens(of, lo, hi):

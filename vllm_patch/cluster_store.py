@@ -27,10 +27,13 @@ client side: the Redis client is imported only when a store is built.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from vllm_output_rate.lease_store import (_LEASE_BODY, _LEAVE_BODY, ARGS_PER_USER, HEARTBEAT_S, KEEP_MS, KEY_PREFIX,
-                                          KIND_KEYS, RATE, LeaseAsk, LeaseReply, ask_args, call_args, parse_reply)
+from vllm_output_rate.alive import NONE, AliveChannel, alive_channel
+from vllm_output_rate.lease_store import (_LEASE_BODY, _LEAVE_BODY, ARGS_PER_USER, CALL_ARGS, HEARTBEAT_S, KEY_PREFIX,
+                                          KIND_KEYS, RATE, LeaseAsk, LeaseReply, ask_args, call_args, keep_ms_of,
+                                          parse_reply)
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, SharedStateSettings
 
 #: Slots of a Redis Cluster.
@@ -42,9 +45,10 @@ MOVED_EPOCH = "master-changed"
 #: The lease script over a cluster: KEYS are the shard's heartbeat set and
 #: epoch key; each user's key is its first argument (``lease_store``).
 CLUSTER_LEASE_SCRIPT = "#!lua flags=allow-cross-slot-keys\n" + (
-    _LEASE_BODY.replace("@USERS@", f"(#ARGV - 8) / {ARGS_PER_USER + 1}")
-    .replace("@KEY@", f"ARGV[4 + {ARGS_PER_USER + 1} * i]")
-    .replace("@A@", f"5 + {ARGS_PER_USER + 1} * i"))
+    _LEASE_BODY.replace("@USERS@", f"(#ARGV - {CALL_ARGS}) / {ARGS_PER_USER + 1}")
+    .replace("@KEY@", f"ARGV[{CALL_ARGS - ARGS_PER_USER} + {ARGS_PER_USER + 1} * i]")
+    .replace("@A@", f"{CALL_ARGS - ARGS_PER_USER + 1} + {ARGS_PER_USER + 1} * i")
+    .replace("@NUMSUB@", "SHARDNUMSUB"))
 
 #: ``lease_store.LEAVE_SCRIPT`` over a cluster: KEYS: the shard's heartbeat
 #: set; ARGV: the engine id, then the keys of its users on the shard.
@@ -92,8 +96,10 @@ class ClusterStore:
         #: user -> slot (a user's slot never changes)
         self._user_slot: dict[str, int] = {}
         self._last_call_ns: dict[int, int] = {}
+        #: shard -> the engine's subscription on its alive channel there
+        self.alive: dict[int, AliveChannel] = {}
         self._lease_sha = self._leave_sha = ""
-        self.keep_ms = KEEP_MS + int(2000 * settings.slice_s)  # (a slice asked once a slice)
+        self.keep_ms = keep_ms_of(settings)
         #: script calls made, and user entries sent in them
         self.calls = 0
         self.entries = 0
@@ -201,19 +207,27 @@ class ClusterStore:
         return plan
 
     def lease_shards(self, engine: str, plan: dict[Any, list[LeaseAsk]], epochs: dict[Any, str],
-                     now_us: float | None = None, now_ns: int = 0) -> dict[Any, LeaseReply | Exception]:
-        """One call per shard of ``plan``, all sent before any reply is read."""
+                     now_us: float | None = None, now_ns: int = 0,
+                     divisors: Mapping[str, int] | None = None) -> dict[Any, LeaseReply | Exception]:
+        """One call per shard of ``plan``, all sent before any reply is read
+        (each shard's alive channel polled before, made after an answer)."""
         s = self.settings
         sent: list[tuple[int, Any, Any, list[Any]]] = []
         out: dict[Any, LeaseReply | Exception] = {}
         for shard, asks in plan.items():
             tag = self._tags[shard]
             keys = [f"{KEY_PREFIX}shard:{{{tag}}}:engines", f"{KEY_PREFIX}shard:{{{tag}}}:epoch"]
+            alive = self.alive.get(shard)
+            if alive is None:
+                alive = self.alive[shard] = AliveChannel(alive_channel(keys[0], engine), sharded=True)
+            elif shard in self._moved:
+                alive.close()  # (subscribed on the old master)
+            alive.poll()
             epoch = MOVED_EPOCH if shard in self._moved else epochs.get(shard, "")
             args = call_args(engine, s, epoch, now_us, self.keep_ms)
             for ask in asks:
                 args.append(user_key(ask.user, ask.kind))
-                args.extend(ask_args(ask, s))
+                args.extend(ask_args(ask, s, divisors))
             self.calls += 1
             self.entries += len(asks)
             self.shard_entries[shard] = self.shard_entries.get(shard, 0) + len(asks)
@@ -248,6 +262,7 @@ class ClusterStore:
                 self._moved.discard(shard)
                 self._failing.discard(self.masters[shard])
                 self._release(pool, conn)
+                self.alive[shard].ensure(pool.make_connection)
             except Exception as exc:  # down, slow, MOVED, CLUSTERDOWN
                 self._release(pool, conn, broken=True)
                 self._failing.add(self.masters[shard])
@@ -281,7 +296,18 @@ class ClusterStore:
                                     engine, *keys))
         return left
 
+    def alive_status(self, shard: Any) -> str:
+        """A shard's alive channel as last polled (``partition``)."""
+        alive = self.alive.get(shard)
+        return NONE if alive is None else alive.state
+
+    def drop_alive(self) -> None:
+        """Drop the alive channels' subscriptions (as a process's end would)."""
+        for alive in self.alive.values():
+            alive.close()
+
     def close(self) -> None:
+        self.drop_alive()
         for client in self._clients.values():
             client.close()
 

@@ -60,7 +60,8 @@ class LeasingLimiter(Protocol):
 
     def begin_fallback(self, sharing: Mapping[str, int], live: int,
                        scope: frozenset[Any] | None = None,
-                       shard_of: Callable[[str], Any] | None = None) -> None: ...
+                       shard_of: Callable[[str], Any] | None = None,
+                       terms: Any = None) -> None: ...
 
     def end_fallback(self) -> None: ...
 

@@ -18,8 +18,10 @@ import secrets
 import socket
 from dataclasses import dataclass
 from fractions import Fraction
+from collections.abc import Mapping
 from typing import Any
 
+from vllm_output_rate.alive import NONE, AliveChannel, alive_channel
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, SharedStateSettings
 
 #: An engine counts as live (heartbeat) and as sharing a user (lease) for
@@ -41,6 +43,15 @@ KIND_KEYS = {RATE: "user:", CEILING: "ceiling:", PROMPT: "prompt:"}
 #: With long slices (or over a cluster: per shard), a round with nothing
 #: to ask still calls the store this often (s): its heartbeat, its epoch.
 HEARTBEAT_S = LIVE_S / 4
+#: An engine whose last call is older than its silent window is *silent*
+#: to the store: with a subscriber on its alive channel it is cut off,
+#: without one dead (``partition``). Twice the longest a live engine goes
+#: between calls when it calls once a heartbeat (long slices, a cluster's
+#: shards); an engine that calls every tick: ``SILENT_TICKS`` ticks, at
+#: least ``SILENT_MIN_S`` (``silent_window_s``).
+SILENT_S = 2 * HEARTBEAT_S
+SILENT_TICKS = 5
+SILENT_MIN_S = 0.25
 
 #: One call per engine per tick (per shard of a cluster: ``cluster_store``).
 #: KEYS: the engines' heartbeat set, the epoch key, then (one store) one hash
@@ -52,15 +63,29 @@ HEARTBEAT_S = LIVE_S / 4
 #: ('' = the store's clock), live window (us), lookahead (us), report window
 #: (us), the epoch the engine knows ('' = none), a fresh epoch to set if the
 #: store has none, how long (ms, in the store's own clock) the heartbeat set
-#: outlives the call and a user's hash its TAT, then per user: (a cluster: its key,) slot length 1/limit
+#: outlives the call and a user's hash its TAT, the silent window (us), the
+#: caller's partition window (us), then per user: (a cluster: its key,) slot length 1/limit
 #: (us), tokens wanted, tokens spent to report (after a fallback or a reset),
-#: and the lookahead's extension for a long slice (us; 0: none). Returns
+#: the lookahead's extension for a long slice (us; 0: none), and the divisor
+#: of the caller's fallback share of the user. Returns
 #: {now, epoch, live engines, reset, then per user: granted, engines sharing
 #: the user}. On ``reset`` (the engine's epoch is not the store's) nothing is
 #: granted: the engine reports what it spent and asks again. Three commands
 #: per user (HGETALL, HSET, PEXPIRE). Written once for both forms:
 #: ``@USERS@`` is the number of users, ``@KEY@`` a user's key, ``@A@`` the
-#: index of its first argument after the key.
+#: index of its first argument after the key, ``@NUMSUB@`` the subscriber
+#: count of a channel (``NUMSUB``; a cluster's sharded ``SHARDNUMSUB``).
+#:
+#: **Cut off or dead** (``partition``). Each call also writes ``r:<engine>``
+#: on each user: the divisor of its fallback share, the end of its
+#: partition window (now + P) and its silent window (``silent_window_s``).
+#: Another engine with marks on the user whose last call is older than its
+#: silent window is looked at once per call: with a
+#: subscriber on its alive channel (``<heartbeat key>:alive:<engine>``) and
+#: its window not over, it is cut off: its fallback share (1/divisor of the
+#: limit) stays reserved (the others are granted from the rest: each slot
+#: is ``slot / (1 - reserved)`` long) and it still counts as sharing the
+#: user; without one it is dead: its marks go at once.
 _LEASE_BODY = """
 local now
 if ARGV[2] ~= '' then
@@ -82,13 +107,32 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - live_us)
 local keep_ms = tonumber(ARGV[8])
 redis.call('PEXPIRE', KEYS[1], keep_ms)
 local live = redis.call('ZCARD', KEYS[1])
+local silent_us = tonumber(ARGV[9])
+local partition_us = tonumber(ARGV[10])
+local class = {}
+local function class_of(engine, silent)
+  local c = class[engine]
+  if c == nil then
+    local hb = redis.call('ZSCORE', KEYS[1], engine)
+    if hb and tonumber(hb) >= now - silent then
+      c = 1
+    else
+      local subs = redis.call('PUBSUB', '@NUMSUB@', KEYS[1] .. ':alive:' .. engine)
+      if tonumber(subs[2]) > 0 then c = 2 else c = 0 end
+    end
+    class[engine] = c
+  end
+  return c
+end
 local reset = 0
 if ARGV[6] ~= '' and ARGV[6] ~= epoch then reset = 1 end
 local out = {string.format('%.0f', now), epoch, live, reset}
 local me = 'e:' .. ARGV[1]
 local my_share = 's:' .. ARGV[1]
 local my_wait = 'w:' .. ARGV[1]
+local my_reserve = 'r:' .. ARGV[1]
 local stamp = string.format('%.0f', now)
+local reserve_end = string.format('%.0f %d', now + partition_us, silent_us)
 for i = 1, @USERS@ do
   local key = @KEY@
   local a = @A@
@@ -103,6 +147,8 @@ for i = 1, @USERS@ do
   local sharing = 1
   local others_waiting = false
   local stale = {}
+  local marks = nil
+  local reserves = nil
   for j = 1, #fields, 2 do
     local f = fields[j]
     local kind = string.sub(f, 1, 2)
@@ -117,13 +163,40 @@ for i = 1, @USERS@ do
         others_waiting = true
       end
     elseif kind == 'e:' and f ~= me then
-      if tonumber(fields[j + 1]) >= now - live_us then
-        sharing = sharing + 1
-      else
-        local engine = string.sub(f, 3)
-        stale[#stale + 1] = f
+      marks = marks or {}
+      marks[string.sub(f, 3)] = tonumber(fields[j + 1])
+    elseif kind == 'r:' and f ~= my_reserve then
+      reserves = reserves or {}
+      reserves[string.sub(f, 3)] = fields[j + 1]
+    end
+  end
+  local reserved = 0
+  local cut = 0
+  if marks then
+    for engine, t in pairs(marks) do
+      local r = reserves and reserves[engine]
+      local div, untl, silent = nil, nil, silent_us
+      if r then
+        div, untl, silent = string.match(r, '^(%d+) (%d+) (%d+)$')
+        silent = tonumber(silent) or silent_us
+      end
+      local c = class_of(engine, silent)
+      local keep = false
+      if c == 1 then
+        if t >= now - live_us then
+          sharing = sharing + 1
+          keep = true
+        end
+      elseif c == 2 and div and tonumber(untl) >= now then
+        reserved = reserved + 1 / tonumber(div)
+        cut = cut + 1
+        keep = true
+      end
+      if not keep then
+        stale[#stale + 1] = 'e:' .. engine
         stale[#stale + 1] = 's:' .. engine
         stale[#stale + 1] = 'w:' .. engine
+        stale[#stale + 1] = 'r:' .. engine
       end
     end
   end
@@ -141,13 +214,16 @@ for i = 1, @USERS@ do
       tat = math.max(tat, now - window) + used * slot
     end
     local base = math.max(tat, now)
-    if want > 0 and base - now <= ahead then
-      granted = math.min(want, math.floor((now + ahead - base) / slot) + 1)
+    -- (engines cut off keep their fallback shares: the rest is granted)
+    local free = 1 - reserved
+    if want > 0 and base - now <= ahead and free > 1e-9 then
+      local gslot = slot / free
+      granted = math.min(want, math.floor((now + ahead - base) / gslot) + 1)
       -- Contended (another engine sharing the user was refused within the
       -- lookahead): each engine gets at most its share, limit / sharing,
       -- kept as a GCRA of its own. Otherwise an engine may take more (its
       -- share's TAT still advances: it pays that back under contention).
-      local share_slot = slot * sharing
+      local share_slot = gslot * sharing
       local share_base = math.max(share_tat, now)
       if others_waiting then
         local fair = 0
@@ -156,12 +232,14 @@ for i = 1, @USERS@ do
         end
         granted = math.min(granted, fair)
       end
-      tat = base + granted * slot
+      tat = base + granted * gslot
       share_tat = share_base + granted * share_slot
     end
   end
+  sharing = sharing + cut
   redis.call('HSET', key, 'tat', string.format('%.3f', tat), 'slot', ARGV[a],
-             me, stamp, my_share, string.format('%.3f', share_tat))
+             me, stamp, my_share, string.format('%.3f', share_tat),
+             my_reserve, ARGV[a + 4] .. ' ' .. reserve_end)
   if granted < want then
     redis.call('HSET', key, my_wait, stamp)
   end
@@ -175,16 +253,18 @@ end
 return out
 """
 
-#: One store: the users' keys are declared (KEYS), four arguments a user.
+#: Arguments a user sends, after its key, and the call's before the users'.
+ARGS_PER_USER = 5
+CALL_ARGS = 10
+#: One store: the users' keys are declared (KEYS), five arguments a user.
 LEASE_SCRIPT = (_LEASE_BODY.replace("@USERS@", "#KEYS - 2").replace("@KEY@", "KEYS[2 + i]")
-                .replace("@A@", "5 + 4 * i"))
-#: Arguments a user sends, after its key.
-ARGS_PER_USER = 4
+                .replace("@A@", f"{CALL_ARGS - ARGS_PER_USER + 1} + {ARGS_PER_USER} * i")
+                .replace("@NUMSUB@", "NUMSUB"))
 
 
 #: An engine that stops (its engine core shutting down, an orphan included)
 #: leaves the fleet in one call: out of the heartbeat set, and its marks on
-#: each user it leased (``e:``, ``s:``, ``w:``) gone, so the other engines
+#: each user it leased (``e:``, ``s:``, ``w:``, ``r:``) gone, so the other engines
 #: stop counting it as sharing those users, and as waiting, at their next
 #: call instead of after ``LIVE_S``. The tokens it leased and did not spend
 #: are not given back: the store cannot tell which of a user's grants came
@@ -196,7 +276,8 @@ _LEAVE_BODY = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 local left = 0
 for i = 2, #@USERS@ do
-  left = left + redis.call('HDEL', @USERS@[i], 'e:' .. ARGV[1], 's:' .. ARGV[1], 'w:' .. ARGV[1])
+  left = left + redis.call('HDEL', @USERS@[i], 'e:' .. ARGV[1], 's:' .. ARGV[1], 'w:' .. ARGV[1],
+                           'r:' .. ARGV[1])
 end
 return left
 """
@@ -229,10 +310,13 @@ def budget_key(user: str, kind: str = RATE) -> str:
     return KEY_PREFIX + KIND_KEYS[kind] + user
 
 
-def ask_args(ask: LeaseAsk, settings: SharedStateSettings) -> tuple[str, int, int, int]:
-    """A user's arguments to the lease script, after its key."""
+def ask_args(ask: LeaseAsk, settings: SharedStateSettings,
+             divisors: Mapping[str, int] | None = None) -> tuple[str, int, int, int, int]:
+    """A user's arguments to the lease script, after its key (``divisors``:
+    the engine's fallback divisor per user, 1 for a user not in it)."""
     return (repr(float(ask.rate.denominator * 1e6 / ask.rate.numerator)), ask.want, ask.used,
-            int(settings.slice_s * 1e6) if ask.long else 0)
+            int(settings.slice_s * 1e6) if ask.long else 0,
+            1 if divisors is None else divisors.get(ask.user, 1))
 
 
 def call_args(engine: str, settings: SharedStateSettings, known_epoch: str,
@@ -240,7 +324,24 @@ def call_args(engine: str, settings: SharedStateSettings, known_epoch: str,
     """The lease script's arguments before the users'."""
     return [engine, "" if now_us is None else repr(float(now_us)), int(LIVE_S * 1e6),
             int(settings.lookahead_s * 1e6), int(report_window_s(settings) * 1e6),
-            known_epoch, secrets.token_hex(8), keep_ms]
+            known_epoch, secrets.token_hex(8), keep_ms, int(silent_window_s(settings) * 1e6),
+            int(settings.partition_s * 1e6)]
+
+
+def silent_window_s(settings: SharedStateSettings) -> float:
+    """How long after this engine's last call the store takes it to be
+    silent (``SILENT_S``): it calls every tick unless it leases long slices
+    or calls a cluster's shards (then once a heartbeat, ``HEARTBEAT_S``)."""
+    if settings.cluster or settings.slice_s:
+        return SILENT_S
+    return max(SILENT_MIN_S, SILENT_TICKS * settings.tick_s)
+
+
+def keep_ms_of(settings: SharedStateSettings) -> int:
+    """How long (ms) a store keeps an engine's heartbeat and a user's hash
+    past its TAT: the liveness window's twice, a long slice's twice (asked
+    once a slice), and the partition window (a cut-off engine's reserve)."""
+    return KEEP_MS + int(2000 * settings.slice_s) + int(1000 * settings.partition_s)
 
 
 def report_window_s(settings: SharedStateSettings) -> float:
@@ -292,19 +393,30 @@ class RedisStore:
         self.calls = 0
         self.entries = 0
         self._last_call_ns = -(10**18)
-        self.keep_ms = KEEP_MS + int(2000 * settings.slice_s)  # (a slice asked once a slice)
+        #: the engine's subscription on its alive channel (``partition``)
+        self.alive: AliveChannel | None = None
+        self.keep_ms = keep_ms_of(settings)
 
     def lease(self, engine: str, asks: list[LeaseAsk], known_epoch: str,
-              now_us: float | None = None) -> LeaseReply:
+              now_us: float | None = None, divisors: Mapping[str, int] | None = None) -> LeaseReply:
         s = self.settings
         keys = [KEY_PREFIX + "engines", KEY_PREFIX + "epoch"]
         args = call_args(engine, s, known_epoch, now_us, self.keep_ms)
         for ask in asks:
             keys.append(budget_key(ask.user, ask.kind))
-            args.extend(ask_args(ask, s))
+            args.extend(ask_args(ask, s, divisors))
         self.calls += 1
         self.entries += len(asks)
         return parse_reply(self._script(keys=keys, args=args), asks)
+
+    def alive_status(self, shard: Any = None) -> str:
+        """The engine's alive channel as last polled (``partition``)."""
+        return NONE if self.alive is None else self.alive.state
+
+    def drop_alive(self) -> None:
+        """Drop the alive channel's subscription (as a process's end would)."""
+        if self.alive is not None:
+            self.alive.close()
 
     # -- what the lease thread uses (one store: one shard, ``None``) ----------
 
@@ -321,14 +433,23 @@ class RedisStore:
         return {None: asks}
 
     def lease_shards(self, engine: str, plan: dict[Any, list[LeaseAsk]], epochs: dict[Any, str],
-                     now_us: float | None = None) -> dict[Any, LeaseReply | Exception]:
-        """Every call of a round; a failed call's entry is its exception."""
+                     now_us: float | None = None,
+                     divisors: Mapping[str, int] | None = None) -> dict[Any, LeaseReply | Exception]:
+        """Every call of a round; a failed call's entry is its exception.
+        The alive channel is polled before, and made after an answer."""
         if not plan:
             return {}
+        alive = self.alive
+        if alive is None:
+            alive = self.alive = AliveChannel(alive_channel(KEY_PREFIX + "engines", engine))
+        alive.poll()
         try:
-            return {None: self.lease(engine, plan[None], epochs.get(None, ""), now_us=now_us)}
+            reply = self.lease(engine, plan[None], epochs.get(None, ""), now_us=now_us,
+                               divisors=divisors)
         except Exception as exc:  # the store is down, slow or refuses
             return {None: exc}
+        alive.ensure(self.client.connection_pool.make_connection)
+        return {None: reply}
 
     def leave(self, engine: str, users: list[str], kinds: tuple[str, ...] = (RATE,)) -> int:
         """Take ``engine`` out of the fleet (one call): see ``LEAVE_SCRIPT``;

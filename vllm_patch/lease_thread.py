@@ -57,6 +57,7 @@ from typing import Any
 from vllm_output_rate.lease_lane import LeaseLane, LeasingLimiter
 from vllm_output_rate.lease_store import LIVE_S, RATE, LeaseAsk, LeaseReply, RedisStore, new_engine_id
 from vllm_output_rate.limiter import NS_PER_S
+from vllm_output_rate.partition import PartitionWatch
 from vllm_output_rate.shared_settings import SharedStateSettings
 
 logger = logging.getLogger("vllm_output_rate")
@@ -78,6 +79,12 @@ class ShardState:
     #: spends up to here were reported (ns)
     reported_ns: int = 0
     live_engines: int = 1
+    #: (``partition``) send time of the last answered call, of the first
+    #: failed one after it, and whether the alive channel was seen closed
+    #: when this shard fell back
+    ok_ns: int = 0
+    first_failed_ns: int | None = None
+    closed_at_fallback: bool = False
 
 
 @dataclass(slots=True)
@@ -99,6 +106,10 @@ class LeaseStats:
     #: of the fallbacks that ended
     fallback_since: float | None = None
     fallback_total: float = 0.0
+    #: fallbacks with the alive channel standing (the store keeps this
+    #: engine's share reserved: ``partition``), and whether one is on
+    partitions: int = 0
+    partitioned: bool = False
     #: latencies (seconds) of the calls that succeeded, not drained yet
     latencies: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
 
@@ -107,7 +118,7 @@ class LeaseStats:
         return self.fallback_total + (0.0 if since is None else time.monotonic() - since)
 
 
-class LeaseThread:
+class LeaseThread(PartitionWatch):
     """The engine core's background thread that leases from the store."""
 
     def __init__(self, limiter: LeasingLimiter, settings: SharedStateSettings,
@@ -123,6 +134,12 @@ class LeaseThread:
         self.shards: dict[Any, ShardState] = {None: ShardState()}
         self.live_engines = 1
         self.in_fallback = False
+        #: user -> (send time of its last answered ask, the fallback divisor
+        #: sent with it): what the store holds in reserve (``partition``)
+        self.asked: dict[str, tuple[int, int]] = {}
+        self._asked_sweep_ns = 0
+        self._alive_seen: tuple[str, ...] = ()
+        self._partitioned_episode = False
         self.stats = LeaseStats()
         #: kind -> its lane (``lease_lane``): the users' rates (``limiter``'s)
         #: and, joined from the scheduler's thread (``attach``), their
@@ -157,6 +174,11 @@ class LeaseThread:
     @property
     def sizer(self) -> Any:
         return self.lanes[RATE].sizer
+
+    @property
+    def sharing_peak(self) -> dict[str, tuple[int, int]]:
+        """User -> the most engines seen sharing its rate lately, and when."""
+        return self.lanes[RATE].sharing_peak
 
     def fallback_sharing(self) -> dict[str, int]:
         """Per user, the most engines seen sharing its rate lately."""
@@ -303,6 +325,7 @@ class LeaseThread:
                 self.stats.unleased_spent += unleased
             used = {} if report is None else lane.usage_to_report(*report, self.shard_of)
             asks.extend(lane.asks(now_ns, recent, short, used))
+        divisors = {ask.user: self._divisor(ask.user) for ask in asks}
         sent_ns = self.clock()
         t0 = time.perf_counter()
         try:
@@ -310,9 +333,11 @@ class LeaseThread:
             plan = store.plan(asks, now_ns)
             replies = store.lease_shards(self.engine_id, plan,
                                          {k: v.epoch for k, v in self.shards.items()}, now_us=now_us,
+                                         divisors=divisors,
                                          **({"now_ns": now_ns} if self.settings.cluster else {}))
         except Exception as exc:  # no store (a cluster: no node) answers
-            self._failed(None, exc)
+            self._failed(None, exc, sent_ns)
+            self._watch_alive()
             return
         latency = time.perf_counter() - t0
         if self.settings.cluster:
@@ -321,12 +346,17 @@ class LeaseThread:
                    for kind, lane in lanes.items()}
         for shard, reply in replies.items():
             if isinstance(reply, Exception):
-                self._failed(shard, reply)
+                self._failed(shard, reply, sent_ns)
             else:
                 self.stats.latencies.append(latency)
-                self._answered(shard, reply, plan[shard], now_ns, sent_ns, retries)
+                self._answered(shard, reply, plan[shard], now_ns, sent_ns, retries, divisors)
         for kind, lane in lanes.items():
             lane.retry_at = retries[kind]
+        self._watch_alive()
+        if now_ns >= self._asked_sweep_ns:
+            self._asked_sweep_ns = now_ns + int(LIVE_S * NS_PER_S)
+            old = now_ns - int(2 * LIVE_S * NS_PER_S)
+            self.asked = {u: a for u, a in self.asked.items() if a[0] >= old}
         self.live_engines = max((st.live_engines for k, st in self.shards.items()
                                  if k is not None or not self.settings.cluster), default=1)
         self.stats.failures_in_row = max(st.failures_in_row for st in self.shards.values())
@@ -348,11 +378,13 @@ class LeaseThread:
         if dark.in_fallback:
             self._leave_fallback(None)
 
-    def _failed(self, shard: Any, exc: Exception) -> None:
+    def _failed(self, shard: Any, exc: Exception, sent_ns: int = 0) -> None:
         stats = self.stats
         stats.calls += 1
         stats.failed_calls += 1
         st = self.shards.setdefault(shard, ShardState())
+        if st.first_failed_ns is None:
+            st.first_failed_ns = sent_ns
         st.failures_in_row += 1
         stats.failures_in_row = max(stats.failures_in_row, st.failures_in_row)
         # One failed call (a blip: a call slower than the timeout on a
@@ -361,11 +393,14 @@ class LeaseThread:
             self._enter_fallback(f"{type(exc).__name__}: {exc}", shard)
 
     def _answered(self, shard: Any, reply: LeaseReply, asks: list[LeaseAsk], now_ns: int,
-                  sent_ns: int, retries: dict[str, dict[str, int]]) -> None:
+                  sent_ns: int, retries: dict[str, dict[str, int]],
+                  divisors: Mapping[str, int] | None = None) -> None:
         stats = self.stats
         st = self.shards.setdefault(shard, ShardState())
         stats.calls += 1
         st.failures_in_row = 0
+        st.ok_ns = sent_ns
+        st.first_failed_ns = None
         st.live_engines = reply.live_engines
         lanes = self.lanes
         if reply.reset or (st.epoch and reply.epoch != st.epoch):
@@ -385,8 +420,11 @@ class LeaseThread:
             return
         st.epoch = reply.epoch
         granted = reply.granted
+        asked = self.asked
         for ask in asks:
             tokens, sharing = granted[ask.budget]
+            if ask.kind == RATE:
+                asked[ask.user] = (sent_ns, 1 if divisors is None else divisors.get(ask.user, 1))
             lanes[ask.kind].answer(ask, tokens, sharing, now_ns, sent_ns, retries[ask.kind])
         if st.report:
             st.report = False
@@ -421,6 +459,7 @@ class LeaseThread:
                 self.stats.fallback_episodes += 1
                 self.stats.fallback_since = time.monotonic()
             st.in_fallback = True
+            self._note_alive(shard)
             logger.warning(
                 "output-rate shared state: the store at %s is unreachable (%s%s); each user "
                 "gets its limit divided by the engines last seen sharing it (%d live "
@@ -448,9 +487,17 @@ class LeaseThread:
             return
         scope = None if None in down else frozenset(down)
         live = max(self.shards[k].live_engines for k in down)
+        terms = self.fallback_terms()
+        self._alive_seen = self._alive_states()
+        self.stats.partitioned = partitioned = terms.reserved()
+        if partitioned and not self._partitioned_episode:
+            self.stats.partitions += 1
+        self._partitioned_episode = partitioned
         for lane in lanes:
-            lane.limiter.begin_fallback(lane.fallback_sharing(), live,
-                                        *(() if scope is None else (scope, self.shard_of)))
+            # (the rate's fallback on the cut-off terms: ``partition``)
+            extra = {"terms": terms} if lane.kind == RATE else {}
+            lane.limiter.begin_fallback(lane.fallback_sharing(), live, scope,
+                                        self.shard_of if scope is not None else None, **extra)
 
     def _leave_fallback(self, shard: Any = None) -> None:
         self.shards[shard].in_fallback = False
@@ -463,6 +510,7 @@ class LeaseThread:
             stats.fallback_total += time.monotonic() - since
         stats.fallback_since = None
         self.in_fallback = False
+        stats.partitioned = self._partitioned_episode = False
         for lane in self.lanes.values():
             lane.limiter.end_fallback()
         logger.warning("output-rate shared state: the store at %s answers again; shared "

@@ -310,8 +310,9 @@ class EngineView(ABC):
         the lease machinery's (``leased``, ``spent``, ``expired``,
         ``unleased`` (tokens), ``calls``, ``failed_calls``, ``fallback`` (1
         in fallback), ``fallback_seconds``, ``fallback_episodes``,
-        ``resets``, ``live_engines``, and ``call_seconds``: the store calls'
-        latencies since the last read)."""
+        ``resets``, ``live_engines``, ``partitioned`` (1 in fallback cut
+        off, the store keeping this engine's share), ``partitions``, and
+        ``call_seconds``: the store calls' latencies since the last read)."""
         return {"users": 0}
 
 

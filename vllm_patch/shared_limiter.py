@@ -49,26 +49,59 @@ from vllm_output_rate.lease_book import LeaseBook
 from vllm_output_rate.lease_store import RATE
 from vllm_output_rate.lease_thread import LeaseThread
 from vllm_output_rate.limiter import BURST_NS, OutputRateLimiter
+from vllm_output_rate.partition import FallbackTerms
 from vllm_output_rate.shared_settings import SharedStateSettings
 
 
 class _FallbackLimiter(OutputRateLimiter):
     """Each user's limit divided by the engines last seen sharing it; for
     every user, or (a cluster with some shards down) for the users of the
-    shards in ``scope``."""
+    shards in ``scope``. With ``terms`` (``partition.FallbackTerms``: the
+    store keeps this engine's share reserved while it is cut off), a user
+    spends only within its window, at the divisor the store was told."""
 
     def __init__(self, base: OutputRateLimiter, sharing: Mapping[str, int], live: int,
                  scope: frozenset[Any] | None = None,
-                 shard_of: Callable[[str], Any] | None = None) -> None:
+                 shard_of: Callable[[str], Any] | None = None,
+                 terms: FallbackTerms | None = None,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
         super().__init__(base.default_rate, base.user_rates, base.burst_ns)
         self._base_rate = base.rate_of
         self._sharing = dict(sharing)
         self._live = max(1, live)
         self.scope = scope
         self._shard_of = shard_of
+        self.terms = terms
+        self._clock = clock
 
     def rate_of(self, user: str) -> Fraction:
+        terms = self.terms
+        if terms is not None:
+            window = terms.window(user)
+            if window is not None:
+                return self._base_rate(user) / window[2]
         return self._base_rate(user) / max(1, self._sharing.get(user, self._live))
+
+    def available(self, user: str, now_ns: int) -> int:
+        terms = self.terms
+        if terms is not None:
+            window = terms.window(user)
+            if window is not None and not window[0] <= now_ns < window[1]:
+                return 0
+        return super().available(user, now_ns)
+
+    def ready_at_ns(self, user: str) -> int:
+        terms = self.terms
+        if terms is not None:
+            window = terms.window(user)
+            if window is not None:
+                now = self._clock()
+                if now < window[0]:
+                    return max(window[0], super().ready_at_ns(user))
+                if now >= window[1]:
+                    # nothing until the store answers: look again a tick later
+                    return now + STOPPED_RECHECK_NS
+        return super().ready_at_ns(user)
 
     def covers(self, user: str) -> bool:
         """Whether ``user`` is in fallback."""
@@ -81,6 +114,9 @@ class _FallbackLimiter(OutputRateLimiter):
             if self.covers(user) and self.rate_of(user) == old.rate_of(user):
                 self._users[user] = st
 
+
+#: How soon a user stopped in fallback (``partition``) is looked at again.
+STOPPED_RECHECK_NS = 50_000_000
 
 _plain_available = OutputRateLimiter.available
 _plain_ready_at = OutputRateLimiter.ready_at_ns
@@ -172,11 +208,14 @@ class SharedBudgetLimiter(OutputRateLimiter):
 
     def begin_fallback(self, sharing: Mapping[str, int], live: int,
                        scope: frozenset[Any] | None = None,
-                       shard_of: Callable[[str], Any] | None = None) -> None:
+                       shard_of: Callable[[str], Any] | None = None,
+                       terms: FallbackTerms | None = None) -> None:
         """(Lease thread) From the next step on: each user's limit divided
         by the engines last seen sharing it (``live`` for users never seen);
-        every user's, or those of the shards in ``scope`` (``shard_of``)."""
-        self.fallback_next = _FallbackLimiter(self, sharing, live, scope, shard_of)
+        every user's, or those of the shards in ``scope`` (``shard_of``);
+        within ``terms`` (a cut-off engine: ``partition``)."""
+        self.fallback_next = _FallbackLimiter(self, sharing, live, scope, shard_of, terms,
+                                              self.thread.clock)
 
     def clear_leases(self, scope: frozenset[Any] | None,
                      shard_of: Callable[[str], Any] | None) -> None:
@@ -419,4 +458,5 @@ class SharedBudgetLimiter(OutputRateLimiter):
             "fallback": 1.0 if t.in_fallback else 0.0, "fallback_seconds": c.fallback_seconds(),
             "fallback_episodes": c.fallback_episodes, "resets": c.resets,
             "live_engines": t.live_engines,
+            "partitioned": 1.0 if c.partitioned else 0.0, "partitions": c.partitions,
         }

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 SHARED_STATE_OPTION = "--output-rate-shared-state"
 
 #: Defaults of the lease protocol (each can be set in the URL's query:
-#: ``?tick_ms=50&horizon_ms=500&lookahead_ms=250&timeout_ms=250&slice_ms=0``).
+#: ``?tick_ms=50&horizon_ms=500&lookahead_ms=250&timeout_ms=250&slice_ms=0&partition_ms=30000``).
 TICK_S = 0.05
 HORIZON_S = 0.5
 LOOKAHEAD_S = 0.25
@@ -29,6 +29,15 @@ TIMEOUT_S = 0.25
 #: off by default (0); ``slice_ms=1000`` leases such a user a second's worth
 #: per ask, and widens that user's terms of the fleet bound by twice the slice.
 SLICE_S = 0.0
+#: The partition window ``P``: an engine cut off from the store (its calls
+#: fail, its idle subscription still stands at the store) spends its fallback
+#: share, which the store keeps reserved for it, until ``P`` after its last
+#: answered call, then nothing until the store answers (``partition``).
+PARTITION_S = 30.0
+
+#: The least partition window (s): a cut-off engine waits up to about
+#: this long before it spends (``partition``).
+PARTITION_MIN_S = 2.0
 
 #: URL schemes: one store, and a cluster (its nodes listed, comma-separated).
 SINGLE_SCHEMES = ("redis", "rediss", "valkey", "valkeys")
@@ -49,6 +58,7 @@ class SharedStateSettings:
     lookahead_s: float = LOOKAHEAD_S
     timeout_s: float = TIMEOUT_S
     slice_s: float = SLICE_S
+    partition_s: float = PARTITION_S
     #: a cluster's nodes to start from ((host, port), ...); empty: one store
     nodes: tuple[tuple[str, int], ...] = ()
 
@@ -80,12 +90,13 @@ class SharedStateSettings:
 
 
 _QUERY_KEYS = {"tick_ms": "tick_s", "horizon_ms": "horizon_s",
-               "lookahead_ms": "lookahead_s", "timeout_ms": "timeout_s", "slice_ms": "slice_s"}
+               "lookahead_ms": "lookahead_s", "timeout_ms": "timeout_s", "slice_ms": "slice_s",
+               "partition_ms": "partition_s"}
 
 
 def parse_shared_state(value: Any) -> SharedStateSettings:
     """``redis://[:PASSWORD@]HOST:PORT[/DB][?tick_ms=..&horizon_ms=..&
-    lookahead_ms=..&timeout_ms=..&slice_ms=..]`` (or ``rediss://``,
+    lookahead_ms=..&timeout_ms=..&slice_ms=..&partition_ms=..]`` (or ``rediss://``,
     ``valkey://``), or ``redis-cluster://[:PASSWORD@]HOST:PORT[,HOST:PORT...]
     [?...]`` (or ``valkey-cluster://``): a cluster, any of its nodes."""
     if not isinstance(value, str) or not value.strip():
@@ -106,6 +117,11 @@ def parse_shared_state(value: Any) -> SharedStateSettings:
         raise SharedStateError(
             f"{SHARED_STATE_OPTION}: horizon_ms ({settings.horizon_s * 1000:g}) must be at least "
             f"two ticks (tick_ms {settings.tick_s * 1000:g}), or leases expire before they are renewed")
+    if settings.partition_s < PARTITION_MIN_S:
+        raise SharedStateError(
+            f"{SHARED_STATE_OPTION}: partition_ms ({settings.partition_s * 1000:g}) must be at least "
+            f"{PARTITION_MIN_S * 1000:g}: a cut-off engine spends its fallback share only once the "
+            f"store must have seen it silent, about 1.3 s after its calls began to fail")
     return settings
 
 
