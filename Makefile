@@ -10,7 +10,8 @@ SCHEDULER_SUITES := tests/test_scheduler.py tests/test_live_limits.py tests/test
                     tests/test_frontend.py tests/test_shared_state.py tests/test_engine_loop.py \
                     tests/test_twin.py tests/test_twin_tools.py tests/test_borrowing.py \
                     tests/test_fairness.py tests/test_prompts.py tests/test_prompt_budget.py \
-                    tests/test_prompts_shown.py tests/test_fleet_budgets.py tests/test_partition.py
+                    tests/test_prompts_shown.py tests/test_fleet_budgets.py tests/test_partition.py \
+                    tests/test_held_tail.py
 
 .PHONY: venv tools demo test test-all test-versions bench pictures docs clean
 

@@ -12,9 +12,10 @@ what was charged and not dispatched, and the charges are settled
 (``_orl_finish``). Reloaded limits are put in force at a step boundary
 (``_orl_apply_limits``).
 
-``OutputRateCore`` is mixed by ``scheduler`` over vLLM's ``Scheduler``; it
-reads and calls what ``host.SchedulerHost`` declares, and keeps its state in
-the host's ``output_rate`` (``ledger.OutputRateState``).
+``OutputRateCore`` (over the prompt budgets' part, ``prompt_points``) is
+mixed by ``scheduler`` over vLLM's ``Scheduler``; it reads and calls what
+``host.SchedulerHost`` declares, and keeps its state in the host's
+``output_rate`` (``ledger.OutputRateState``).
 """
 
 from __future__ import annotations
@@ -28,36 +29,29 @@ from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate import lending
 from vllm_output_rate.borrowing import Lender, lender_for
-from vllm_output_rate.charges import choose
+from vllm_output_rate.charges import DirectCharges, choose
 from vllm_output_rate.config import (
     ADDITIONAL_CONFIG_KEY,
     OutputRateConfig,
     OutputRateConfigError,
     config_of,
 )
-from vllm_output_rate.host import SchedulerHost
 from vllm_output_rate.internals import SchedulerView
 from vllm_output_rate.ledger import StepLedger
-from vllm_output_rate.limiter import OutputRateLimiter
-from vllm_output_rate.observers import (
-    PROMPT_DEFER_REASONS,
-    LimitsChange,
-    StepReport,
-    create_observer,
-)
+from vllm_output_rate.limiter import OutputRateLimiter, take_from
+from vllm_output_rate.observers import LimitsChange, StepReport, create_observer
 from vllm_output_rate.planners import plan_residency, plan_running_order
-from vllm_output_rate.prompt_budget import PromptBudgets, check_shared, prompt_work
+from vllm_output_rate.prompt_budget import PromptBudgets, check_shared
+from vllm_output_rate.prompt_points import PromptPointsMixin
 from vllm_output_rate.request_fields import resolve_user, trusted_source
 
 #: Idle users are dropped from the limiter every this many steps.
 CLEANUP_EVERY_STEPS = 256
 
 _RUNNING = RequestStatus.RUNNING
-#: The reasons a prompt is put off, as bits of ``Request.output_rate_deferred``.
-_DEFER_BITS = {reason: 1 << i for i, reason in enumerate(PROMPT_DEFER_REASONS)}
 
 
-class OutputRateCore(SchedulerHost):
+class OutputRateCore(PromptPointsMixin):
     """The limiter's step (see the module)."""
 
     # -- start-up and requests ----------------------------------------------
@@ -163,7 +157,7 @@ class OutputRateCore(SchedulerHost):
         request.output_rate_served_ns = 0
         # The step it may borrow in (set when the scheduler lends to it).
         request.output_rate_borrow_step = -1
-        # The reasons its prompt was put off so far (``_DEFER_BITS``: each
+        # The reasons its prompt was put off so far (``prompt_points.DEFER_BITS``: each
         # reported once, ``StepReport.prompt_deferred``).
         request.output_rate_deferred = 0
 
@@ -185,6 +179,8 @@ class OutputRateCore(SchedulerHost):
         # the step's plans (``lending``, ``planners``), applied
         if st.lender is not None:
             step.lending = lending.plan_lending(self.waiting, self.running, st, step)
+        # the last step's held tail, taken as it is while its users have no budget (``held``)
+        tail = st.held_tail.resume(self.running, step) if st.held_tail.requests else None
         self._orl_apply_residency(plan_residency(
             self.running, self.waiting, st, step, st.limiter.rate_of,
             self._request_blocks_can_be_freed))
@@ -192,7 +188,15 @@ class OutputRateCore(SchedulerHost):
         running = len(self.running)
         # Only when more are resident than may run can the active cap bind.
         step.capped = running > st.base_active
+        step.direct = not step.capped and st.charges is DirectCharges and st.prompts is None
         throttled = None
+        if tail is not None:
+            if st.held_tail.intact(self.running):
+                front = self.running[:-len(tail)]
+                order = plan_running_order(front, st, step)  # (short: held users have no budget)
+                self.running[:] = order.ready + order.throttled + tail
+                return self._orl_hold_back(order.throttled, tail)
+            st.held_tail.release()  # (residency preempted one of them)
         if running > 1 and (was_short or step.capped) or (
                 running and (st.lender is not None or step.turns)):
             # (with borrowing every step: who borrows is decided here)
@@ -254,6 +258,7 @@ class OutputRateCore(SchedulerHost):
             for request in self.requests.values():
                 request.output_rate_user = charged_user(request.output_rate_identity)
         self._orl_forget_states(None)
+        st.held_tail.hold(st.step_no, [], [], None, False)  # (their budgets changed)
         added, removed, changed = diff_limits(old, config)
         observer = st.observer
         if observer is not None:
@@ -300,7 +305,7 @@ class OutputRateCore(SchedulerHost):
         step.lent_tail = len(tail.borrowers)
         return tail.throttled if order.short else None
 
-    def _orl_hold_back(self, throttled: list[Request]) -> list[Request] | None:
+    def _orl_hold_back(self, throttled: list[Request], tail: list | None = None) -> list | None:
         """Take the throttled tail out of ``running`` while vLLM schedules,
         as vllm-spyre holds requests back: they cost vLLM's loop nothing and
         keep their KV blocks and worker slot. They are refused here, once
@@ -310,24 +315,34 @@ class OutputRateCore(SchedulerHost):
         one new block, the token budget's worth of prefill, per KV cache
         group): under pressure they stay at the tail, where vLLM's own FCFS
         preemption (or ours, with PRIORITY) takes them first. Not with LoRA
-        (vLLM counts the adapters of all of ``running``)."""
+        (vLLM counts the adapters of all of ``running``). ``tail``: the last
+        step's, after ``throttled``, taken as it was (``held``)."""
         st = self.output_rate
         if not st.hold_back or self.lora_config:
             return None
-        step = st.step
+        step, held = st.step, st.held_tail
         running = self.running
         lent = step.lent_tail  # borrowers after them (borrowing only)
-        keep = len(running) - len(throttled) - lent
+        every = throttled + tail if tail else throttled
+        keep = len(running) - len(every) - lent
         if not st.kv_fits(keep + lent):
+            held.hold(step.no, [], [], None, False)  # (the tail is marked at the charge point)
             return None
-        del running[keep:keep + len(throttled)]
-        step.held = step.report.held_back = len(throttled)
+        del running[keep:keep + len(every)]
+        step.held = step.report.held_back = len(every)
         refused = step.refused
         mark = self._orl_mark_throttled
         for request in throttled:
             refused[request.output_rate_user] = 0  # ready time filled in at the end
             mark(request)
-        return throttled
+        ids = step.report.throttled[-len(throttled):] if throttled else []
+        if tail:  # throttled in the step before: none newly, their ready times known
+            step.report.throttled.extend(held.ids)
+            refused.update(held.ready)
+            step.refused_known = held.ready
+        held.hold(step.no, throttled, ids, tail,  # (limits reloaded: ``_orl_apply_limits``)
+                  st.charges is DirectCharges and st.prompts is None and not st.priority)
+        return every
 
     # -- the charge point ------------------------------------------------------
 
@@ -341,6 +356,13 @@ class OutputRateCore(SchedulerHost):
         st = self.output_rate
         step = st.step
         running = request.status == _RUNNING
+        if running and step.direct and not request.is_prefill_chunk and (
+                num_computed_tokens >= request.num_prompt_tokens):
+            # (the common case: a decode token charged on its user's state kept on the request)
+            req_id, charged, state = request.request_id, step.charged, request.output_rate_state
+            if req_id in charged or state is not None and take_from(state, step.now):
+                charged[req_id] = request.output_rate_user
+                return num_new_tokens
         capped = running and step.capped
         if capped and step.active >= st.base_active:
             step.report.cap_deferred += 1
@@ -450,72 +472,6 @@ class OutputRateCore(SchedulerHost):
             self._orl_mark_throttled(request)
         return 0
 
-    # -- prompt budgets (``prompt_budget``) -------------------------------------------
-
-    def _orl_prompt_cut(self, request: Request, num_computed_tokens: int,
-                        num_new_tokens: int) -> int:
-        """The chunk's tokens within its user's prompt budget: cut to it
-        (chunked prefill), or all or none (without); 0 puts it off."""
-        st = self.output_rate
-        user = request.output_rate_user
-        prompts = st.prompts
-        if not prompts.budgeted(user):
-            return num_new_tokens
-        step = st.step
-        work = prompt_work(request.num_prompt_tokens, num_computed_tokens, num_new_tokens)
-        available = prompts.available(user, step.now)
-        short = work - available if st.chunked else (work if available < 1 else 0)
-        if short <= 0:
-            return num_new_tokens
-        if not st.chunked:
-            short = num_new_tokens  # (whole or not at all)
-        self._orl_prompt_put_off(request, "prompt_budget",
-                                 num_computed_tokens + num_new_tokens - short)
-        step.prompt_waits[user] = 0  # ready time filled in when the step ends
-        if short >= num_new_tokens and request.status == _RUNNING:
-            step.throttled_running += 1
-        return num_new_tokens - short
-
-    def _orl_prompt_take(self, request: Request, num_computed_tokens: int,
-                         num_new_tokens: int) -> None:
-        """A prefill chunk dispatched: its prompt tokens reported (every
-        user's) and, with a prompt budget, charged (within
-        ``_orl_prompt_cut``'s cut); both kept until the refund point."""
-        st = self.output_rate
-        num_prompt = request.num_prompt_tokens
-        work = prompt_work(num_prompt, num_computed_tokens, num_new_tokens)
-        if work <= 0:
-            return
-        user = request.output_rate_user
-        step = st.step
-        req_id = request.request_id
-        chunks = step.report.prompt_chunks
-        old = chunks.get(req_id)
-        chunks[req_id] = (user, work + (old[1] if old else 0),
-                          num_computed_tokens + num_new_tokens >= num_prompt)
-        prompts = st.prompts
-        if prompts is None or not prompts.budgeted(user):
-            return
-        if st.chunked:
-            work = prompts.grant(user, step.now, work)
-        elif not prompts.grant_whole(user, step.now, work):
-            return
-        old = step.prompt_charged.get(req_id)
-        step.prompt_charged[req_id] = (user, work + (old[1] if old else 0))
-
-    def _orl_prompt_put_off(self, request: Request, reason: str, done: int) -> None:
-        """``request``'s prompt is put off (``reason``: one of
-        ``PROMPT_DEFER_REASONS``) with ``done`` of its tokens computed by the
-        end of this step: reported the first time for that reason."""
-        bit = _DEFER_BITS[reason]
-        if request.output_rate_deferred & bit:
-            return
-        left = request.num_prompt_tokens - done
-        if left > 0:
-            request.output_rate_deferred |= bit
-            self.output_rate.step.report.prompt_deferred.append(
-                (request.request_id, request.output_rate_user, reason, left))
-
     def _orl_mark_throttled(self, request: Request) -> None:
         """Record a running request skipped in this step for lack of budget
         (at the charge point, or held back): in ``throttled``, and in
@@ -566,12 +522,16 @@ class OutputRateCore(SchedulerHost):
                 del chunks[req_id]  # (not dispatched: not computed)
         prompts = st.prompts
         if prompts is not None:
-            self._orl_prompt_finish(prompts, scheduled)
+            prompts.finish_step(step.prompt_charged, step.prompt_waits, step.now, scheduled)
         limiter, lender = st.limiter, st.lender
         refused = record.refused
-        for user in refused:  # (a token needs its ceiling's too)
+        known = step.refused_known
+        refused.update(known or {})  # (held users: the charge point may have refused them again)
+        for user in refused if known is None else refused.keys() - known.keys():
+            # (a token needs its ceiling's too)
             refused[user] = max(limiter.ready_at_ns(user),
                                 0 if lender is None else lender.ready_at_ns(user))
+        st.held_tail.ended(refused)
         if refused or len(self.running) > st.base_active:
             # Served times feed the next step's rotation, which only runs
             # after a step that refused someone (``_orl_before_schedule``).
@@ -579,21 +539,3 @@ class OutputRateCore(SchedulerHost):
             for req_id in (*charged, *record.borrowed):
                 requests[req_id].output_rate_served_ns = now
         st.last_step = record
-
-    def _orl_prompt_finish(self, prompts: PromptBudgets, scheduled: dict[str, int]) -> None:
-        """Prompt budgets at the refund point: what was granted to a chunk
-        not dispatched goes back; users put off learn when to come again."""
-        step = self.output_rate.step
-        for req_id, (user, n) in step.prompt_charged.items():
-            if req_id not in scheduled:
-                prompts.refund(user, n)
-        prompts.settle(step.now)
-        waits = step.prompt_waits
-        now = step.now
-        for user in list(waits):
-            at = waits[user] = prompts.ready_at_ns(user)
-            if at <= now:
-                # its budget is there: a chunk it cut went no further for
-                # another reason (just in time, its output budget), whose
-                # own time wakes the engine
-                del waits[user]

@@ -1,9 +1,10 @@
 """What the output-rate mixins need of their host, vLLM's ``Scheduler``.
 
-``core``, ``residency`` and ``preemption`` are mixed by ``scheduler`` over
-vLLM's ``Scheduler`` and ``AsyncScheduler``. They derive from
-``SchedulerHost``: for type checkers, vLLM's ``Scheduler`` with the
-attributes they read declared (vllm-ascend's way); at run time, ``object``.
+``core`` (with ``prompt_points``), ``residency`` and ``preemption`` are
+mixed by ``scheduler`` over vLLM's ``Scheduler`` and ``AsyncScheduler``.
+They derive from ``SchedulerHost``: for type checkers, vLLM's ``Scheduler``
+with the attributes they read declared (vllm-ascend's way); at run time,
+``object``.
 
 The contract:
 

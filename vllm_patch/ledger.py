@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
+from vllm_output_rate.held import HeldTail
 from vllm_output_rate.limiter import monotonic_clock
 from vllm_output_rate.ordering import streams_by_user
 
@@ -124,12 +125,18 @@ class StepLedger:
     #: the report's books, kept at hand for the charge point
     charged: dict[str, str] = field(init=False)
     refused: dict[str, int] = field(init=False)
+    #: users of ``refused`` whose ready times are known when the step
+    #: begins (the held tail's, ``held``): not asked again when it ends
+    refused_known: dict[str, int] | None = None
     #: running requests refused at the charge point (the admission cap)
     throttled_running: int = 0
     #: active slots given at the charge point when the cap binds
     active: int = 0
-    #: whether the active cap can bind (more resident than may run)
+    #: whether the active cap can bind (more resident than may run), and
+    #: whether a decode token is charged the plain limiter's way (directly,
+    #: no cap binding, no prompt budget: ``core._orl_charge``'s first case)
     capped: bool = False
+    direct: bool = False
     #: throttled requests held out of ``running`` while vLLM schedules
     held: int = 0
     #: borrowers at the tail of ``running``, after the throttled requests
@@ -277,6 +284,8 @@ class OutputRateState:
     prev_now: int | None = None
     #: this step's ledger
     step: StepLedger | None = None
+    #: the throttled requests the last step held back (``held``)
+    held_tail: HeldTail = field(default_factory=HeldTail)
 
     def active_cap(self, max_running: int) -> int:
         """vLLM's admission cap of the waiting loop (``max_num_active_reqs``)

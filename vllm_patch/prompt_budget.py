@@ -156,6 +156,25 @@ class PromptBudgets:
             start.clear()
         self._step_ns = now_ns
 
+    def finish_step(self, charged: dict[str, tuple[str, int]], waits: dict[str, int],
+                    now_ns: int, scheduled: dict[str, int]) -> None:
+        """A step's refund point (``core``): what was granted to a chunk not
+        dispatched goes back (``charged``: request id -> (user, tokens)
+        granted; ``scheduled``: vLLM's ``num_scheduled_tokens``), the net
+        grants are settled (``settle``); users put off learn when to come
+        again (``waits``: user -> that time, filled in here)."""
+        for req_id, (user, n) in charged.items():
+            if req_id not in scheduled:
+                self.refund(user, n)
+        self.settle(now_ns)
+        for user in list(waits):
+            at = waits[user] = self.ready_at_ns(user)
+            if at <= now_ns:
+                # its budget is there: a chunk it cut went no further for
+                # another reason (just in time, its output budget), whose
+                # own time wakes the engine
+                del waits[user]
+
     def eta_ns(self, user: str, now_ns: int, n: int) -> int:
         """How long (ns) from ``now_ns`` until ``user``'s budget has granted
         ``n`` more prompt tokens (0: now, or no budget)."""
