@@ -130,11 +130,14 @@ def test_a_prompt_computed_just_in_time_leaves_the_step_to_users_with_budget(is_
     whole token budget (256) when user b's 100-token prompt arrives. The
     step keeps b's prompt's tokens: f's chunk is cut to the room left
     (and f's prefill takes a step more), b is computed whole and samples
-    its first token in its first step (it waited for the token budget)."""
+    its first token in its first step (it waited for the token budget).
+    User c decodes beside them all along: its token counts as given too
+    (the charge point's common case for a decode included)."""
     sched, drv, clock = setup(limits(1000, f=1), is_async, max_num_seqs=8,
                               max_num_batched_tokens=256, max_model_len=4096)
     first = make_request("f", prompt_len=8, max_tokens=3)
-    drv.add(first)
+    c = make_request("c", prompt_len=8, max_tokens=1000)
+    drv.add(c, first)
     drv.run(2)  # f's burst spent
     long = make_request("f", prompt_len=2000, max_tokens=2)
     drv.add(long)
@@ -150,9 +153,10 @@ def test_a_prompt_computed_just_in_time_leaves_the_step_to_users_with_budget(is_
     drv.add(b)
     out = drv.step()
     assert out.num_scheduled_tokens.get(b.request_id) == 100
-    assert out.num_scheduled_tokens[long.request_id] == 156  # the room b's prompt left
+    assert out.num_scheduled_tokens[c.request_id] == 1
+    assert out.num_scheduled_tokens[long.request_id] == 155  # the room b's prompt and c left
     # (its prompt tokens reported, and charged to a prompt budget if it had one)
-    assert sched.output_rate.last_step.prompt_chunks[long.request_id] == ("f", 156, False)
+    assert sched.output_rate.last_step.prompt_chunks[long.request_id] == ("f", 155, False)
     at = drv.steps
     drv.flush()
     assert [s for s, _ in drv.tokens[b.request_id]] == [at]  # its first token, in that step

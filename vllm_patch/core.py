@@ -188,7 +188,9 @@ class OutputRateCore(PromptPointsMixin):
         running = len(self.running)
         # Only when more are resident than may run can the active cap bind.
         step.capped = running > st.base_active
-        step.direct = not step.capped and st.charges is DirectCharges and st.prompts is None
+        # (a step keeping room just in time counts every token given: ``charges.RoomCharges``)
+        step.direct = not step.capped and st.charges is DirectCharges and st.prompts is None \
+            and step.jit_room is None
         throttled = None
         if tail is not None:
             if st.held_tail.intact(self.running):
