@@ -263,13 +263,17 @@ def shared_store_panels(c: Config) -> list[Panel | Row]:
             "Fallback and live engines",
             "1 while an engine is in fallback (the store unreachable: each user at its limit "
             "divided by the engines last seen sharing it) and the share of the time it spent "
-            "there, beside the engines the store counts as live (heartbeats) and the times an "
-            "engine found the store empty (restarted without its data). Healthy: fallback 0; "
-            "live engines = the replicas (times data-parallel ranks) serving the model; no "
-            "resets.",
+            "there; 1 while an engine is cut off from a store it last saw up (a partition: "
+            "its fallback share reserved at the store, nothing spent after partition_ms); "
+            "beside the engines the store counts as live (heartbeats) and the times an "
+            "engine found the store empty (restarted without its data). Healthy: fallback and "
+            "cut off 0; live engines = the replicas (times data-parallel ranks) serving the "
+            "model; no resets.",
             "short",
             [Target(f"max by ({c.by('engine')}) ({c.sel('shared_store_fallback')})",
                     "fallback, engine {{engine}}" + c.on_group(), "data"),
+             Target(f"max by ({c.by('engine')}) ({c.sel('shared_store_partitioned')})",
+                    "cut off, engine {{engine}}" + c.on_group(), "data"),
              Target(rate.format(by=c.by("engine"), sel=c.sel("shared_store_fallback_seconds")),
                     "share of time in fallback, engine {{engine}}" + c.on_group(), "data"),
              Target(f"max by ({c.by('engine')}) ({c.sel('shared_live_engines')})",
