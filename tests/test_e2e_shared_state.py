@@ -128,15 +128,15 @@ def test_one_users_limit_holds_across_two_engines(fleet):
     start = time.monotonic_ns()
     before = [scrape_metrics(e.base_url) for e in engines]
     # user-a: four streams, two on each engine; user-b beside it, one on each
-    # (about 30 s: a stall of an engine's step loop on this 2-core machine,
+    # (about 20 s: a stall of an engine's step loop on this 2-core machine,
     # up to half a second, costs its share of the rate in that window)
-    run_streams(engines, [(0, "user-a", 2, 150), (1, "user-a", 2, 150),
-                          (0, "user-b", 1, 500), (1, "user-b", 1, 500)])
-    wait_for_events(events, "user-a", 600, start)
-    wait_for_events(events, "user-b", 1000, start)
+    run_streams(engines, [(0, "user-a", 2, 100), (1, "user-a", 2, 100),
+                          (0, "user-b", 1, 400), (1, "user-b", 1, 400)])
+    wait_for_events(events, "user-a", 400, start)
+    wait_for_events(events, "user-b", 800, start)
     for user, limit in (("user-a", LIMIT_A), ("user-b", LIMIT_B)):
         spends = fleet_tokens(events, user, start)
-        assert sum(n for _, n in spends) == {"user-a": 600, "user-b": 1000}[user]
+        assert sum(n for _, n in spends) == {"user-a": 400, "user-b": 800}[user]
         fleet_rate = spend_rate(spends)
         # the fleet's steps: a gap in which neither engine stepped, beyond
         # one token's spacing at the limit, is the machine's

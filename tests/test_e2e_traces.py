@@ -167,6 +167,7 @@ def test_spans_of_a_real_engine_reach_an_otlp_receiver_in_the_requests_traces():
     assert all(120_000 <= p <= 180_000 for p in a_p50), a_p50
 
 
+@pytest.mark.long  # (make test-all; the middleware's trace context: tests/test_frontend.py)
 def test_only_otel_variables_put_the_spans_in_the_requests_traces():
     receiver = OtlpSpanReceiver()
     env = {"OUTPUT_RATE_TELEMETRY": "1",
