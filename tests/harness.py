@@ -263,6 +263,50 @@ def rewrite_unseen(path, old: str, new: str) -> None:
     assert os.stat(path).st_size == st.st_size
 
 
+# -- fleets of real engines ----------------------------------------------------------
+
+
+def fleet_engines(name: str, args_of, events: list, n: int = 2) -> list:
+    """``n`` real CPU engines of the tiny model for a fleet test (not yet
+    started): engine ``i`` served with ``args_of(i)``, its event log
+    ``events[i]``, its server log ``.cache/logs/NAME-engine-i.log``. Each
+    engine's worker on a core of its own: two workers bound to the same
+    core stall each other for seconds (OpenMP spin-waits); and OpenMP
+    threads that sleep when idle instead of spinning, so the engine cores,
+    API servers and the store get the CPU between steps (with spinning
+    workers, step-loop stalls of half a second cost 3-4% of a fleet's
+    rate; passive: 97.6-100.1% in four runs)."""
+    from vllm_output_rate.tools.common.client import Server
+
+    return [Server(tiny_model(), args_of(i), REPO / ".cache" / "logs" / f"{name}-engine-{i}.log",
+                   extra_env={"OUTPUT_RATE_TELEMETRY": "1", "OUTPUT_RATE_EVENTS": str(events[i]),
+                              "VLLM_CPU_OMP_THREADS_BIND": str(i % 2),
+                              "OMP_WAIT_POLICY": "PASSIVE"})
+            for i in range(n)]
+
+
+def start_all(servers: list) -> list[Exception]:
+    """Start ``servers`` at once (a thread each); the errors of those that
+    did not start (the caller asserts there are none inside the block
+    that stops them all)."""
+    import threading
+
+    errors: list[Exception] = []
+
+    def start(server) -> None:
+        try:
+            server.start()
+        except Exception as exc:  # returned
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in servers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 # -- shared budgets: schedulers sharing one store on one fake clock ---------------------
 
 

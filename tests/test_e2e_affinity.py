@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import threading
 import time
 from fractions import Fraction
 
 import httpx
 import pytest
 
-from harness import REPO, rate_while_stepping, spend_rate, tiny_model
+from harness import fleet_engines, rate_while_stepping, spend_rate, start_all
 from test_proxy import nginx_binary
 from vllm_output_rate.dashboards import proxy
 from vllm_output_rate.limiter import NS_PER_S
@@ -26,7 +25,6 @@ from vllm_output_rate.telemetry.events import EngineLog
 from vllm_output_rate.tools.bench.affinity_balance import Ring
 from vllm_output_rate.tools.common.client import (
     http_limits,
-    Server,
     free_port,
     metric_value,
     scrape_metrics,
@@ -48,30 +46,11 @@ def fleet(tmp_path_factory):
     limits = tmp / "limits.yaml"
     limits.write_text(f"default: {LIMIT}\nusers: {{warm-up: 100000}}\n")
     events = [tmp / f"events-{i}.jsonl" for i in range(2)]
-    engines = [Server(tiny_model(), ["--max-num-seqs", "32", "--max-model-len", "1024",
-                                     "--output-rate-limits-file", str(limits),
-                                     "--output-rate-user-header", "X-User-Id"],
-                      REPO / ".cache" / "logs" / f"e2e-affinity-engine-{i}.log",
-                      # each engine's worker on a core of its own: two workers
-                      # bound to the same core stall each other for seconds
-                      # (OpenMP spin-waits) and halve every user's rate;
-                      # idle OpenMP threads sleep instead of spinning
-                      extra_env={"OUTPUT_RATE_TELEMETRY": "1", "OUTPUT_RATE_EVENTS": str(events[i]),
-                                 "VLLM_CPU_OMP_THREADS_BIND": str(i % 2),
-                                 "OMP_WAIT_POLICY": "PASSIVE"}) for i in range(2)]
-    errors = []
-
-    def start(server):
-        try:
-            server.start()
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(e,)) for e in engines]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    engines = fleet_engines("e2e-affinity", lambda i: [
+        "--max-num-seqs", "32", "--max-model-len", "1024",
+        "--output-rate-limits-file", str(limits),
+        "--output-rate-user-header", "X-User-Id"], events)
+    errors = start_all(engines)
     run_dir = tmp / "nginx"
     run_dir.mkdir()
     run_dir.chmod(0o777)

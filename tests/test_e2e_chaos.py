@@ -27,12 +27,12 @@ from fractions import Fraction
 
 import pytest
 
-from harness import REPO, rate_while_stepping, spend_rate, tiny_model
+from harness import fleet_engines, rate_while_stepping, spend_rate, start_all
 from test_e2e_shared_state import fleet_tokens, per_engine_tokens, run_streams, wait_for_events
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_settings import HORIZON_S, LOOKAHEAD_S
 from vllm_output_rate.telemetry.events import EngineLog
-from vllm_output_rate.tools.common.client import http_limits, Server, metric_value, scrape_metrics
+from vllm_output_rate.tools.common.client import http_limits, metric_value, scrape_metrics
 from vllm_output_rate.tools.reliability.fault_proxy import FaultProxy
 from vllm_output_rate.tools.fleet_sim import worst_window_excess
 from vllm_output_rate.tools.redis_server import RedisServer, redis_server_binary
@@ -58,27 +58,11 @@ def chaos(tmp_path_factory):
     for path in limits:
         write_limits(path, LIMIT)
     events = [tmp / f"events-{i}.jsonl" for i in range(2)]
-    engines = [Server(tiny_model(), [
+    engines = fleet_engines("e2e-chaos", lambda i: [
         "--max-num-seqs", "16", "--max-model-len", "1024",
         "--output-rate-limits-file", str(limits[i]),
-        "--output-rate-shared-state", proxies[i].redis_url()],
-        REPO / ".cache" / "logs" / f"e2e-chaos-engine-{i}.log",
-        extra_env={"OUTPUT_RATE_TELEMETRY": "1", "OUTPUT_RATE_EVENTS": str(events[i]),
-                   "VLLM_CPU_OMP_THREADS_BIND": str(i % 2), "OMP_WAIT_POLICY": "PASSIVE"})
-        for i in range(2)]
-    errors = []
-
-    def start(server):
-        try:
-            server.start()
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(e,)) for e in engines]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        "--output-rate-shared-state", proxies[i].redis_url()], events)
+    errors = start_all(engines)
     try:
         assert not errors, errors
         for streams in range(1, 7):  # the batch shapes of the cases, met once

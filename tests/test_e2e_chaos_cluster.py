@@ -17,16 +17,15 @@ Long (``make test-all``): about 20 s of streams after two engine starts.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 
-from harness import REPO, spend_rate, tiny_model
+from harness import fleet_engines, spend_rate, start_all
 from test_e2e_chaos import back_at_limit_s, check_bound, fleet_steps, LIMIT
 from test_e2e_shared_state import fleet_tokens, run_streams, wait_for_events
 from vllm_output_rate.cluster_store import user_key
-from vllm_output_rate.tools.common.client import Server, metric_value, scrape_metrics
+from vllm_output_rate.tools.common.client import metric_value, scrape_metrics
 from vllm_output_rate.tools.redis_server import RedisCluster, redis_server_binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long,
@@ -43,27 +42,11 @@ def fleet(tmp_path_factory):
     limits = tmp / "limits.yaml"
     limits.write_text(f"default: {LIMIT}\nusers:\n  warm-up: 100000\n")
     events = [tmp / f"events-{i}.jsonl" for i in range(2)]
-    engines = [Server(tiny_model(), [
+    engines = fleet_engines("e2e-chaos-cluster", lambda i: [
         "--max-num-seqs", "16", "--max-model-len", "1024",
         "--output-rate-limits-file", str(limits),
-        "--output-rate-shared-state", cluster.url],
-        REPO / ".cache" / "logs" / f"e2e-chaos-cluster-engine-{i}.log",
-        extra_env={"OUTPUT_RATE_TELEMETRY": "1", "OUTPUT_RATE_EVENTS": str(events[i]),
-                   "VLLM_CPU_OMP_THREADS_BIND": str(i % 2), "OMP_WAIT_POLICY": "PASSIVE"})
-        for i in range(2)]
-    errors = []
-
-    def start(server):
-        try:
-            server.start()
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(e,)) for e in engines]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        "--output-rate-shared-state", cluster.url], events)
+    errors = start_all(engines)
     try:
         assert not errors, errors
         for streams in (1, 2):  # the batch shapes of the case, met once

@@ -16,7 +16,8 @@ from fractions import Fraction
 import httpx
 import pytest
 
-from harness import REPO, rate_while_stepping, scrape_until, spend_rate, tiny_model
+from harness import (REPO, fleet_engines, rate_while_stepping, scrape_until, spend_rate,
+                     start_all, tiny_model)
 from vllm_output_rate.fleet_math import fleet_bound
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_settings import HORIZON_S, LOOKAHEAD_S
@@ -45,33 +46,11 @@ def fleet(tmp_path_factory):
     limits = tmp / "limits.yaml"
     limits.write_text(f"default: {LIMIT_A}\nusers:\n  user-b: {LIMIT_B}\n  warm-up: 100000\n"
                       f"  user-c: {{rate: {RATE_C}, ceiling: {CEILING_C}}}\n")
-    engines = [Server(tiny_model(), [
+    engines = fleet_engines("e2e-shared", lambda i: [
         "--max-num-seqs", "16", "--max-model-len", "1024",
         "--output-rate-limits-file", str(limits),
-        "--output-rate-shared-state", redis.url],
-        REPO / ".cache" / "logs" / f"e2e-shared-engine-{i}.log",
-        # each engine's worker on a core of its own: two workers bound to
-        # the same core stall each other for seconds (OpenMP spin-waits);
-        # and OpenMP threads that sleep when idle instead of spinning, so the
-        # engine cores, API servers and the store get the CPU between steps
-        # (with spinning workers, step-loop stalls of half a second cost
-        # 3-4% of the fleet's rate here; passive: 97.6-100.1% in four runs)
-        extra_env={"OUTPUT_RATE_TELEMETRY": "1", "OUTPUT_RATE_EVENTS": str(events[i]),
-                   "VLLM_CPU_OMP_THREADS_BIND": str(i % 2), "OMP_WAIT_POLICY": "PASSIVE"})
-        for i in range(2)]
-    errors = []
-
-    def start(server):
-        try:
-            server.start()
-        except Exception as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(e,)) for e in engines]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+        "--output-rate-shared-state", redis.url], events)
+    errors = start_all(engines)
     try:
         assert not errors, errors
         # A fresh CPU engine compiles each new batch shape on first use (a
