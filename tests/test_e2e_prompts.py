@@ -20,9 +20,10 @@ from fractions import Fraction
 
 import httpx
 import pytest
-from harness import scrape_until
+from harness import scrape_until, tiny_model
 
 from vllm_output_rate.limiter import BURST_NS
+from vllm_output_rate.tools.fairness.engine import model_vocab, prompt_ids
 from vllm_output_rate.tools.common.client import (
     StreamResult, completion_body, http_limits, metric_value, scrape_metrics, stream_into)
 
@@ -33,8 +34,6 @@ DEFAULT = 100_000
 #: eight prompts of 300 tokens: 2,400 prompt tokens; the tiny model computes
 #: them in about 0.1 s on the CPU, the budget takes about 1.5 s
 PROMPTS, PROMPT_TOKENS = 8, 300
-#: token ids drawn below the tiny model's vocabulary (1,024)
-VOCAB = 1000
 COMPUTED = "vllm_output_rate_prompt_tokens_computed_total"
 DEFERRED = "vllm_output_rate_prompt_tokens_deferred_total"
 
@@ -44,12 +43,11 @@ def limits(prompt_rate: int) -> dict:
 
 
 async def send_prompts(base_url: str, seed: int) -> list[StreamResult]:
-    rng = random.Random(seed)
+    rng, vocab = random.Random(seed), model_vocab(tiny_model())
 
     async def one() -> StreamResult:
-        ids = [rng.randrange(100, VOCAB) for _ in range(PROMPT_TOKENS)]
         rec = StreamResult(USER, 2, started=time.monotonic())
-        body = completion_body("tiny", ids, 2, USER)
+        body = completion_body("tiny", prompt_ids(rng, PROMPT_TOKENS, vocab), 2, USER)
         try:
             await stream_into(client, base_url, body, rec, path="/v1/completions")
         except Exception as e:  # recorded, asserted below
@@ -60,7 +58,7 @@ async def send_prompts(base_url: str, seed: int) -> list[StreamResult]:
         return list(await asyncio.gather(*(one() for _ in range(PROMPTS))))
 
 
-def run(server, prompt_rate: int, seed: int) -> tuple[float, float, float]:
+def run(server, seed: int) -> tuple[float, float, float]:
     """The load; (prompt tokens computed, put off, the client's window s)."""
     before = scrape_metrics(server.base_url)
     t0 = time.monotonic()
@@ -83,7 +81,7 @@ def bound(window_s: float, prompt_rate: int) -> int:
 
 def test_a_prompt_budget_holds_and_changes_live(engines):
     server = engines.get("tiny", default=DEFAULT, users=limits(1500))
-    computed, deferred, window = run(server, 1500, seed=1)
+    computed, deferred, window = run(server, seed=1)
     print(f"\nprompt budget 1500 tok/s: {computed:.0f} computed in {window:.2f} s "
           f"(bound {bound(window, 1500)}), {deferred:.0f} put off")
     # every prompt token computed, none twice, no prefix-cache hit
@@ -96,7 +94,7 @@ def test_a_prompt_budget_holds_and_changes_live(engines):
     server = engines.get("tiny", default=DEFAULT, users=limits(6000))
     view = httpx.get(f"{server.base_url}/output-rate/users/{USER}", timeout=30).json()
     assert view["prompt_rate"] == 6000, view
-    computed, deferred, window = run(server, 6000, seed=2)
+    computed, deferred, window = run(server, seed=2)
     print(f"prompt budget 6000 tok/s: {computed:.0f} computed in {window:.2f} s "
           f"(bound {bound(window, 6000)}), {deferred:.0f} put off")
     assert computed == PROMPTS * PROMPT_TOKENS
