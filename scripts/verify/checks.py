@@ -38,7 +38,8 @@ def check_events(a: Analysis) -> list[Check]:
     # front end still handling it): nothing to log, nothing held (``freed``
     # checks the engine's gauges after the run); any other silent request
     # is one the event log lost
-    silent = [rd.rec.rid for rd in unseen if not before_engine(rd)]
+    early = [rd.rec.rid for rd in unseen if before_engine(rd)]
+    silent = [rd.rec.rid for rd in unseen if rd.rec.rid not in early]
     if silent:
         details.append(f"{len(silent)} request(s) with no engine event at all: "
                        + ", ".join(silent[:8]))
@@ -54,7 +55,6 @@ def check_events(a: Analysis) -> list[Check]:
         details.append(f"{len(a.log.bad_lines)} unreadable line(s), e.g. line {a.log.bad_lines[0]}")
     n_tok = sum(rd.engine_count for rd in a.reqs.values())
     ok = not details
-    early = [rd.rec.rid for rd in unseen if before_engine(rd)]
     if early:
         details.append(f"(not a failure) {len(early)} request(s) cancelled by the client before "
                        "the engine's scheduler had them: " + ", ".join(early[:8]))
