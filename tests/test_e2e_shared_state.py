@@ -131,7 +131,8 @@ def test_one_users_limit_holds_across_two_engines(fleet):
         # workers on two cores): how much is the machine's, not the
         # limiter's, so the floor here, over the time the fleet was
         # stepping, only catches leases lost wholesale; the exact lower side
-        # is held in virtual time in test_shared_state (>= 0.97)
+        # is held in virtual time in test_shared_state_fleet and
+        # test_shared_state_schedulers (>= 0.97)
         assert stepping >= 0.8 * limit, (user, stepping, fleet_rate)
         excess, window = worst_window_excess(spends, Fraction(limit), HORIZON_S, LOOKAHEAD_S,
                                              STEP_SLACK)
@@ -299,7 +300,8 @@ def test_store_stopped_mid_run_then_back_empty(fleet):
     # another process busy on the two cores, and 14.7 once in a clean
     # clone's make test, this process stalled 2.56 s; over-charging just
     # after the reset is by design; the exact lower side after a store came
-    # back empty is test_shared_state's, in virtual time)
+    # back empty is test_shared_state_fleet's and test_shared_state_schedulers',
+    # in virtual time)
     assert stepping_after >= 0.8 * LIMIT_A, (timing, spend_rate(after), stepping_after)
     excess, window = worst_window_excess(spends, Fraction(LIMIT_A), HORIZON_S, LOOKAHEAD_S,
                                          STEP_SLACK)
@@ -408,7 +410,7 @@ def test_data_parallel_ranks_share_one_budget(tmp_path):
     In ``make test-all``: two ranks start five processes (about a minute
     alone, three beside the suite's other engines); ``make test`` has the
     ranks' naming and sharing with two real schedulers
-    (test_shared_state's ``test_two_real_schedulers_share_one_users_budget``)."""
+    (test_shared_state_schedulers' ``test_two_real_schedulers_share_one_users_budget``)."""
     redis = RedisServer(nice=10).start()
     server = Server(tiny_model(), [
         "--max-num-seqs", "8", "--max-model-len", "1024", "--data-parallel-size", "2",
@@ -437,7 +439,7 @@ def test_data_parallel_ranks_share_one_budget(tmp_path):
           f"charged per rank {charged}")
     assert all(n > 0 for n in charged.values()), charged  # both ranks served it
     assert sum(charged.values()) >= 200
-    # within the fleet bound (the exact sharing is test_shared_state's, two
+    # within the fleet bound (the exact sharing is test_shared_state_schedulers', two
     # real schedulers on one virtual clock)
     assert 200 <= fleet_bound(span, LIMIT_A, HORIZON_S, LOOKAHEAD_S) + STEP_SLACK
     assert metric_value(samples, "vllm_output_rate_shared_live_engines", engine="0") == 2
