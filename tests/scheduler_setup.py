@@ -24,11 +24,12 @@ class SettledLimiter(OutputRateLimiter):
 
 @pytest.fixture(autouse=True, params=["held", "tail", "held-settled", "tail-settled"])
 def charge_path(request, monkeypatch):
-    """Every test here runs four times: with throttled running requests held
-    out of vLLM's loop (where the KV cache has room) and with them left at
-    the tail of ``running`` for the charge point to refuse (as under KV
-    pressure); each with the plain limiter charged token by token and with a
-    limiter settled once per step. One set of charge rules."""
+    """Every test of a module that imports this runs four times: with
+    throttled running requests held out of vLLM's loop (where the KV cache
+    has room) and with them left at the tail of ``running`` for the charge
+    point to refuse (as under KV pressure); each with the plain limiter
+    charged token by token and with a limiter settled once per step. One
+    set of charge rules."""
     if request.param.startswith("tail"):
         monkeypatch.setattr(OutputRateState, "hold_back", False)
     if request.param.endswith("settled"):
