@@ -82,6 +82,12 @@ class TokenUpdate(NamedTuple):
     now: int
     #: requests that had a token at the previous update and none now
     paused: Any
+    #: of those, the ones that had one at the update before too (steady
+    #: until now: their run of steady tokens ends)
+    left: Any
+    #: requests back (or with their first token) at the previous update
+    #: with a token now too: steady from the previous update on
+    joined: Any
     #: requests back after a pause, and when each one's last token came
     back: list[str]
     prevs: list[int]

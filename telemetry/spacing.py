@@ -82,14 +82,18 @@ class TokenSpacing:
         # updates, kept up to date from the ones that pause, start and finish:
         # with those that join now, they are the steady requests' counts.
         joining = self.joining
-        paused = prev_ids - cur
+        paused = left = prev_ids - cur
         if paused:
             # had a token last time, none now
             last.update(dict.fromkeys(paused, prev_now))
-            for req_id in paused - joining if joining else paused:
+            if joining:
+                left = paused - joining
+            for req_id in left:
                 self._label_count(req_id, -1)
+        joined: Any = ()
         if joining:
-            for req_id in joining & cur:  # a second token in a row: steady
+            joined = joining & cur
+            for req_id in joined:  # a second token in a row: steady
                 self._label_count(req_id, 1)
         if self.prev_by_label:  # some request is steady
             gap = now - prev_now
@@ -139,7 +143,7 @@ class TokenSpacing:
         self.prev_ids = cur - finished if finished else cur
         self.joining = resumed - finished if finished else resumed
         self._prev_now = now
-        return TokenUpdate(now, paused, back, prevs, first, zeros, ends, finished)
+        return TokenUpdate(now, paused, left, joined, back, prevs, first, zeros, ends, finished)
 
     def forget(self, req_ids: list[str]) -> None:
         """Requests finished from outside the scheduler (aborts)."""

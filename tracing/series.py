@@ -54,9 +54,6 @@ class SpacingSeries:
         self._overflow: dict[str, int] = {}
         #: request id -> the update its open run of steady tokens began at
         self._runs: dict[str, int] = {}
-        #: request id -> the update it came back at after a pause: its run
-        #: begins there if it has a token at the next update too
-        self._joining_runs: dict[str, int] = {}
         #: the timeline: spacing (us) of each update from the one before,
         #: for the updates from the oldest open run on; ``_index`` numbers
         #: the last update
@@ -153,22 +150,20 @@ class SpacingSeries:
 
     def update(self, timing: TokenUpdate) -> None:
         """One ``update_from_output`` replayed, its token timing as the
-        metrics worked it out (``telemetry.records.TokenUpdate``)."""
-        now, paused, back, prevs = timing.now, timing.paused, timing.back, timing.prevs
+        metrics worked it out (``telemetry.records.TokenUpdate``): which
+        runs end (``left``) and begin (``joined``) is theirs too."""
+        now, back, prevs = timing.now, timing.back, timing.prevs
         self.on_update(now)
-        # Requests back after a pause at the previous update begin a run
-        # only if they did not pause again (a user pacing at its limit: one
-        # token, then throttled): until then their run is empty, and kept
-        # apart so that pausing again costs nothing.
-        joining = self._joining_runs
-        if paused:
-            self.on_paused(paused - joining.keys() if joining else paused)
-        if joining:
-            runs = self._runs
-            for req_id in joining.keys() - paused if paused else joining:
-                runs[req_id] = joining[req_id]
-        if back:  # (on_tokens in C: requests back after a pause)
-            series = self._series
+        # Requests back after a pause (or with their first token) at the
+        # previous update begin a run from there only if they did not pause
+        # again (a user pacing at its limit: one token, then throttled):
+        # until then they have no run, and pausing again costs nothing.
+        if timing.left:
+            self.on_paused(timing.left)
+        if timing.joined:
+            self._runs.update(dict.fromkeys(timing.joined, self._index - 1))
+        series = self._series
+        if back:  # (in C: requests back after a pause)
             if not all(map(series.__contains__, back)):
                 # (they had a first token: never, unless cut short)
                 series.update({req_id: array("I") for req_id in back if req_id not in series})
@@ -177,11 +172,12 @@ class SpacingSeries:
             gaps = map(min, map(floordiv, map(sub, repeat(now, len(prevs)), prevs), repeat(1000)),
                        repeat(0xFFFFFFFF))
             deque(map(array.append, map(series.__getitem__, back), gaps), maxlen=0)
-            self._joining_runs = dict.fromkeys(back, self._index)
-        elif joining:
-            self._joining_runs = {}
         for req_id in timing.first:
-            self.on_tokens(req_id, 1, None, now)
+            s = series.get(req_id)
+            if s is None:
+                series[req_id] = array("I")
+            elif len(s) > MAX_SERIES + TRIM_EVERY:
+                self._trim(req_id)
         for req_id, k in timing.zeros:
             self.on_zeros(req_id, k)
 
@@ -194,5 +190,4 @@ class SpacingSeries:
         self._trim(req_id)
         s = self._series.pop(req_id, array("I"))
         tokens = len(s) + 1 + self._overflow.pop(req_id, 0) if had_tokens else 0
-        self._joining_runs.pop(req_id, None)
         return s, tokens
