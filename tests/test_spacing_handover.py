@@ -12,7 +12,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import vllm_output_rate.tracing.series as series_mod
@@ -89,6 +89,11 @@ def _run(updates):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(updates=_updates)
+# a run begun at the update before a cut with no run open (the timeline's
+# cut then must not reach past its start)
+@example(updates=[(1, [(0, False, False)] * REQUESTS)] * 2
+         + [(1, [(0, False, False), (1, False, False)] + [(0, False, False)] * 3)] * 4
+         + [(1, [(0, False, False), (1, True, False)] + [(0, False, False)] * 3)])
 def test_series_are_each_requests_own_spacings(small_caps, updates):
     truth, closed, spans, hists = _run(updates)
     cap = series_mod.MAX_SERIES

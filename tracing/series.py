@@ -93,7 +93,9 @@ class SpacingSeries:
             self._trim(req_id)
         oldest = min(runs.values(), default=index)
         base = index - len(self._gaps) + 1
-        del self._gaps[:oldest - base]
+        # (a run begun at the update before a cut with none open starts
+        # one before the timeline: nothing to cut then)
+        del self._gaps[:max(oldest - base, 0)]
 
     def on_paused(self, req_ids: Any) -> None:
         """``req_ids`` had a token at the previous update and none now."""
