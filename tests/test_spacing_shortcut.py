@@ -84,19 +84,14 @@ def _updates_of(drain) -> list:
         aborted = [f"r{i}" for i, (_, _, abort) in enumerate(cells)
                    if abort and f"r{i}" in seen and f"r{i}" not in done]
         done.update(aborted)
-        cur: set[str] = set()
-        special = []
-        for i, (tokens, finish, _) in enumerate(cells):
-            req_id = f"r{i}"
-            if req_id in done or not tokens:
-                continue
-            cur.add(req_id)
-            seen.add(req_id)
-            if finish or tokens > 1:
-                special.append(SimpleNamespace(request_id=req_id, new_token_ids=[7] * tokens,
-                                               finish_reason="stop" if finish else None))
-            if finish:
-                done.add(req_id)
+        live = {f"r{i}": (tokens, finish) for i, (tokens, finish, _) in enumerate(cells)
+                if tokens and f"r{i}" not in done}
+        seen.update(live)
+        done.update(req_id for req_id, (_, finish) in live.items() if finish)
+        special = [SimpleNamespace(request_id=req_id, new_token_ids=[7] * tokens,
+                                   finish_reason="stop" if finish else None)
+                   for req_id, (tokens, finish) in live.items() if finish or tokens > 1]
+        cur = set(live)
         updates.append((now, cur, special, aborted, relabel))
     return updates
 
