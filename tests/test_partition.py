@@ -199,6 +199,67 @@ def test_a_cut_off_engine_spends_only_its_reserved_share_and_stops_after_p(redis
     assert a.limiter.stats()["partitions"] == 0 and a.limiter.stats()["fallback_episodes"] == 0
 
 
+def test_a_cut_off_engine_stops_every_kind_of_budget_after_p(redis_server):
+    """As above, with user "u"'s ceiling (60: each engine lends what its
+    streams want beyond the rate) and its prompt budget (1,000 tok/s) leased
+    beside its rate, each a lane of the lease thread: b spends no fallback
+    share of any kind before the store must have seen it silent, then half
+    of each (the divisor each lane told the store), and nothing of any
+    kind once P has passed since its last answered ask (before: only its
+    rate stopped; it kept lending within its ceiling and computing prompts
+    at its fallback shares while a was granted the whole of each). The
+    fleet bound of each kind holds in every window."""
+    from vllm_output_rate.lease_store import CEILING, PROMPT
+
+    url = fresh_store(redis_server)
+    settings = parse_shared_state(url + "?partition_ms=6000")
+    fleet = Fleet(url, Fraction(20), settings=settings, seed=5,
+                  budgets={CEILING: (Fraction(60), {}), PROMPT: (Fraction(1000), {})})
+    with FaultProxy("127.0.0.1", redis_server.port) as proxy:
+        a = fleet.add_engine()
+        b = fleet.add_engine(client=proxied_client(proxy, 0.03))
+        for engine in (a, b):
+            engine.streams, engine.prompts = {"u": 3}, {"u": 40}
+        fleet.run(2.0)
+        cut_ns = fleet.now_ns
+        held = {kind: o.book.balance.get("u", 0) + o.unreleased.get("u", 0)
+                for kind, o in b.others.items()}
+        proxy.cut()
+        fleet.run(9.0)
+        cut_off = {kind: o.in_fallback and o._fallback.terms is not None
+                   for kind, o in b.others.items()}
+        proxy.heal()
+        fleet.run(4.0)
+    c = cut_ns
+    start = c + int((settings.timeout_s + silent_window_s(settings)) * S)
+    during, after = (c + S, c + int(5.8 * S)), (c + int(6.1 * S), c + int(9.0 * S))
+
+    def per_s(spends, span):
+        return spent(spends, *span) / ((span[1] - span[0]) / S)
+
+    print("\ncut off, b per kind until P, then after P (a): " + "; ".join(
+        f"{kind} {per_s(b.kind_spends[kind]['u'], during):.1f}, then "
+        f"{per_s(b.kind_spends[kind]['u'], after):.1f} ({per_s(a.kind_spends[kind]['u'], after):.1f})"
+        for kind in (CEILING, PROMPT)))
+    for kind, limit in ((CEILING, 60), (PROMPT, 1000)):
+        both = fleet.kind_spends[kind]["u"]
+        A, B = a.kind_spends[kind]["u"], b.kind_spends[kind]["u"]
+        # P over: nothing of any kind from b, a the whole budget
+        assert spent(B, *after) == 0, kind
+        assert per_s(A, after) >= 0.95 * limit, kind
+        # before: its leases alone until the store must have seen it silent
+        assert spent(B, c, start) <= held[kind], kind
+        # then half of each (the divisor it told the store), a the rest
+        assert abs(per_s(B, during) - limit / 2) <= 0.05 * limit, (kind, per_s(B, during))
+        assert per_s(A + B, during) <= limit * 1.02 + 3 / 4.8, kind
+        assert spent(B, c + int(10.0 * S), fleet.now_ns) > 0, kind  # healed
+        excess, window = worst_window_excess(sorted(both), Fraction(limit), settings.horizon_s,
+                                             settings.lookahead_s)
+        assert excess <= 0, (kind, excess, window)
+    assert cut_off == {CEILING: True, PROMPT: True}
+    assert spent(b.spends["u"], c + int(6.1 * S), c + 9 * S) == 0
+
+
 def test_a_dead_engine_gives_its_share_back_within_the_silent_window_a_cut_off_one_keeps_it(
         redis_server):
     """Three engines share "u": c is cut off by the proxy, b killed whole

@@ -134,9 +134,6 @@ class LeaseThread(PartitionWatch):
         self.shards: dict[Any, ShardState] = {None: ShardState()}
         self.live_engines = 1
         self.in_fallback = False
-        #: user -> (send time of its last answered ask, the fallback divisor
-        #: sent with it): what the store holds in reserve (``partition``)
-        self.asked: dict[str, tuple[int, int]] = {}
         self._asked_sweep_ns = 0
         self._alive_seen: tuple[str, ...] = ()
         self._partitioned_episode = False
@@ -183,6 +180,11 @@ class LeaseThread(PartitionWatch):
     def fallback_sharing(self) -> dict[str, int]:
         """Per user, the most engines seen sharing its rate lately."""
         return self.lanes[RATE].fallback_sharing()
+
+    @property
+    def asked(self) -> dict[str, tuple[int, int]]:
+        """User -> its rate's last answered ask and divisor (``LeaseLane.asked``)."""
+        return self.lanes[RATE].asked
 
     # -- lanes of a user's other budgets (``lease_lane``) ----------------------------
 
@@ -325,7 +327,9 @@ class LeaseThread(PartitionWatch):
                 self.stats.unleased_spent += unleased
             used = {} if report is None else lane.usage_to_report(*report, self.shard_of)
             asks.extend(lane.asks(now_ns, recent, short, used))
-        divisors = {ask.user: self._divisor(ask.user) for ask in asks}
+        # (each budget's own divisor: its lane's fallback share, ``partition``)
+        live = self.live_engines
+        divisors = {ask.budget: lanes[ask.kind].divisor(ask.user, live) for ask in asks}
         sent_ns = self.clock()
         t0 = time.perf_counter()
         try:
@@ -356,7 +360,8 @@ class LeaseThread(PartitionWatch):
         if now_ns >= self._asked_sweep_ns:
             self._asked_sweep_ns = now_ns + int(LIVE_S * NS_PER_S)
             old = now_ns - int(2 * LIVE_S * NS_PER_S)
-            self.asked = {u: a for u, a in self.asked.items() if a[0] >= old}
+            for lane in lanes.values():
+                lane.asked = {u: a for u, a in lane.asked.items() if a[0] >= old}
         self.live_engines = max((st.live_engines for k, st in self.shards.items()
                                  if k is not None or not self.settings.cluster), default=1)
         self.stats.failures_in_row = max(st.failures_in_row for st in self.shards.values())
@@ -394,7 +399,7 @@ class LeaseThread(PartitionWatch):
 
     def _answered(self, shard: Any, reply: LeaseReply, asks: list[LeaseAsk], now_ns: int,
                   sent_ns: int, retries: dict[str, dict[str, int]],
-                  divisors: Mapping[str, int] | None = None) -> None:
+                  divisors: Mapping[Any, int] | None = None) -> None:
         stats = self.stats
         st = self.shards.setdefault(shard, ShardState())
         stats.calls += 1
@@ -420,12 +425,12 @@ class LeaseThread(PartitionWatch):
             return
         st.epoch = reply.epoch
         granted = reply.granted
-        asked = self.asked
         for ask in asks:
-            tokens, sharing = granted[ask.budget]
-            if ask.kind == RATE:
-                asked[ask.user] = (sent_ns, 1 if divisors is None else divisors.get(ask.user, 1))
-            lanes[ask.kind].answer(ask, tokens, sharing, now_ns, sent_ns, retries[ask.kind])
+            budget = ask.budget
+            tokens, sharing = granted[budget]
+            lane = lanes[ask.kind]
+            lane.asked[ask.user] = (sent_ns, 1 if divisors is None else divisors.get(budget, 1))
+            lane.answer(ask, tokens, sharing, now_ns, sent_ns, retries[ask.kind])
         if st.report:
             st.report = False
             st.reported_ns = now_ns
@@ -487,17 +492,17 @@ class LeaseThread(PartitionWatch):
             return
         scope = None if None in down else frozenset(down)
         live = max(self.shards[k].live_engines for k in down)
-        terms = self.fallback_terms()
         self._alive_seen = self._alive_states()
-        self.stats.partitioned = partitioned = terms.reserved()
+        self.stats.partitioned = partitioned = self.fallback_terms({}).reserved()
         if partitioned and not self._partitioned_episode:
             self.stats.partitions += 1
         self._partitioned_episode = partitioned
         for lane in lanes:
-            # (the rate's fallback on the cut-off terms: ``partition``)
-            extra = {"terms": terms} if lane.kind == RATE else {}
+            # (every kind's fallback on the cut-off terms, at the divisors
+            # its asks told the store: ``partition``)
             lane.limiter.begin_fallback(lane.fallback_sharing(), live, scope,
-                                        self.shard_of if scope is not None else None, **extra)
+                                        self.shard_of if scope is not None else None,
+                                        terms=self.fallback_terms(lane.asked))
 
     def _leave_fallback(self, shard: Any = None) -> None:
         self.shards[shard].in_fallback = False
