@@ -275,6 +275,53 @@ def test_the_store_restarted_empty_no_burst_of_any_kind(redis_server):
 
 
 @needs_redis
+def test_the_lease_counters_say_which_kind_asked_failed_and_fell_back(redis_server):
+    """The lease machinery's counters per kind of budget (the ``kind``
+    label of ``shared_tokens_*`` and ``shared_store_entries``, three values):
+    an engine leasing a user's rate, ceiling and prompt budget through a
+    store outage counts each kind's entries asked (in calls answered and
+    failed), tokens leased and spent, and tokens spent in fallback; a lane
+    closed (reloaded limits without ceilings) keeps its counters; the
+    exporter writes one series per kind and result."""
+    from types import SimpleNamespace
+
+    from vllm_output_rate.telemetry.export import SnapshotWriter
+    from vllm_output_rate.telemetry.metrics import (
+        SHARED_STORE_ENTRIES, SHARED_TOKENS_LEASED, SHARED_TOKENS_UNLEASED)
+
+    at = fresh(redis_server)
+    fleet = budgets_fleet(at, SharedStateSettings(at, timeout_s=0.05), seed=3)
+    engine = fleet.add_engine()
+    engine.streams, engine.prompts = {"u": 2}, {"u": 300}
+    fleet.run(1.0)
+    redis_server.stop()
+    try:
+        fleet.run(1.0)
+    finally:
+        redis_server.start()
+    fleet.run(1.0)
+    kinds = engine.limiter.stats()["kinds"]
+    assert kinds.keys() == {RATE, CEILING, PROMPT}
+    for kind, k in kinds.items():
+        assert k["entries_ok"] > 0 and k["entries_failed"] > 0, (kind, k)
+        assert k["leased"] >= k["spent"] > 0 and k["unleased"] > 0, (kind, k)
+    # each kind asked and spent apart: the prompt budget's tokens are its own
+    assert kinds[PROMPT]["spent"] > 5 * kinds[RATE]["spent"]
+    counters: dict = {}
+    SnapshotWriter._fold_shared_state(SimpleNamespace(_store_call_hist=None),
+                                      {**engine.limiter.stats(), "call_seconds": []}, counters, {})
+    for kind in (RATE, CEILING, PROMPT):
+        assert counters[SHARED_STORE_ENTRIES.key(kind, "failed")] == kinds[kind]["entries_failed"]
+        assert counters[SHARED_TOKENS_UNLEASED.key(kind)] == kinds[kind]["unleased"]
+    assert SHARED_TOKENS_LEASED.key() not in counters  # no series without its kind
+    leased = kinds[CEILING]["leased"]
+    engine.others[CEILING].close()  # the ceilings go (reloaded limits)
+    fleet.run(0.5)
+    after = engine.limiter.stats()["kinds"][CEILING]
+    assert after["leased"] == leased and after["entries_ok"] >= kinds[CEILING]["entries_ok"]
+
+
+@needs_redis
 def test_a_budget_that_starts_during_an_outage_starts_in_fallback(redis_server):
     """Reloaded limits give users ceilings while the store is down: the new
     lane starts in fallback (its users' ceilings divided by the engines last

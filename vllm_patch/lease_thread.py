@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_output_rate.lease_lane import LeaseLane, LeasingLimiter
-from vllm_output_rate.lease_store import LIVE_S, RATE, LeaseAsk, LeaseReply, RedisStore, new_engine_id
+from vllm_output_rate.lease_store import (
+    KIND_KEYS, LIVE_S, RATE, LeaseAsk, LeaseReply, RedisStore, new_engine_id)
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.partition import PartitionWatch
 from vllm_output_rate.shared_settings import SharedStateSettings
@@ -100,8 +101,14 @@ class LeaseStats:
     fallback_episodes: int = 0
     #: times the store was found to have lost its data
     resets: int = 0
-    #: tokens spent in fallback, without a lease
+    #: tokens spent in fallback, without a lease (the users' rates)
     unleased_spent: int = 0
+    #: per kind of budget (``KIND_KEYS``, every key there from the start:
+    #: read from any thread): tokens spent in fallback without a lease, and
+    #: budget entries sent [in calls answered, in calls that failed]
+    unleased: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KIND_KEYS, 0))
+    entries: dict[str, list[int]] = field(
+        default_factory=lambda: {kind: [0, 0] for kind in KIND_KEYS})
     #: when the current fallback began (time.monotonic), and the seconds
     #: of the fallbacks that ended
     fallback_since: float | None = None
@@ -321,10 +328,13 @@ class LeaseThread(PartitionWatch):
         lanes = self.lanes
         asks: list[LeaseAsk] = []
         report = self._report_marks()
+        stats = self.stats
         for lane in lanes.values():
             recent, short, unleased = lane.drain(now_ns)
-            if lane.kind == RATE:
-                self.stats.unleased_spent += unleased
+            if unleased:
+                stats.unleased[lane.kind] += unleased
+                if lane.kind == RATE:
+                    stats.unleased_spent += unleased
             used = {} if report is None else lane.usage_to_report(*report, self.shard_of)
             asks.extend(lane.asks(now_ns, recent, short, used))
         # (each budget's own divisor: its lane's fallback share, ``partition``)
@@ -340,6 +350,7 @@ class LeaseThread(PartitionWatch):
                                          divisors=divisors,
                                          **({"now_ns": now_ns} if self.settings.cluster else {}))
         except Exception as exc:  # no store (a cluster: no node) answers
+            _count_entries(stats.entries, asks, 1)
             self._failed(None, exc, sent_ns)
             self._watch_alive()
             return
@@ -349,7 +360,9 @@ class LeaseThread(PartitionWatch):
         retries = {kind: {u: t for u, t in lane.retry_at.items() if t > now_ns}
                    for kind, lane in lanes.items()}
         for shard, reply in replies.items():
-            if isinstance(reply, Exception):
+            failed = isinstance(reply, Exception)
+            _count_entries(stats.entries, plan.get(shard, ()), 1 if failed else 0)
+            if failed:
                 self._failed(shard, reply, sent_ns)
             else:
                 self.stats.latencies.append(latency)
@@ -520,6 +533,13 @@ class LeaseThread(PartitionWatch):
             lane.limiter.end_fallback()
         logger.warning("output-rate shared state: the store at %s answers again; shared "
                        "budgets resumed", self.settings.redacted_url)
+
+
+def _count_entries(entries: dict[str, list[int]], asks: Any, failed: int) -> None:
+    """Count the budget entries of a call per kind (``failed``: 1 for a
+    call that failed or timed out, else 0)."""
+    for ask in asks:
+        entries[ask.kind][failed] += 1
 
 
 def _shard_text(shard: Any) -> str:
