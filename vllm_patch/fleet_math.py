@@ -140,7 +140,11 @@ class LeaseSizer:
         sharing the user; the store caps a contended budget at that), more
         if it spent more lately, to last until the next ask (a retry
         interval and two ticks). Any other user: one and a half times what
-        it spent lately, for two ticks. What an engine holds stays well
+        it spent lately, for two ticks. A user the store granted less than
+        asked (``retry_at``) is not asked for before its retry, its demand
+        kept meanwhile, and after it only once it spends or runs short
+        (then as a user short of leases): one ask per retry, whatever its
+        limit (a ceiling's, a prompt budget's). What an engine holds stays well
         under the horizon's worth, so leases are spent, not left to expire.
         ``paced``: users that waited for the release of their long slice
         (as good as short, for steadiness). With long slices, a steady user (``steady_rate``): a long slice
