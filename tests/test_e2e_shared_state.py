@@ -317,10 +317,18 @@ def test_store_stopped_mid_run_then_back_empty(fleet):
         assert metric_value(samples, "vllm_output_rate_shared_store_fallback_seconds_total") > 2
         assert metric_value(samples, "vllm_output_rate_shared_tokens_unleased_total") > 0
         assert metric_value(samples, "vllm_output_rate_shared_store_fallback") == 0
+    down, back = "is unreachable", "answers again; shared budgets resumed"
     for engine, size in zip(engines, log_sizes):
-        with open(engine.log_path, "rb") as f:
-            f.seek(size)
-            log = f.read().decode(errors="replace")
+        # (the gauge above is back at 0; the line saying so may reach the
+        # log file a moment later on a loaded machine: read until it has)
+        deadline = time.monotonic() + 30.0
+        while True:
+            with open(engine.log_path, "rb") as f:
+                f.seek(size)
+                log = f.read().decode(errors="replace")
+            if log.rfind(back) > log.rfind(down) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         # one line per episode, naming the store without secrets, and each
         # episode ends with a line of its own: the lines alternate. The
         # outage is one episode; on a loaded machine a store call that timed
@@ -328,7 +336,6 @@ def test_store_stopped_mid_run_then_back_empty(fleet):
         # episodes of an engine in one run, "Timeout reading from" the
         # store started at nice 10), so their number is the machine's
         # (one such episode may straddle where the log is read from, or its end)
-        down, back = "is unreachable", "answers again; shared budgets resumed"
         lines = re.findall(rf"shared state: the store at \S+ ({down}|{back})", log)
         seen = lines[1:] if lines[:1] == [back] else lines
         seen = seen[:-1] if seen[-1:] == [down] else seen

@@ -67,7 +67,11 @@ def self_attributes(tree: ast.AST) -> set[str]:
     found: set[str] = set()
     for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)]:
         for item in cls.body:
-            # (a bare annotation declares a host attribute: nothing is set)
+            # (a bare annotation declares a host attribute: nothing is set;
+            # ``name = Class.method`` names a method, no data)
+            if isinstance(item, ast.Assign) and isinstance(item.value, ast.Attribute) and \
+                    isinstance(item.value.value, ast.Name) and item.value.value.id[:1].isupper():
+                continue
             if isinstance(item, ast.Assign) or (isinstance(item, ast.AnnAssign) and item.value):
                 targets = item.targets if isinstance(item, ast.Assign) else [item.target]
                 found.update(t.id for t in targets if isinstance(t, ast.Name))
@@ -149,6 +153,8 @@ def test_the_checks_see_what_they_check():
         "class M:\n"
         "    flag = False\n"
         "    declared: int\n"
+        "    hook = Base.method\n"
+        "    data = config.value\n"
         "    @property\n"
         "    def alias(self):\n"
         "        return 1\n"
@@ -157,7 +163,7 @@ def test_the_checks_see_what_they_check():
         "        self.y, self.z.w = 2, 3\n"
         "        self.running[:] = []\n"
         "        self.n += 1\n")
-    assert self_attributes(mixin) == {"flag", "x", "y", "n"}
+    assert self_attributes(mixin) == {"flag", "data", "x", "y", "n"}
     assert properties(mixin) == {"alias"}
     assert len(MODULES) > 20
     assert all(m in {rel(p) for p in MODULES} for m in LONG_MODULES)
