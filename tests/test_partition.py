@@ -346,3 +346,67 @@ def test_two_real_schedulers_through_a_partition_on_one_clock(redis_server, is_a
         for drv in drivers:
             drv.scheduler.output_rate.limiter.thread.store.drop_alive()
             drv.scheduler.shutdown()
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_two_real_schedulers_lend_nothing_past_p_when_cut_off(redis_server, is_async, monkeypatch,
+                                                              tmp_path):
+    """As above with user-a in a tier ``{rate: 20, ceiling: 60}`` and
+    nothing else to run: each engine lends its idle capacity within the
+    ceiling's leases (the ceiling's lane of the lease thread). Engine 1 cut
+    off 2 s in (P = 4 s): it serves half the ceiling (its guaranteed and
+    lent tokens together) while the store keeps that reserved, and nothing
+    once P has passed (before, it kept lending at its fallback share of the
+    ceiling); engine 0 the whole ceiling then; the ceiling's bound holds in
+    every window."""
+    from harness import Driver, VirtualClock, make_request, make_scheduler
+    from vllm_output_rate.config import load_limits_file
+    from vllm_output_rate.ledger import OutputRateState
+
+    url = fresh_store(redis_server)
+    monkeypatch.setattr(OutputRateState, "watch_thread", False)
+    clock = VirtualClock()
+    path = tmp_path / "limits.yaml"
+    path.write_text("default: 1000\ntiers: {gold: {rate: 20, ceiling: 60}}\nusers: {user-a: gold}\n")
+    limits = load_limits_file(str(path)).to_dict()
+    with FaultProxy("127.0.0.1", redis_server.port) as proxy:
+        drivers = []
+        for at in (url + "?timeout_ms=5000&partition_ms=4000",
+                   proxy.redis_url() + "?timeout_ms=100&partition_ms=4000"):
+            sched = make_scheduler({**limits, "shared_state": at}, clock=clock,
+                                   async_scheduling=is_async)
+            drivers.append(Driver(sched, None, is_async=is_async))
+            for _ in range(2):
+                sched.add_request(make_request("user-a", max_tokens=5000))
+        t0 = clock()
+        spends: list[list[tuple[int, int]]] = [[], []]
+        for i in range(1000):  # 10 s at 10 ms
+            now = clock()
+            if now == t0 + 2 * S:
+                proxy.cut()
+            for k, drv in enumerate(drivers):
+                limiter = drv.scheduler.output_rate.limiter
+                if i % 5 == 0 or limiter.starved or any(o.starved for o in limiter.others.values()):
+                    limiter.thread.tick(now_us=now / 1000)
+                drv.step()
+                last = drv.scheduler.output_rate.last_step
+                n = sum(1 for u in (*last.charged.values(), *last.borrowed.values()) if u == "user-a")
+                if n:
+                    spends[k].append((now, n))
+            clock.advance_ms(10)
+        c = t0 + 2 * S
+        lo, hi = c + int(1.5 * S), c + int(3.8 * S)
+        secs = (hi - lo) / S
+        print(f"\ncut off, ceiling 60: engine 1 {spent(spends[1], lo, hi) / secs:.1f} tok/s until P, "
+              f"then {spent(spends[1], c + int(4.1 * S), c + 8 * S)} tokens; engine 0 "
+              f"{spent(spends[0], c + int(4.1 * S), c + 8 * S) / 3.9:.1f} tok/s")
+        assert abs(spent(spends[1], lo, hi) / secs - 30) <= 3 + 2 / secs, spent(spends[1], lo, hi) / secs
+        lo, hi = c + int(4.1 * S), c + 8 * S
+        assert spent(spends[1], lo, hi) == 0
+        assert spent(spends[0], lo, hi) / ((hi - lo) / S) >= 0.9 * 60
+        excess, window = worst_window_excess(sorted(spends[0] + spends[1]), Fraction(60), 0.5, 0.25)
+        assert excess <= 0, (excess, window)
+        proxy.heal()
+        for drv in drivers:
+            drv.scheduler.output_rate.limiter.thread.store.drop_alive()
+            drv.scheduler.shutdown()
