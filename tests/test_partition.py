@@ -5,8 +5,10 @@ script), then fleets on a fake clock with one engine cut off by the fault
 proxy (``tools.reliability.fault_proxy``: its traffic dropped, its
 connections held): the cut-off engine spends only the share the store keeps
 for it and stops once the partition window ``P`` has passed, the others get
-the rest, and the fleet bound holds in every window; vLLM's own schedulers
-on one fake clock through the same partition."""
+the rest, and the fleet bound holds in every window, for each kind of
+budget (a user's rate, ceiling and prompt budget); vLLM's own schedulers
+on one fake clock through the same partition (the rate, and lending within
+a ceiling)."""
 
 from __future__ import annotations
 
