@@ -10,6 +10,7 @@ from vllm_output_rate.dashboards.expressions import (
     LIMITS_FAILED,
     LIMITS_FAILED_MATCHER,
     STORE_FAILED,
+    STORE_OK,
     limit_sets_expr,
 )
 from vllm_output_rate.dashboards.panels import TOKS, Dashboard, Panel, Row, Target, right_axis
@@ -231,23 +232,38 @@ def shared_store_panels(c: Config) -> list[Panel | Row]:
     the store, fallback (empty without --output-rate-shared-state)."""
     rate = "sum by ({by}) (rate({sel}[$__rate_interval]))"
     calls = c.sel("shared_store_call_seconds", "_bucket")
+    by_kind = c.by("engine", "kind")
     return [
         Row("Shared budgets (--output-rate-shared-state)"),
         Panel(
             "Leased, spent, expired and unleased tokens per engine",
             "Tokens the shared store granted this engine (leased), what it spent of them, what "
             "expired unspent (the store's slots passed: given to no one), and what it spent "
-            "without a lease in fallback. Healthy: spent close to leased, expired a small "
-            "share, unleased 0.",
+            "without a lease in fallback, per kind of budget (rate: the users' output rates; "
+            "ceiling: their ceilings, every output token of a user with one; prompt: their "
+            "prompt budgets, prompt tokens computed). Healthy: spent close to leased, expired "
+            "a small share, unleased 0.",
             "suffix: tok/s",
-            [Target(rate.format(by=c.by("engine"), sel=c.sel("shared_tokens_leased")),
-                    "leased, engine {{engine}}" + c.on_group(), "positive"),
-             Target(rate.format(by=c.by("engine"), sel=c.sel("shared_tokens_spent")),
-                    "spent, engine {{engine}}" + c.on_group(), "positive"),
-             Target(rate.format(by=c.by("engine"), sel=c.sel("shared_tokens_expired")),
-                    "expired, engine {{engine}}" + c.on_group(), "data"),
-             Target(rate.format(by=c.by("engine"), sel=c.sel("shared_tokens_unleased")),
-                    "unleased (fallback), engine {{engine}}" + c.on_group(), "data")]),
+            [Target(rate.format(by=by_kind, sel=c.sel("shared_tokens_leased")),
+                    "leased {{kind}}, engine {{engine}}" + c.on_group(), "positive"),
+             Target(rate.format(by=by_kind, sel=c.sel("shared_tokens_spent")),
+                    "spent {{kind}}, engine {{engine}}" + c.on_group(), "positive"),
+             Target(rate.format(by=by_kind, sel=c.sel("shared_tokens_expired")),
+                    "expired {{kind}}, engine {{engine}}" + c.on_group(), "data"),
+             Target(rate.format(by=by_kind, sel=c.sel("shared_tokens_unleased")),
+                    "unleased (fallback) {{kind}}, engine {{engine}}" + c.on_group(), "data")]),
+        Panel(
+            "Budget entries asked of the store per engine and kind",
+            "Entries (one user's budget of one kind) this engine's lease thread asked the store "
+            "for per second, per kind of budget (rate, ceiling, prompt), and those in calls that "
+            "failed or timed out: the store's work comes from the entries, not the calls. "
+            "Healthy: no failed entries; with long slices (slice_ms) the entries of users at "
+            "their limits a fraction of those without.",
+            "suffix: entries/s",
+            [Target(rate.format(by=by_kind, sel=c.sel("shared_store_entries", extra=STORE_OK)),
+                    "{{kind}}, engine {{engine}}" + c.on_group(), "positive"),
+             Target(rate.format(by=by_kind, sel=c.sel("shared_store_entries", extra=STORE_FAILED)),
+                    "failed {{kind}}, engine {{engine}}" + c.on_group(), "data")]),
         Panel(
             "Store calls: latency and failures",
             "Duration of the lease thread's calls to the store (off the scheduler's thread: "

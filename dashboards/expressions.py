@@ -15,6 +15,8 @@ assert set(LIMITS_FAILED) < set(LIMITS_RESULTS), LIMITS_RESULTS
 LIMITS_FAILED_MATCHER = f'result=~"{"|".join(LIMITS_FAILED)}"'
 #: failed calls of the lease thread to the shared budget store
 STORE_FAILED = 'result="failed"'
+#: (and the calls, or budget entries, in calls answered)
+STORE_OK = 'result="ok"'
 
 
 def limit_sets_expr(c: Config, dashboard: bool = False) -> str:

@@ -62,6 +62,8 @@ class SimEngine:
     others: dict[str, SharedBudgetLimiter] = field(default_factory=dict)
     #: user -> prompt tokens it wants computed per step (prompt budgets)
     prompts: dict[str, int] = field(default_factory=dict)
+    #: kind -> user -> [(ns, tokens)] this engine spent of that budget
+    kind_spends: dict[str, dict[str, list[tuple[int, int]]]] = field(default_factory=dict)
 
 
 class Fleet:
@@ -189,9 +191,11 @@ class Fleet:
 
     def _record(self, kind: str, engine: SimEngine, now: int, taken: dict[str, int]) -> None:
         spends = self.kind_spends[kind]
+        mine = engine.kind_spends.setdefault(kind, {})
         for user, n in taken.items():
             if self.keep is None or user in self.keep:
                 spends.setdefault(user, []).append((now, n))
+                mine.setdefault(user, []).append((now, n))
 
     def run(self, seconds: float, each_step: Callable[[Fleet], None] | None = None) -> None:
         end = self.now_ns + int(seconds * NS_PER_S)

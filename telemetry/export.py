@@ -34,6 +34,7 @@ from vllm_output_rate.telemetry.metrics import (
     SHARED_LIVE_ENGINES,
     SHARED_STORE_CALL_SECONDS,
     SHARED_STORE_CALLS,
+    SHARED_STORE_ENTRIES,
     SHARED_STORE_FALLBACK,
     SHARED_STORE_FALLBACK_SECONDS,
     SHARED_STORE_PARTITIONED,
@@ -155,12 +156,18 @@ class SnapshotWriter:
 
     def _fold_shared_state(self, shared: dict[str, Any], counters: dict, gauges: dict) -> None:
         """The lease machinery's numbers (exporter thread; shared-budget mode)."""
-        for metric, key in ((SHARED_TOKENS_LEASED, "leased"), (SHARED_TOKENS_SPENT, "spent"),
-                            (SHARED_TOKENS_EXPIRED, "expired"),
-                            (SHARED_TOKENS_UNLEASED, "unleased"),
-                            (SHARED_STORE_FALLBACK_SECONDS, "fallback_seconds"),
+        for metric, key in ((SHARED_STORE_FALLBACK_SECONDS, "fallback_seconds"),
                             (SHARED_STORE_RESETS, "resets")):
             counters[metric.key()] = shared[key]
+        # per kind of budget (the rates', and the ceilings' and prompt
+        # budgets' the engine leases or leased)
+        for kind, numbers in shared.get("kinds", {}).items():
+            for metric, key in ((SHARED_TOKENS_LEASED, "leased"), (SHARED_TOKENS_SPENT, "spent"),
+                                (SHARED_TOKENS_EXPIRED, "expired"),
+                                (SHARED_TOKENS_UNLEASED, "unleased")):
+                counters[metric.key(kind)] = numbers[key]
+            counters[SHARED_STORE_ENTRIES.key(kind, "ok")] = numbers["entries_ok"]
+            counters[SHARED_STORE_ENTRIES.key(kind, "failed")] = numbers["entries_failed"]
         counters[SHARED_STORE_CALLS.key("ok")] = shared["calls"] - shared["failed_calls"]
         counters[SHARED_STORE_CALLS.key("failed")] = shared["failed_calls"]
         gauges[SHARED_STORE_FALLBACK.key()] = shared["fallback"]

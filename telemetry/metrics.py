@@ -168,18 +168,29 @@ METRICS: tuple[Metric, ...] = (
     Metric("limits_info", "gauge", "info",
            "1, labelled with the SHA-256 of the limits in force and where they come from "
            "(the limits file, or the command line).", ("sha256", "source")),
-    # Shared-budget mode (--output-rate-shared-state): per engine, no user label.
+    # Shared-budget mode (--output-rate-shared-state): per engine, no user
+    # label; kind: the budget (rate, ceiling, prompt), a user's output rate,
+    # its ceiling or its prompt budget.
     Metric("shared_tokens_leased", "counter", "tokens",
-           "Tokens the shared store granted this engine as leases (shared-budget mode).", renamed=False, only_in="shared_state"),
+           "Tokens the shared store granted this engine as leases (shared-budget mode), by kind "
+           "of budget (rate, ceiling, prompt).", ("kind",), renamed=False, only_in="shared_state"),
     Metric("shared_tokens_spent", "counter", "tokens",
-           "Leased tokens this engine spent.", renamed=False, only_in="shared_state"),
+           "Leased tokens this engine spent, by kind of budget.", ("kind",), renamed=False,
+           only_in="shared_state"),
     Metric("shared_tokens_expired", "counter", "tokens",
-           "Leased tokens that expired unspent (given back to no one: the store's slots pass).", renamed=False, only_in="shared_state"),
+           "Leased tokens that expired unspent (given back to no one: the store's slots pass), "
+           "by kind of budget.", ("kind",), renamed=False, only_in="shared_state"),
     Metric("shared_tokens_unleased", "counter", "tokens",
-           "Tokens spent in fallback, without a lease (the store unreachable).", renamed=False, only_in="shared_state"),
+           "Tokens spent in fallback, without a lease (the store unreachable), by kind of budget.",
+           ("kind",), renamed=False, only_in="shared_state"),
     Metric("shared_store_calls", "counter", "calls",
            "Calls of this engine's lease thread to the shared store, by result (ok, failed).",
            ("result",), renamed=False, only_in="shared_state"),
+    Metric("shared_store_entries", "counter", "entries",
+           "Budget entries (one user's budget of one kind) this engine's lease thread asked the "
+           "shared store for, by kind of budget (rate, ceiling, prompt) and result (ok: in a call "
+           "answered; failed: in a call that failed or timed out).", ("kind", "result"),
+           renamed=False, only_in="shared_state"),
     Metric("shared_store_call_seconds", "histogram", "seconds",
            "Duration of one successful lease call to the shared store (off the scheduler's thread).",
            (), STORE_CALL_BUCKETS, renamed=False, only_in="shared_state"),
@@ -248,6 +259,7 @@ SHARED_TOKENS_SPENT = BY_NAME["shared_tokens_spent"]
 SHARED_TOKENS_EXPIRED = BY_NAME["shared_tokens_expired"]
 SHARED_TOKENS_UNLEASED = BY_NAME["shared_tokens_unleased"]
 SHARED_STORE_CALLS = BY_NAME["shared_store_calls"]
+SHARED_STORE_ENTRIES = BY_NAME["shared_store_entries"]
 SHARED_STORE_CALL_SECONDS = BY_NAME["shared_store_call_seconds"]
 SHARED_STORE_FALLBACK = BY_NAME["shared_store_fallback"]
 SHARED_STORE_FALLBACK_SECONDS = BY_NAME["shared_store_fallback_seconds"]

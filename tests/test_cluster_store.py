@@ -206,8 +206,12 @@ def test_lost_replies_blip_or_fall_back_one_shard_and_the_bound_holds(url):
             # served, if below the limit: each fallback (two replies lost in
             # a row: often, with half of them lost) first waits until the
             # store must have seen the engine silent (``partition``), then
-            # spends its share (9.0 tok/s here; 10+ before that wait)
-            assert rate >= 0.4 * 20, (user, rate)
+            # spends its share; and a user the store cut is asked for again
+            # when it runs short, not at once when its retry falls due
+            # (``fleet_math``: one ask per retry), one chance fewer with half
+            # the replies lost (7.0 tok/s here; 9.0 before that, 10+ before
+            # the wait)
+            assert rate >= 0.3 * 20, (user, rate)
 
 
 def two_engines_a_user_a_shard(url: str, cluster: RedisCluster, timeout_ms: int, seed: int):

@@ -187,6 +187,13 @@ def test_a_ceiling_holds_across_two_engines_each_lending_its_idle_capacity(fleet
           f"worst window {excess:+d} tokens against the ceiling's fleet bound")
     assert excess <= 0, (excess, window)
     assert all(n > 0 for n in borrowed), borrowed  # each engine lent its own capacity
+    # the lease counters say which kind of budget asked and leased (``kind``)
+    after = [scrape_metrics(e.base_url) for e in engines]
+    for name in ("vllm_output_rate_shared_store_entries_total",
+                 "vllm_output_rate_shared_tokens_leased_total"):
+        grew = [metric_value(a, name, kind="ceiling") - metric_value(b, name, kind="ceiling")
+                for a, b in zip(after, before)]
+        assert all(n > 0 for n in grew), (name, grew)
     # past its guaranteed rate (the machine's stalls only lower this side)
     assert stepping >= 2 * RATE_C, stepping
 

@@ -5,8 +5,10 @@ script), then fleets on a fake clock with one engine cut off by the fault
 proxy (``tools.reliability.fault_proxy``: its traffic dropped, its
 connections held): the cut-off engine spends only the share the store keeps
 for it and stops once the partition window ``P`` has passed, the others get
-the rest, and the fleet bound holds in every window; vLLM's own schedulers
-on one fake clock through the same partition."""
+the rest, and the fleet bound holds in every window, for each kind of
+budget (a user's rate, ceiling and prompt budget); vLLM's own schedulers
+on one fake clock through the same partition (the rate, and lending within
+a ceiling)."""
 
 from __future__ import annotations
 
@@ -199,6 +201,67 @@ def test_a_cut_off_engine_spends_only_its_reserved_share_and_stops_after_p(redis
     assert a.limiter.stats()["partitions"] == 0 and a.limiter.stats()["fallback_episodes"] == 0
 
 
+def test_a_cut_off_engine_stops_every_kind_of_budget_after_p(redis_server):
+    """As above, with user "u"'s ceiling (60: each engine lends what its
+    streams want beyond the rate) and its prompt budget (1,000 tok/s) leased
+    beside its rate, each a lane of the lease thread: b spends no fallback
+    share of any kind before the store must have seen it silent, then half
+    of each (the divisor each lane told the store), and nothing of any
+    kind once P has passed since its last answered ask (before: only its
+    rate stopped; it kept lending within its ceiling and computing prompts
+    at its fallback shares while a was granted the whole of each). The
+    fleet bound of each kind holds in every window."""
+    from vllm_output_rate.lease_store import CEILING, PROMPT
+
+    url = fresh_store(redis_server)
+    settings = parse_shared_state(url + "?partition_ms=6000")
+    fleet = Fleet(url, Fraction(20), settings=settings, seed=5,
+                  budgets={CEILING: (Fraction(60), {}), PROMPT: (Fraction(1000), {})})
+    with FaultProxy("127.0.0.1", redis_server.port) as proxy:
+        a = fleet.add_engine()
+        b = fleet.add_engine(client=proxied_client(proxy, 0.03))
+        for engine in (a, b):
+            engine.streams, engine.prompts = {"u": 3}, {"u": 40}
+        fleet.run(2.0)
+        cut_ns = fleet.now_ns
+        held = {kind: o.book.balance.get("u", 0) + o.unreleased.get("u", 0)
+                for kind, o in b.others.items()}
+        proxy.cut()
+        fleet.run(9.0)
+        cut_off = {kind: o.in_fallback and o._fallback.terms is not None
+                   for kind, o in b.others.items()}
+        proxy.heal()
+        fleet.run(4.0)
+    c = cut_ns
+    start = c + int((settings.timeout_s + silent_window_s(settings)) * S)
+    during, after = (c + S, c + int(5.8 * S)), (c + int(6.1 * S), c + int(9.0 * S))
+
+    def per_s(spends, span):
+        return spent(spends, *span) / ((span[1] - span[0]) / S)
+
+    print("\ncut off, b per kind until P, then after P (a): " + "; ".join(
+        f"{kind} {per_s(b.kind_spends[kind]['u'], during):.1f}, then "
+        f"{per_s(b.kind_spends[kind]['u'], after):.1f} ({per_s(a.kind_spends[kind]['u'], after):.1f})"
+        for kind in (CEILING, PROMPT)))
+    for kind, limit in ((CEILING, 60), (PROMPT, 1000)):
+        both = fleet.kind_spends[kind]["u"]
+        A, B = a.kind_spends[kind]["u"], b.kind_spends[kind]["u"]
+        # P over: nothing of any kind from b, a the whole budget
+        assert spent(B, *after) == 0, kind
+        assert per_s(A, after) >= 0.95 * limit, kind
+        # before: its leases alone until the store must have seen it silent
+        assert spent(B, c, start) <= held[kind], kind
+        # then half of each (the divisor it told the store), a the rest
+        assert abs(per_s(B, during) - limit / 2) <= 0.05 * limit, (kind, per_s(B, during))
+        assert per_s(A + B, during) <= limit * 1.02 + 3 / 4.8, kind
+        assert spent(B, c + int(10.0 * S), fleet.now_ns) > 0, kind  # healed
+        excess, window = worst_window_excess(sorted(both), Fraction(limit), settings.horizon_s,
+                                             settings.lookahead_s)
+        assert excess <= 0, (kind, excess, window)
+    assert cut_off == {CEILING: True, PROMPT: True}
+    assert spent(b.spends["u"], c + int(6.1 * S), c + 9 * S) == 0
+
+
 def test_a_dead_engine_gives_its_share_back_within_the_silent_window_a_cut_off_one_keeps_it(
         redis_server):
     """Three engines share "u": c is cut off by the proxy, b killed whole
@@ -282,6 +345,70 @@ def test_two_real_schedulers_through_a_partition_on_one_clock(redis_server, is_a
         assert excess <= 0, (excess, window)
         assert cut_stats["partitioned"] == 1.0 and cut_stats["partitions"] == 1
         assert drivers[0].scheduler.output_rate.limiter.stats()["fallback_episodes"] == 0
+        for drv in drivers:
+            drv.scheduler.output_rate.limiter.thread.store.drop_alive()
+            drv.scheduler.shutdown()
+
+
+@pytest.mark.parametrize("is_async", MODES)
+def test_two_real_schedulers_lend_nothing_past_p_when_cut_off(redis_server, is_async, monkeypatch,
+                                                              tmp_path):
+    """As above with user-a in a tier ``{rate: 20, ceiling: 60}`` and
+    nothing else to run: each engine lends its idle capacity within the
+    ceiling's leases (the ceiling's lane of the lease thread). Engine 1 cut
+    off 2 s in (P = 4 s): it serves half the ceiling (its guaranteed and
+    lent tokens together) while the store keeps that reserved, and nothing
+    once P has passed (before, it kept lending at its fallback share of the
+    ceiling); engine 0 the whole ceiling then; the ceiling's bound holds in
+    every window."""
+    from harness import Driver, VirtualClock, make_request, make_scheduler
+    from vllm_output_rate.config import load_limits_file
+    from vllm_output_rate.ledger import OutputRateState
+
+    url = fresh_store(redis_server)
+    monkeypatch.setattr(OutputRateState, "watch_thread", False)
+    clock = VirtualClock()
+    path = tmp_path / "limits.yaml"
+    path.write_text("default: 1000\ntiers: {gold: {rate: 20, ceiling: 60}}\nusers: {user-a: gold}\n")
+    limits = load_limits_file(str(path)).to_dict()
+    with FaultProxy("127.0.0.1", redis_server.port) as proxy:
+        drivers = []
+        for at in (url + "?timeout_ms=5000&partition_ms=4000",
+                   proxy.redis_url() + "?timeout_ms=100&partition_ms=4000"):
+            sched = make_scheduler({**limits, "shared_state": at}, clock=clock,
+                                   async_scheduling=is_async)
+            drivers.append(Driver(sched, None, is_async=is_async))
+            for _ in range(2):
+                sched.add_request(make_request("user-a", max_tokens=5000))
+        t0 = clock()
+        spends: list[list[tuple[int, int]]] = [[], []]
+        for i in range(1000):  # 10 s at 10 ms
+            now = clock()
+            if now == t0 + 2 * S:
+                proxy.cut()
+            for k, drv in enumerate(drivers):
+                limiter = drv.scheduler.output_rate.limiter
+                if i % 5 == 0 or limiter.starved or any(o.starved for o in limiter.others.values()):
+                    limiter.thread.tick(now_us=now / 1000)
+                drv.step()
+                last = drv.scheduler.output_rate.last_step
+                n = sum(1 for u in (*last.charged.values(), *last.borrowed.values()) if u == "user-a")
+                if n:
+                    spends[k].append((now, n))
+            clock.advance_ms(10)
+        c = t0 + 2 * S
+        lo, hi = c + int(1.5 * S), c + int(3.8 * S)
+        secs = (hi - lo) / S
+        print(f"\ncut off, ceiling 60: engine 1 {spent(spends[1], lo, hi) / secs:.1f} tok/s until P, "
+              f"then {spent(spends[1], c + int(4.1 * S), c + 8 * S)} tokens; engine 0 "
+              f"{spent(spends[0], c + int(4.1 * S), c + 8 * S) / 3.9:.1f} tok/s")
+        assert abs(spent(spends[1], lo, hi) / secs - 30) <= 3 + 2 / secs, spent(spends[1], lo, hi) / secs
+        lo, hi = c + int(4.1 * S), c + 8 * S
+        assert spent(spends[1], lo, hi) == 0
+        assert spent(spends[0], lo, hi) / ((hi - lo) / S) >= 0.9 * 60
+        excess, window = worst_window_excess(sorted(spends[0] + spends[1]), Fraction(60), 0.5, 0.25)
+        assert excess <= 0, (excess, window)
+        proxy.heal()
         for drv in drivers:
             drv.scheduler.output_rate.limiter.thread.store.drop_alive()
             drv.scheduler.shutdown()

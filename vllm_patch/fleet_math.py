@@ -140,7 +140,11 @@ class LeaseSizer:
         sharing the user; the store caps a contended budget at that), more
         if it spent more lately, to last until the next ask (a retry
         interval and two ticks). Any other user: one and a half times what
-        it spent lately, for two ticks. What an engine holds stays well
+        it spent lately, for two ticks. A user the store granted less than
+        asked (``retry_at``) is not asked for before its retry, its demand
+        kept meanwhile, and after it only once it spends or runs short
+        (then as a user short of leases): one ask per retry, whatever its
+        limit (a ceiling's, a prompt budget's). What an engine holds stays well
         under the horizon's worth, so leases are spent, not left to expire.
         ``paced``: users that waited for the release of their long slice
         (as good as short, for steadiness). With long slices, a steady user (``steady_rate``): a long slice
@@ -163,9 +167,11 @@ class LeaseSizer:
                 m[1] += recent.get(user, 0)
                 if user in short or user in paced:
                     m[4] += 1
-        # A user's demand estimate decays over a few ticks without spends.
+        # A user's demand estimate decays over a few ticks without spends
+        # (not while it waits for the store's retry: it spends nothing then
+        # because the fleet's budget is spent, not because it wants less).
         for user in list(demand):
-            if user not in users:
+            if user not in users and user not in retry_at:
                 demand[user] *= 0.5
                 if demand[user] * 2 * tick < 0.5:
                     del demand[user]
@@ -176,10 +182,19 @@ class LeaseSizer:
                 del meter[user]
                 self.next_long.pop(user, None)
                 self.cut.discard(user)
+        # Users the store granted less than asked whose retry falls due now
+        # want more than the fleet gives them: each is asked for when it
+        # runs short, as a user short of leases (its share, to last until
+        # the next ask), not for its demand over two ticks at once (that
+        # came whole, ran out a tick later and was asked again: two asks
+        # per retry where the rate, its demand gone by then, made one).
+        due = {u for u, t in retry_at.items() if t <= now_ns} if retry_at else frozenset()
         asks = []
         for user in users | set(demand) | set(used):
             if retry_at.get(user, 0) > now_ns and not used.get(user):
                 continue  # the store said no for now: ask again later
+            if user in due and user not in users and not used.get(user):
+                continue  # (asked for when it runs short)
             rate = rate_of(user)
             limit = float(rate)
             if slice_s and not used.get(user):
@@ -195,7 +210,7 @@ class LeaseSizer:
                             asks.append(LeaseAsk(user, rate, want, 0, long=True, kind=self.kind))
                     continue
             spend = recent.get(user, 0) / elapsed
-            if user in short:
+            if user in short or user in due:
                 # (Doubling from what it spent or asked last: a user whose
                 # limit is far above what one engine serves gets no lease it
                 # cannot use, and reaches what it can use in a few asks.)

@@ -93,6 +93,10 @@ class LeaseLane:
         #: user -> deadline of its last long slice (ns): a short lease
         #: granted after it never expires before it (leases stay in order)
         self.long_until: dict[str, int] = {}
+        #: user -> (send time of its last answered ask, the fallback divisor
+        #: sent with it): what the store holds in reserve of this budget
+        #: of the user for this engine while it is cut off (``partition``)
+        self.asked: dict[str, tuple[int, int]] = {}
 
     def drain(self, now_ns: int) -> tuple[dict[str, int], set[str], int]:
         """What the scheduler's thread posted since the last round: tokens
@@ -195,6 +199,13 @@ class LeaseLane:
             limiter.clear_requests += 1
         else:
             limiter.clear_leases(frozenset((shard,)), shard_of)
+
+    def divisor(self, user: str, live: int) -> int:
+        """The divisor of this budget's fallback share of ``user``, told
+        the store with each ask (the most engines seen sharing it lately,
+        else ``live``, the live engines)."""
+        seen = self.sharing_peak.get(user)
+        return max(1, seen[0] if seen is not None else live)
 
     def fallback_sharing(self) -> dict[str, int]:
         """Per user, the most engines seen sharing it lately (the

@@ -311,12 +311,13 @@ def budget_key(user: str, kind: str = RATE) -> str:
 
 
 def ask_args(ask: LeaseAsk, settings: SharedStateSettings,
-             divisors: Mapping[str, int] | None = None) -> tuple[str, int, int, int, int]:
+             divisors: Mapping[Any, int] | None = None) -> tuple[str, int, int, int, int]:
     """A user's arguments to the lease script, after its key (``divisors``:
-    the engine's fallback divisor per user, 1 for a user not in it)."""
+    the engine's fallback divisor per budget, ``LeaseAsk.budget``; 1 for a
+    budget not in it)."""
     return (repr(float(ask.rate.denominator * 1e6 / ask.rate.numerator)), ask.want, ask.used,
             int(settings.slice_s * 1e6) if ask.long else 0,
-            1 if divisors is None else divisors.get(ask.user, 1))
+            1 if divisors is None else divisors.get(ask.budget, 1))
 
 
 def call_args(engine: str, settings: SharedStateSettings, known_epoch: str,

@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_output_rate.lease_lane import LeaseLane, LeasingLimiter
-from vllm_output_rate.lease_store import LIVE_S, RATE, LeaseAsk, LeaseReply, RedisStore, new_engine_id
+from vllm_output_rate.lease_store import (
+    KIND_KEYS, LIVE_S, RATE, LeaseAsk, LeaseReply, RedisStore, new_engine_id)
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.partition import PartitionWatch
 from vllm_output_rate.shared_settings import SharedStateSettings
@@ -100,8 +101,14 @@ class LeaseStats:
     fallback_episodes: int = 0
     #: times the store was found to have lost its data
     resets: int = 0
-    #: tokens spent in fallback, without a lease
+    #: tokens spent in fallback, without a lease (the users' rates)
     unleased_spent: int = 0
+    #: per kind of budget (``KIND_KEYS``, every key there from the start:
+    #: read from any thread): tokens spent in fallback without a lease, and
+    #: budget entries sent [in calls answered, in calls that failed]
+    unleased: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KIND_KEYS, 0))
+    entries: dict[str, list[int]] = field(
+        default_factory=lambda: {kind: [0, 0] for kind in KIND_KEYS})
     #: when the current fallback began (time.monotonic), and the seconds
     #: of the fallbacks that ended
     fallback_since: float | None = None
@@ -134,9 +141,6 @@ class LeaseThread(PartitionWatch):
         self.shards: dict[Any, ShardState] = {None: ShardState()}
         self.live_engines = 1
         self.in_fallback = False
-        #: user -> (send time of its last answered ask, the fallback divisor
-        #: sent with it): what the store holds in reserve (``partition``)
-        self.asked: dict[str, tuple[int, int]] = {}
         self._asked_sweep_ns = 0
         self._alive_seen: tuple[str, ...] = ()
         self._partitioned_episode = False
@@ -183,6 +187,11 @@ class LeaseThread(PartitionWatch):
     def fallback_sharing(self) -> dict[str, int]:
         """Per user, the most engines seen sharing its rate lately."""
         return self.lanes[RATE].fallback_sharing()
+
+    @property
+    def asked(self) -> dict[str, tuple[int, int]]:
+        """User -> its rate's last answered ask and divisor (``LeaseLane.asked``)."""
+        return self.lanes[RATE].asked
 
     # -- lanes of a user's other budgets (``lease_lane``) ----------------------------
 
@@ -319,13 +328,18 @@ class LeaseThread(PartitionWatch):
         lanes = self.lanes
         asks: list[LeaseAsk] = []
         report = self._report_marks()
+        stats = self.stats
         for lane in lanes.values():
             recent, short, unleased = lane.drain(now_ns)
-            if lane.kind == RATE:
-                self.stats.unleased_spent += unleased
+            if unleased:
+                stats.unleased[lane.kind] += unleased
+                if lane.kind == RATE:
+                    stats.unleased_spent += unleased
             used = {} if report is None else lane.usage_to_report(*report, self.shard_of)
             asks.extend(lane.asks(now_ns, recent, short, used))
-        divisors = {ask.user: self._divisor(ask.user) for ask in asks}
+        # (each budget's own divisor: its lane's fallback share, ``partition``)
+        live = self.live_engines
+        divisors = {ask.budget: lanes[ask.kind].divisor(ask.user, live) for ask in asks}
         sent_ns = self.clock()
         t0 = time.perf_counter()
         try:
@@ -336,6 +350,7 @@ class LeaseThread(PartitionWatch):
                                          divisors=divisors,
                                          **({"now_ns": now_ns} if self.settings.cluster else {}))
         except Exception as exc:  # no store (a cluster: no node) answers
+            _count_entries(stats.entries, asks, 1)
             self._failed(None, exc, sent_ns)
             self._watch_alive()
             return
@@ -345,7 +360,9 @@ class LeaseThread(PartitionWatch):
         retries = {kind: {u: t for u, t in lane.retry_at.items() if t > now_ns}
                    for kind, lane in lanes.items()}
         for shard, reply in replies.items():
-            if isinstance(reply, Exception):
+            failed = isinstance(reply, Exception)
+            _count_entries(stats.entries, plan.get(shard, ()), 1 if failed else 0)
+            if failed:
                 self._failed(shard, reply, sent_ns)
             else:
                 self.stats.latencies.append(latency)
@@ -356,7 +373,8 @@ class LeaseThread(PartitionWatch):
         if now_ns >= self._asked_sweep_ns:
             self._asked_sweep_ns = now_ns + int(LIVE_S * NS_PER_S)
             old = now_ns - int(2 * LIVE_S * NS_PER_S)
-            self.asked = {u: a for u, a in self.asked.items() if a[0] >= old}
+            for lane in lanes.values():
+                lane.asked = {u: a for u, a in lane.asked.items() if a[0] >= old}
         self.live_engines = max((st.live_engines for k, st in self.shards.items()
                                  if k is not None or not self.settings.cluster), default=1)
         self.stats.failures_in_row = max(st.failures_in_row for st in self.shards.values())
@@ -394,7 +412,7 @@ class LeaseThread(PartitionWatch):
 
     def _answered(self, shard: Any, reply: LeaseReply, asks: list[LeaseAsk], now_ns: int,
                   sent_ns: int, retries: dict[str, dict[str, int]],
-                  divisors: Mapping[str, int] | None = None) -> None:
+                  divisors: Mapping[Any, int] | None = None) -> None:
         stats = self.stats
         st = self.shards.setdefault(shard, ShardState())
         stats.calls += 1
@@ -420,12 +438,12 @@ class LeaseThread(PartitionWatch):
             return
         st.epoch = reply.epoch
         granted = reply.granted
-        asked = self.asked
         for ask in asks:
-            tokens, sharing = granted[ask.budget]
-            if ask.kind == RATE:
-                asked[ask.user] = (sent_ns, 1 if divisors is None else divisors.get(ask.user, 1))
-            lanes[ask.kind].answer(ask, tokens, sharing, now_ns, sent_ns, retries[ask.kind])
+            budget = ask.budget
+            tokens, sharing = granted[budget]
+            lane = lanes[ask.kind]
+            lane.asked[ask.user] = (sent_ns, 1 if divisors is None else divisors.get(budget, 1))
+            lane.answer(ask, tokens, sharing, now_ns, sent_ns, retries[ask.kind])
         if st.report:
             st.report = False
             st.reported_ns = now_ns
@@ -487,17 +505,17 @@ class LeaseThread(PartitionWatch):
             return
         scope = None if None in down else frozenset(down)
         live = max(self.shards[k].live_engines for k in down)
-        terms = self.fallback_terms()
         self._alive_seen = self._alive_states()
-        self.stats.partitioned = partitioned = terms.reserved()
+        self.stats.partitioned = partitioned = self.fallback_terms({}).reserved()
         if partitioned and not self._partitioned_episode:
             self.stats.partitions += 1
         self._partitioned_episode = partitioned
         for lane in lanes:
-            # (the rate's fallback on the cut-off terms: ``partition``)
-            extra = {"terms": terms} if lane.kind == RATE else {}
+            # (every kind's fallback on the cut-off terms, at the divisors
+            # its asks told the store: ``partition``)
             lane.limiter.begin_fallback(lane.fallback_sharing(), live, scope,
-                                        self.shard_of if scope is not None else None, **extra)
+                                        self.shard_of if scope is not None else None,
+                                        terms=self.fallback_terms(lane.asked))
 
     def _leave_fallback(self, shard: Any = None) -> None:
         self.shards[shard].in_fallback = False
@@ -515,6 +533,13 @@ class LeaseThread(PartitionWatch):
             lane.limiter.end_fallback()
         logger.warning("output-rate shared state: the store at %s answers again; shared "
                        "budgets resumed", self.settings.redacted_url)
+
+
+def _count_entries(entries: dict[str, list[int]], asks: Any, failed: int) -> None:
+    """Count the budget entries of a call per kind (``failed``: 1 for a
+    call that failed or timed out, else 0)."""
+    for ask in asks:
+        entries[ask.kind][failed] += 1
 
 
 def _shard_text(shard: Any) -> str:

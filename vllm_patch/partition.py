@@ -123,16 +123,11 @@ class FallbackTerms:
 
 class PartitionWatch:
     """The lease thread's part (``lease_thread.LeaseThread`` is one): the
-    divisor told the store with each ask, the alive channels watched, and
-    the fallback's terms. Uses the thread's ``shards`` (``ShardState``
-    each), ``asked``, ``sharing_peak``, ``live_engines``, ``settings`` and
-    its store."""
+    alive channels watched, and the fallback's terms (each lane's: the
+    divisors it told the store with its asks, ``LeaseLane.asked``). Uses
+    the thread's ``shards`` (``ShardState`` each), ``settings`` and its
+    store."""
 
-    def _divisor(self, user: str) -> int:
-        """The divisor of ``user``'s fallback share, told the store with
-        each ask (the most engines seen sharing it, else the live engines)."""
-        seen = self.sharing_peak.get(user)
-        return max(1, seen[0] if seen is not None else self.live_engines)
 
     def _alive_states(self) -> tuple[str, ...]:
         store = self._store
@@ -161,8 +156,9 @@ class PartitionWatch:
             self._alive_seen = seen
             self._post_fallback()
 
-    def fallback_terms(self) -> FallbackTerms:
-        """What each user may spend in fallback (``partition.FallbackTerms``)."""
+    def fallback_terms(self, asked: Mapping[str, tuple[int, int]]) -> FallbackTerms:
+        """What each user may spend in fallback of the budget whose last
+        answered asks are ``asked`` (a lane's, ``LeaseLane.asked``)."""
         store = self._store
         contacts = {}
         for k, st in self.shards.items():
@@ -171,5 +167,5 @@ class PartitionWatch:
             closed_now = store is not None and store.alive_status(k) == CLOSED
             contacts[k] = ShardContact(st.ok_ns, st.first_failed_ns, st.closed_at_fallback, closed_now)
         s = self.settings
-        return FallbackTerms(contacts, self.asked, self.shard_of, s.timeout_s, s.partition_s,
+        return FallbackTerms(contacts, asked, self.shard_of, s.timeout_s, s.partition_s,
                              LIVE_S, silent_window_s(s))

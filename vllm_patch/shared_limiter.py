@@ -46,7 +46,7 @@ from fractions import Fraction
 from typing import Any
 
 from vllm_output_rate.lease_book import LeaseBook
-from vllm_output_rate.lease_store import RATE
+from vllm_output_rate.lease_store import KIND_KEYS, RATE
 from vllm_output_rate.lease_thread import LeaseThread
 from vllm_output_rate.limiter import BURST_NS, OutputRateLimiter
 from vllm_output_rate.partition import FallbackTerms
@@ -147,6 +147,9 @@ class SharedBudgetLimiter(OutputRateLimiter):
         #: kind -> the limiter of another of the users' budgets, leased by
         #: this one's thread and begun with it (the rates' only)
         self.others: dict[str, SharedBudgetLimiter] = {}
+        #: kind -> [granted, spent, expired] of that kind's limiters closed
+        #: (reloaded limits without it, or a new one): their counters go on
+        self.retired: dict[str, list[int]] = {}
         self.book = LeaseBook()
         self._balance = self.book.balance  # (the same dict, for the hot path)
         #: scheduler -> lease thread: (now_ns, {user: tokens}, fallback?)
@@ -441,6 +444,10 @@ class SharedBudgetLimiter(OutputRateLimiter):
         owner = self.owner
         if owner is not None:
             if owner.others.get(self.kind) is self:
+                book = self.book
+                old = owner.retired.get(self.kind, (0, 0, 0))
+                owner.retired[self.kind] = [old[0] + book.granted, old[1] + book.spent,
+                                            old[2] + book.expired]
                 del owner.others[self.kind]
                 self.thread.detach(self.kind)
             return
@@ -459,4 +466,27 @@ class SharedBudgetLimiter(OutputRateLimiter):
             "fallback_episodes": c.fallback_episodes, "resets": c.resets,
             "live_engines": t.live_engines,
             "partitioned": 1.0 if c.partitioned else 0.0, "partitions": c.partitions,
+            "kinds": self._kind_stats(),
         }
+
+    def _kind_stats(self) -> dict[str, dict[str, int]]:
+        """Per kind of budget the engine leases or leased (the rates
+        always): tokens leased, spent, expired and spent unleased, and
+        budget entries sent in calls answered and failed."""
+        c = self.thread.stats
+        out = {}
+        for kind in KIND_KEYS:
+            limiter = self if kind == RATE else self.others.get(kind)
+            old = self.retired.get(kind)
+            if limiter is None and old is None:
+                continue
+            totals = [0, 0, 0] if old is None else list(old)
+            if limiter is not None:
+                book = limiter.book
+                totals = [totals[0] + book.granted, totals[1] + book.spent,
+                          totals[2] + book.expired]
+            entries = c.entries[kind]
+            out[kind] = {"leased": totals[0], "spent": totals[1], "expired": totals[2],
+                         "unleased": c.unleased[kind], "entries_ok": entries[0],
+                         "entries_failed": entries[1]}
+        return out
