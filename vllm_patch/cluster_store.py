@@ -27,13 +27,14 @@ client side: the Redis client is imported only when a store is built.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Mapping
 from typing import Any
 
 from vllm_output_rate.alive import NONE, AliveChannel, alive_channel
 from vllm_output_rate.lease_store import (_LEASE_BODY, _LEAVE_BODY, ARGS_PER_USER, CALL_ARGS, HEARTBEAT_S, KEY_PREFIX,
                                           KIND_KEYS, RATE, LeaseAsk, LeaseReply, ask_args, call_args, keep_ms_of,
-                                          parse_reply)
+                                          next_rounds, parse_reply, round_s)
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, SharedStateSettings
 
 #: Slots of a Redis Cluster.
@@ -96,6 +97,12 @@ class ClusterStore:
         #: user -> slot (a user's slot never changes)
         self._user_slot: dict[str, int] = {}
         self._last_call_ns: dict[int, int] = {}
+        #: (long slices) shard -> when its next round comes (``round_s``),
+        #: and the shards called on their rounds this round -> the round's end
+        self._next_round: dict[int, int] = {}
+        self._round_ns = int(round_s(settings) * 1e9) if settings.slice_s else 0
+        self.round_phase_ns = random.randrange(self._round_ns) if self._round_ns else 0
+        self.rounds: dict[int, int] = {}
         #: shard -> the engine's subscription on its alive channel there
         self.alive: dict[int, AliveChannel] = {}
         self._lease_sha = self._leave_sha = ""
@@ -200,6 +207,13 @@ class ClusterStore:
             shard = self.shard_of(ask.user)
             if shard is not None:
                 plan.setdefault(shard, []).append(ask)
+        if self._round_ns:
+            # (long slices) every shard on its rounds (its heartbeat)
+            self.rounds = next_rounds(self._next_round, self.masters, now_ns, self._round_ns,
+                                      self.round_phase_ns)
+            for shard in self.rounds:
+                plan.setdefault(shard, [])
+            return plan
         heartbeat_ns = int(HEARTBEAT_S * 1e9)
         for shard in self.masters:
             if shard not in plan and now_ns - self._last_call_ns.get(shard, -heartbeat_ns) >= heartbeat_ns:
