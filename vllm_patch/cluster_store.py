@@ -27,14 +27,13 @@ client side: the Redis client is imported only when a store is built.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Mapping
 from typing import Any
 
 from vllm_output_rate.alive import NONE, AliveChannel, alive_channel
 from vllm_output_rate.lease_store import (_LEASE_BODY, _LEAVE_BODY, ARGS_PER_USER, CALL_ARGS, HEARTBEAT_S, KEY_PREFIX,
                                           KIND_KEYS, RATE, LeaseAsk, LeaseReply, ask_args, call_args, keep_ms_of,
-                                          next_rounds, parse_reply, round_s)
+                                          Rounds, parse_reply)
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, SharedStateSettings
 
 #: Slots of a Redis Cluster.
@@ -97,12 +96,8 @@ class ClusterStore:
         #: user -> slot (a user's slot never changes)
         self._user_slot: dict[str, int] = {}
         self._last_call_ns: dict[int, int] = {}
-        #: (long slices) shard -> when its next round comes (``round_s``),
-        #: and the shards called on their rounds this round -> the round's end
-        self._next_round: dict[int, int] = {}
-        self._round_ns = int(round_s(settings) * 1e9) if settings.slice_s else 0
-        self.round_phase_ns = random.randrange(self._round_ns) if self._round_ns else 0
-        self.rounds: dict[int, int] = {}
+        #: (long slices) the shards' rounds (``lease_store.round_s``)
+        self.rounds = Rounds(settings)
         #: shard -> the engine's subscription on its alive channel there
         self.alive: dict[int, AliveChannel] = {}
         self._lease_sha = self._leave_sha = ""
@@ -207,11 +202,9 @@ class ClusterStore:
             shard = self.shard_of(ask.user)
             if shard is not None:
                 plan.setdefault(shard, []).append(ask)
-        if self._round_ns:
+        if self.rounds.round_ns:
             # (long slices) every shard on its rounds (its heartbeat)
-            self.rounds = next_rounds(self._next_round, self.masters, now_ns, self._round_ns,
-                                      self.round_phase_ns)
-            for shard in self.rounds:
+            for shard in self.rounds.come(self.masters, now_ns):
                 plan.setdefault(shard, [])
             return plan
         heartbeat_ns = int(HEARTBEAT_S * 1e9)

@@ -371,6 +371,25 @@ def next_rounds(next_round: dict[Any, int], shards: Any, now_ns: int, round_ns: 
     return out
 
 
+class Rounds:
+    """(Long slices) One engine's rounds of a store's shards (``round_s``;
+    one store: the shard ``None``): ``come`` each round of the lease
+    thread, ``ends`` the shards on their round this time -> its end."""
+
+    __slots__ = ("round_ns", "phase_ns", "next", "ends")
+
+    def __init__(self, settings: SharedStateSettings) -> None:
+        self.round_ns = int(round_s(settings) * 1e9) if settings.slice_s else 0
+        #: the engine's phase (random: ``next_rounds``)
+        self.phase_ns = random.randrange(self.round_ns) if self.round_ns else 0
+        self.next: dict[Any, int] = {}
+        self.ends: dict[Any, int] = {}
+
+    def come(self, shards: Any, now_ns: int) -> dict[Any, int]:
+        self.ends = next_rounds(self.next, shards, now_ns, self.round_ns, self.phase_ns)
+        return self.ends
+
+
 def report_window_s(settings: SharedStateSettings) -> float:
     """How far back an engine reports its spends after a fallback or a
     reset, and how far back the store may charge them: the longest a lease
@@ -419,12 +438,8 @@ class RedisStore:
         #: script calls made, and user entries sent in them
         self.calls = 0
         self.entries = 0
-        #: (long slices) when the next round comes (``round_s``), and the
-        #: round of this round's call: {None: its end} (empty: none)
-        self._next_round: dict[Any, int] = {}
-        self._round_ns = int(round_s(settings) * 1e9) if settings.slice_s else 0
-        self.round_phase_ns = random.randrange(self._round_ns) if self._round_ns else 0
-        self.rounds: dict[Any, int] = {}
+        #: (long slices) the store's rounds (``round_s``)
+        self.rounds = Rounds(settings)
         #: the engine's subscription on its alive channel (``partition``)
         self.alive: AliveChannel | None = None
         self.keep_ms = keep_ms_of(settings)
@@ -459,9 +474,8 @@ class RedisStore:
         """The calls of one round: one store, called every tick; with long
         slices (``slice_ms``), a round with nothing to ask only on the
         store's rounds (``round_s``: its heartbeat), as a cluster's shards."""
-        if self._round_ns:
-            self.rounds = next_rounds(self._next_round, (None,), now_ns, self._round_ns, self.round_phase_ns)
-            if not asks and not self.rounds:
+        if self.rounds.round_ns:
+            if not self.rounds.come((None,), now_ns) and not asks:
                 return {}
         return {None: asks}
 

@@ -369,7 +369,8 @@ class LeaseThread(PartitionWatch):
         call the long slices of its users due before the round ends
         (``LeaseSizer.early_asks``): a store's slices are asked together on
         its rounds, not each in a call of its own."""
-        ends = getattr(self.store, "rounds", None)
+        rounds = getattr(self.store, "rounds", None)
+        ends = None if rounds is None else rounds.ends
         if not ends:
             return
         shard_of = self.shard_of
