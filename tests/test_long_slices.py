@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_output_rate.fleet_math import LeaseSizer, fleet_bound
-from vllm_output_rate.lease_store import next_rounds, round_s
+from vllm_output_rate.lease_store import LeaseAsk, RedisStore, next_rounds, round_s
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_limiter import SharedBudgetLimiter
 from vllm_output_rate.shared_settings import SharedStateSettings, parse_shared_state
@@ -188,6 +188,34 @@ def test_each_steady_user_is_asked_once_a_slice_and_its_slices_only_on_rounds(da
         assert all(g >= slice_ms * MS - round_ns - tick - late * MS for g in gaps), (user, gaps)
         settled = [on_round for when, on_round in times if when >= T0_NS + 4 * slice_ms * MS]
         assert all(settled), (user, times)  # only on rounds
+
+
+def test_marks_within_their_silent_window_need_no_look_at_the_heartbeat_set(redis_server):
+    """The script's work per entry: another engine's mark on a user newer
+    than that engine's silent window means its heartbeat is as new (the
+    same call wrote both): it counts as live without a ``ZSCORE``; an
+    older mark is looked up (once a call per engine)."""
+    import redis
+
+    url = fresh(redis_server)
+    store = RedisStore(parse_shared_state(url + "?slice_ms=1000"))
+    client = redis.Redis.from_url(url)
+    asks = [LeaseAsk(f"u{i}", Fraction(20), 1) for i in range(5)]
+    now = 1e15
+    epoch = ""
+    for engine in ("e1", "e2", "e3"):
+        epoch = store.lease(engine, asks, epoch, now_us=now).epoch
+
+    def zscores() -> int:
+        return int(client.info("commandstats").get("cmdstat_zscore", {}).get("calls", 0))
+
+    client.config_resetstat()
+    reply = store.lease("e4", asks, epoch, now_us=now + 0.5e6)  # their marks 0.5 s old (window: 1 s)
+    assert zscores() == 0 and {g[1] for g in reply.granted.values()} == {4}
+    # 1.5 s: looked up, silent and with no alive channel (never made here): dead, their marks go
+    reply = store.lease("e4", asks, epoch, now_us=now + 1.5e6)
+    assert zscores() == 3 and {g[1] for g in reply.granted.values()} == {1}
+    client.close()
 
 
 def s_settings(slice_ms: int) -> SharedStateSettings:
