@@ -12,7 +12,9 @@ shard before any reply is read (one round trip for all of them), with the
 users' keys among the arguments (the script is flagged
 ``allow-cross-slot-keys``: Redis 7 lets it touch keys of several slots on
 the node it runs on; the declared keys route the call). A shard is also
-called, with no users, at least every ``HEARTBEAT_S`` (the heartbeat).
+called, with no users, at least every ``HEARTBEAT_S`` (the heartbeat); with
+long slices on its rounds (``lease_store.round_s``), which carry its users'
+long slices.
 
 A shard is an independent store to the lease thread (``lease_thread``):
 its own epoch, failures and fallback. A shard whose master changed (a
@@ -189,7 +191,8 @@ class ClusterStore:
 
     def plan(self, asks: list[LeaseAsk], now_ns: int) -> dict[Any, list[LeaseAsk]]:
         """The calls of one round: per shard, its users' asks; a shard with
-        none only when its heartbeat is due. Raises when no node answers
+        none only when its heartbeat is due (long slices: on its rounds,
+        ``rounds.ends``). Raises when no node answers
         (the slot map unknown: every user is in the dark). The map is read
         again after a failed call, at most every ``HEARTBEAT_S`` while a
         shard keeps failing."""

@@ -29,7 +29,11 @@ such a slice's slots up to ``B + L`` ahead, and the lease lives ``H + L``:
 for such a user the bound's terms are ``H + L`` and ``B + L``, so
 ``floor((W + H + B + 2L) x limit) + 1`` (``SharedStateSettings.long_horizon_s``,
 ``long_lookahead_s``); the long-run rate is still the limit. A user never
-leased a long slice keeps the terms ``H`` and ``B``.
+leased a long slice keeps the terms ``H`` and ``B``. A slice falling due
+before the next round of its store is asked on the round
+(``LeaseSizer.early_asks``): the same slice, asked up to a round early, so
+the terms do not change; its next one is due a slice after this one was
+due (one ask a slice, as before).
 """
 
 from __future__ import annotations

@@ -351,7 +351,7 @@ def keep_ms_of(settings: SharedStateSettings) -> int:
 
 def round_s(settings: SharedStateSettings) -> float:
     """With long slices, each store (a cluster's shard) is called on its
-    *rounds*, a fixed cadence from its first call: its heartbeat, at most
+    *rounds*, a fixed cadence (each engine its own phase): its heartbeat, at most
     ``HEARTBEAT_S`` apart, two or more a slice and a whole number of them
     (0.5 s at ``slice_ms=1000``). A round's call takes the long slices of
     the store's users due before the next round (``LeaseSizer.early_asks``:

@@ -34,7 +34,10 @@ user is in fallback, as with one store (the shard ``None``).
 
 **Long slices** (``slice_ms``): a long slice's grant goes to the limiter
 to be released over the slice (``long_grants``), its lease living a slice
-longer; a short lease granted after it never expires before it.
+longer; a short lease granted after it never expires before it. Each store
+(a cluster's shard) is called on its rounds (``lease_store.round_s``) and a
+round's call carries the long slices of its users due before the next
+round (``_piggyback``): a shard's slices in one call a round.
 
 **Lanes** (``lease_lane``): the users' rates are one kind of budget; their
 ceilings and prompt budgets, where the limits set them, are two more, each
