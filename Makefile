@@ -5,13 +5,20 @@ PY := .venv/bin/python
 # The scheduler-level suites: run on the CPU build (vLLM 0.32, in `tests`) and
 # again against each other supported vLLM's wheel (CPU, no engine). The
 # versions are one list: vllm_patch/versions.py (SUPPORTED).
-SCHEDULER_SUITES := tests/test_scheduler.py tests/test_live_limits.py tests/test_telemetry.py \
-                    tests/test_tracing.py tests/test_plugin.py tests/test_layers.py \
-                    tests/test_frontend.py tests/test_shared_state.py tests/test_engine_loop.py \
-                    tests/test_twin.py tests/test_twin_tools.py tests/test_borrowing.py \
-                    tests/test_fairness.py tests/test_prompts.py tests/test_prompt_budget.py \
-                    tests/test_prompts_shown.py tests/test_fleet_budgets.py tests/test_partition.py \
-                    tests/test_held_tail.py
+SCHEDULER_SUITES := tests/test_scheduler_charging.py tests/test_scheduler_preemption.py \
+                    tests/test_scheduler_idle.py tests/test_scheduler_slots.py \
+                    tests/test_live_limits.py tests/test_telemetry_metrics.py \
+                    tests/test_telemetry_events.py tests/test_telemetry_folds.py \
+                    tests/test_telemetry_scenarios.py tests/test_tracing_throttle.py \
+                    tests/test_tracing_steps.py tests/test_tracing_generation.py \
+                    tests/test_tracing_context.py tests/test_tracing_export.py tests/test_plugin.py \
+                    tests/test_layers.py tests/test_frontend.py tests/test_shared_state_leases.py \
+                    tests/test_shared_state_fleet.py tests/test_shared_state_schedulers.py \
+                    tests/test_engine_loop.py tests/test_twin.py tests/test_twin_tools.py \
+                    tests/test_borrowing_limits.py tests/test_borrowing_lending.py \
+                    tests/test_borrowing_telemetry.py tests/test_fairness.py tests/test_prompts.py \
+                    tests/test_prompt_budget.py tests/test_prompts_shown.py tests/test_fleet_budgets.py \
+                    tests/test_partition.py tests/test_held_tail.py
 
 .PHONY: venv tools demo test test-all test-versions bench pictures docs clean
 

@@ -83,7 +83,7 @@ def test_limited_users_get_their_limit_and_complete(mode, request):
         # the lower side, engine-side, over the time the engine was stepping
         # (a stall of the shared cores, no step at all, costs for good: 12.6
         # tok/s first to last once, with a 1.25 s stall); the exact rate is
-        # test_telemetry's, in virtual time
+        # test_telemetry_scenarios', in virtual time
         rate = rate_while_stepping(spends, [t for t, _ in log.steps], limit)
         print(f"{user}: {spend_rate(spends):.2f} tok/s first to last, {rate:.2f} while stepping")
         assert rate >= 0.85 * limit, (user, rate, spend_rate(spends))

@@ -150,7 +150,7 @@ def test_each_user_lands_on_one_engine_at_its_limit(fleet):
     # cores with nginx and the clients, and one stall of 200 ms in a 4 s
     # run costs 5% for good: GCRA's burst of 100 ms does not give it back;
     # 16.0 tok/s first to last was seen once in the full suite). The exact
-    # rate is test_telemetry's, in virtual time
+    # rate is test_telemetry_scenarios', in virtual time
     logs = [EngineLog.read(path) for path in events]
     for user in USERS:
         log = logs[observed[user]]

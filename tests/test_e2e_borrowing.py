@@ -4,7 +4,7 @@ Prometheus.
 
 The exact claims (the ceiling's GCRA bound, the weighted split, a
 guaranteed user arriving has its rate from its first step, borrowers never
-displace anyone) are checked in virtual time in test_borrowing.py. Here the
+displace anyone) are checked in virtual time in test_borrowing_lending.py. Here the
 real engine shows the same on its own clock, with load-proof bounds: every
 figure is engine-side (the event log's token times, /metrics differences)
 and read since the test began; a lower side counts only the time the engine

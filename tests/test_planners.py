@@ -1,8 +1,8 @@
 """A step's planners (``planners``) as pure functions over plain requests,
 a ledger and a state: the running order, the waiting requests with budget
 first, the streams a rate keeps busy, and which resident requests residency
-preempts for a slot. (Their effect on vLLM's scheduler: test_scheduler.py,
-test_borrowing.py.)"""
+preempts for a slot. (Their effect on vLLM's scheduler: test_scheduler_slots.py,
+test_borrowing_lending.py.)"""
 
 from __future__ import annotations
 

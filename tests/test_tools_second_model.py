@@ -55,7 +55,7 @@ def test_the_demo_on_a_second_model(capsys):
             # column sees chunks bunched on two shared cores: 1.57 once under
             # a busy process): a stream's mean spacing at least streams /
             # limit (the burst's few tokens aside), far from what an
-            # unlimited stream does; the exact rate is test_telemetry's
+            # unlimited stream does; the exact rate is test_telemetry_scenarios'
             assert float(spacing_ms) >= 0.9 * int(streams) * 1000 / float(limit), (user, rows[user])
 
 

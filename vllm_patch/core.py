@@ -25,6 +25,7 @@ from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from vllm_output_rate import lending
@@ -349,12 +350,20 @@ class OutputRateCore(PromptPointsMixin):
     # -- the charge point ------------------------------------------------------
 
     def _orl_charge(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
-        """vLLM is about to give ``request`` ``num_new_tokens`` (more than 0)
-        tokens: a prompt budget cuts the chunk to what it allows (or puts
-        it off); when the step samples, charge one token (once per step),
-        or lend one, or refuse (``_orl_refuse``); a prefill chunk that
-        samples nothing waits for its user's budget (just in time) unless
-        prompts are computed ahead; the tokens it may compute."""
+        """vLLM's ``_reserve_prefill_lookahead`` itself (hook 2: ``scheduler``
+        names this function for it, one frame a request): vLLM is about to
+        give ``request`` ``num_new_tokens`` tokens (vLLM's own look-ahead
+        reservation first, when multi-module MTP drafting sets one): a
+        prompt budget cuts the chunk to what it allows (or puts it off);
+        when the step samples, charge one token (once per step), or lend
+        one, or refuse (``_orl_refuse``); a prefill chunk that samples
+        nothing waits for its user's budget (just in time) unless prompts
+        are computed ahead; the tokens it may compute."""
+        if self.num_prefill_lookahead:  # (0 unless multi-module MTP drafting)
+            num_new_tokens = Scheduler._reserve_prefill_lookahead(
+                self, request, num_computed_tokens, num_new_tokens)
+        if num_new_tokens <= 0:
+            return 0
         st = self.output_rate
         step = st.step
         running = request.status == _RUNNING

@@ -106,16 +106,9 @@ class OutputRateSchedulerMixin(OutputRateCore, ResidencyMixin, PriorityPreemptio
 
     # -- hook 2: the charge point ---------------------------------------------------
 
-    def _reserve_prefill_lookahead(
-        self, request: Request, num_computed_tokens: int, num_new_tokens: int
-    ) -> int:
-        if self.num_prefill_lookahead:  # 0 unless multi-module MTP drafting
-            num_new_tokens = super()._reserve_prefill_lookahead(
-                request, num_computed_tokens, num_new_tokens
-            )
-        if num_new_tokens <= 0:
-            return 0
-        return self._orl_charge(request, num_computed_tokens, num_new_tokens)
+    #: (vLLM calls it for every request it is about to give tokens to: the
+    #: charge point is the hook itself, vLLM's own reservation inside it)
+    _reserve_prefill_lookahead = OutputRateCore._orl_charge
 
     # -- hook 3: admission ------------------------------------------------------------
 
