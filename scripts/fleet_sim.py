@@ -113,6 +113,8 @@ class Fleet:
         # The store expires keys in its own clock, which runs far ahead of
         # this fake one in a large run: keep them an hour of the store's time.
         store.keep_ms = 3_600_000
+        if store.rounds.round_ns:  # (its rounds' phase from the fleet's seed: a repeatable run)
+            store.rounds.phase_ns = self.rng.randrange(store.rounds.round_ns)
         limiter = SharedBudgetLimiter(self.default_rate, self.user_rates, self.settings,
                                       store=store, clock=self.clock, engine_id=name,
                                       start_thread=False)

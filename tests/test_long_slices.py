@@ -7,6 +7,7 @@ oracle), with the entries it saves counted."""
 
 from __future__ import annotations
 
+import random
 from fractions import Fraction
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_output_rate.fleet_math import LeaseSizer, fleet_bound
+from vllm_output_rate.lease_store import LeaseAsk, RedisStore, next_rounds, round_s
 from vllm_output_rate.limiter import NS_PER_S
 from vllm_output_rate.shared_limiter import SharedBudgetLimiter
 from vllm_output_rate.shared_settings import SharedStateSettings, parse_shared_state
@@ -100,6 +102,124 @@ def test_a_long_slice_is_released_over_the_slice_in_order_of_deadlines():
     assert limiter.book.balance["u"] == 22 and "u" not in limiter.unreleased
     limiter.begin_step(deadline)
     assert limiter.book.balance == {} and limiter.book.expired == 22
+
+
+# -- the piggyback: a store's slices asked on its rounds (pure) ------------------------
+
+
+def test_rounds_are_a_whole_number_a_slice_at_most_a_heartbeat_apart_on_each_engines_phase():
+    assert round_s(SharedStateSettings("redis://x:1", slice_s=1.0)) == 0.5
+    assert round_s(SharedStateSettings("redis://x:1", slice_s=1.5)) == 0.5
+    assert round_s(SharedStateSettings("redis://x:1", slice_s=0.75)) == 0.375
+    assert round_s(SharedStateSettings("redis://x:1", slice_s=0.25)) == 0.125
+    nxt: dict = {}
+    r = 500 * MS
+    assert next_rounds(nxt, ("a", "b"), T0_NS + 7, r, phase_ns=100 * MS) == {
+        "a": T0_NS + 100 * MS, "b": T0_NS + 100 * MS}  # (the first at once, ending on the phase)
+    assert next_rounds(nxt, ("a", "b"), T0_NS + 99 * MS, r, 100 * MS) == {}
+    assert next_rounds(nxt, ("a",), T0_NS + 130 * MS, r, 100 * MS) == {"a": T0_NS + 600 * MS}
+    assert next_rounds(nxt, ("a", "b"), T0_NS + 1700 * MS, r, 100 * MS) == {
+        "a": T0_NS + 2100 * MS, "b": T0_NS + 2100 * MS}  # (rounds missed: the next one's end)
+
+
+def test_a_slice_due_before_the_round_ends_is_asked_on_the_round_and_keeps_its_cadence():
+    s = sizer()
+    rate = lambda u: Fraction(20)  # noqa: E731
+    for user in ("a", "b", "c", "d"):
+        s.meter[user] = [T0_NS, 0, 5, 5, 0, 0, 0]  # steady, 5 tok/s
+    s.next_long.update({"a": T0_NS + 100 * MS, "b": T0_NS + 499 * MS, "c": T0_NS + 500 * MS,
+                        "d": T0_NS - 1})
+    until = lambda u: T0_NS + 500 * MS  # noqa: E731  (its store's round ends then)
+    early = s.early_asks(T0_NS, until, {"d"}, {"a": 2}, {}, {}, rate)
+    # a and b fall due before the round ends (c at its end, d asked already)
+    assert sorted((a.user, a.want, a.long) for a in early) == [("a", 7 - 2, True), ("b", 7, True)]
+    # the next slice a slice after this one was due, not after now
+    assert s.next_long["a"] == T0_NS + 1100 * MS and s.next_long["b"] == T0_NS + 1499 * MS
+    assert s.next_long["c"] == T0_NS + 500 * MS
+    # not on a round of its store (0), told to wait (a retry), or not steady: not early
+    s.next_long["c"] = T0_NS + 200 * MS
+    assert s.early_asks(T0_NS, lambda u: 0, set(), {}, {}, {}, rate) == []
+    assert s.early_asks(T0_NS, until, set(), {}, {}, {"c": T0_NS + 1}, rate) == []
+    s.meter["c"] = [T0_NS, 0, 5, 20, 0, 0, 0]
+    assert s.early_asks(T0_NS, until, set(), {}, {}, {}, rate) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_each_steady_user_is_asked_once_a_slice_and_its_slices_only_on_rounds(data):
+    """Property: a store's users at random dues, calls at random ticks (the
+    rounds, and calls of other users' asks between them): each steady user
+    is asked a long slice once a slice (never more than a round early), and
+    once every due has come to a round, only on rounds."""
+    slice_ms = data.draw(st.sampled_from([250, 500, 1000, 1500]))
+    s = sizer(slice_ms)
+    rate = lambda u: Fraction(20)  # noqa: E731
+    tick = 50 * MS
+    round_ns = int(round_s(s_settings(slice_ms)) * NS_PER_S)
+    users = [f"u{i}" for i in range(data.draw(st.integers(1, 12)))]
+    rng = random.Random(data.draw(st.integers(0, 2**32)))
+    for user in users:
+        s.next_long[user] = T0_NS + rng.randrange(2 * slice_ms) * MS
+    nxt: dict = {}
+    phase = rng.randrange(round_ns)
+    late = data.draw(st.sampled_from([0, 7, 30]))  # (a thread late by up to this, ms)
+    others = data.draw(st.sampled_from([0.0, 0.1, 0.5]))  # (other users' asks between rounds)
+    asked: dict[str, list[tuple[int, bool]]] = {u: [] for u in users}
+    t = T0_NS
+    end = T0_NS + 12 * slice_ms * MS
+    while t < end:
+        t += tick + rng.randrange(late + 1) * MS
+        for user in users:
+            s.meter[user] = [t, 0, 5, 5, 0, 0, 0]  # (steady throughout)
+        plain = s.asks(t, {u: 1 for u in users}, set(), {}, {}, {}, {}, rate)
+        rounds = next_rounds(nxt, (None,), t, round_ns, phase)
+        if not (plain or rounds or rng.random() < others):
+            continue
+        ends = rounds.get(None, 0)
+        early = s.early_asks(t, lambda u: ends, {a.user for a in plain}, {}, {}, {}, rate)
+        for a in plain + early:
+            assert a.long
+            asked[a.user].append((t, bool(rounds)))
+    for user, times in asked.items():
+        span = times[-1][0] - times[0][0]
+        # once a slice: each ask at most a round before its due, each due a slice after the last
+        assert len(times) - 1 <= (span + round_ns) / (slice_ms * MS) + 1e-9, (user, times)
+        gaps = [b[0] - a[0] for a, b in zip(times, times[1:])]
+        assert all(g >= slice_ms * MS - round_ns - tick - late * MS for g in gaps), (user, gaps)
+        settled = [on_round for when, on_round in times if when >= T0_NS + 4 * slice_ms * MS]
+        assert all(settled), (user, times)  # only on rounds
+
+
+def test_marks_within_their_silent_window_need_no_look_at_the_heartbeat_set(redis_server):
+    """The script's work per entry: another engine's mark on a user newer
+    than that engine's silent window means its heartbeat is as new (the
+    same call wrote both): it counts as live without a ``ZSCORE``; an
+    older mark is looked up (once a call per engine)."""
+    import redis
+
+    url = fresh(redis_server)
+    store = RedisStore(parse_shared_state(url + "?slice_ms=1000"))
+    client = redis.Redis.from_url(url)
+    asks = [LeaseAsk(f"u{i}", Fraction(20), 1) for i in range(5)]
+    now = 1e15
+    epoch = ""
+    for engine in ("e1", "e2", "e3"):
+        epoch = store.lease(engine, asks, epoch, now_us=now).epoch
+
+    def zscores() -> int:
+        return int(client.info("commandstats").get("cmdstat_zscore", {}).get("calls", 0))
+
+    client.config_resetstat()
+    reply = store.lease("e4", asks, epoch, now_us=now + 0.5e6)  # their marks 0.5 s old (window: 1 s)
+    assert zscores() == 0 and {g[1] for g in reply.granted.values()} == {4}
+    # 1.5 s: looked up, silent and with no alive channel (never made here): dead, their marks go
+    reply = store.lease("e4", asks, epoch, now_us=now + 1.5e6)
+    assert zscores() == 3 and {g[1] for g in reply.granted.values()} == {1}
+    client.close()
+
+
+def s_settings(slice_ms: int) -> SharedStateSettings:
+    return SharedStateSettings("redis://x:1", slice_s=slice_ms / 1000)
 
 
 # -- the fleet bound with long slices, on a real store ---------------------------------

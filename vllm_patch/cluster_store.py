@@ -12,7 +12,9 @@ shard before any reply is read (one round trip for all of them), with the
 users' keys among the arguments (the script is flagged
 ``allow-cross-slot-keys``: Redis 7 lets it touch keys of several slots on
 the node it runs on; the declared keys route the call). A shard is also
-called, with no users, at least every ``HEARTBEAT_S`` (the heartbeat).
+called, with no users, at least every ``HEARTBEAT_S`` (the heartbeat); with
+long slices on its rounds (``lease_store.round_s``), which carry its users'
+long slices.
 
 A shard is an independent store to the lease thread (``lease_thread``):
 its own epoch, failures and fallback. A shard whose master changed (a
@@ -33,7 +35,7 @@ from typing import Any
 from vllm_output_rate.alive import NONE, AliveChannel, alive_channel
 from vllm_output_rate.lease_store import (_LEASE_BODY, _LEAVE_BODY, ARGS_PER_USER, CALL_ARGS, HEARTBEAT_S, KEY_PREFIX,
                                           KIND_KEYS, RATE, LeaseAsk, LeaseReply, ask_args, call_args, keep_ms_of,
-                                          parse_reply)
+                                          Rounds, parse_reply)
 from vllm_output_rate.shared_settings import SHARED_STATE_OPTION, SharedStateError, SharedStateSettings
 
 #: Slots of a Redis Cluster.
@@ -96,6 +98,8 @@ class ClusterStore:
         #: user -> slot (a user's slot never changes)
         self._user_slot: dict[str, int] = {}
         self._last_call_ns: dict[int, int] = {}
+        #: (long slices) the shards' rounds (``lease_store.round_s``)
+        self.rounds = Rounds(settings)
         #: shard -> the engine's subscription on its alive channel there
         self.alive: dict[int, AliveChannel] = {}
         self._lease_sha = self._leave_sha = ""
@@ -187,7 +191,8 @@ class ClusterStore:
 
     def plan(self, asks: list[LeaseAsk], now_ns: int) -> dict[Any, list[LeaseAsk]]:
         """The calls of one round: per shard, its users' asks; a shard with
-        none only when its heartbeat is due. Raises when no node answers
+        none only when its heartbeat is due (long slices: on its rounds,
+        ``rounds.ends``). Raises when no node answers
         (the slot map unknown: every user is in the dark). The map is read
         again after a failed call, at most every ``HEARTBEAT_S`` while a
         shard keeps failing."""
@@ -200,6 +205,11 @@ class ClusterStore:
             shard = self.shard_of(ask.user)
             if shard is not None:
                 plan.setdefault(shard, []).append(ask)
+        if self.rounds.round_ns:
+            # (long slices) every shard on its rounds (its heartbeat)
+            for shard in self.rounds.come(self.masters, now_ns):
+                plan.setdefault(shard, [])
+            return plan
         heartbeat_ns = int(HEARTBEAT_S * 1e9)
         for shard in self.masters:
             if shard not in plan and now_ns - self._last_call_ns.get(shard, -heartbeat_ns) >= heartbeat_ns:

@@ -29,7 +29,11 @@ such a slice's slots up to ``B + L`` ahead, and the lease lives ``H + L``:
 for such a user the bound's terms are ``H + L`` and ``B + L``, so
 ``floor((W + H + B + 2L) x limit) + 1`` (``SharedStateSettings.long_horizon_s``,
 ``long_lookahead_s``); the long-run rate is still the limit. A user never
-leased a long slice keeps the terms ``H`` and ``B``.
+leased a long slice keeps the terms ``H`` and ``B``. A slice falling due
+before the next round of its store is asked on the round
+(``LeaseSizer.early_asks``): the same slice, asked up to a round early, so
+the terms do not change; its next one is due a slice after this one was
+due (one ask a slice, as before).
 """
 
 from __future__ import annotations
@@ -77,6 +81,49 @@ class LeaseSizer:
         self.next_long: dict[str, int] = {}
         #: (long slices) users whose last long slice came short of the ask
         self.cut: set[str] = set()
+
+    def _long_ask(self, user: str, rate: Fraction, wanted: float, held: Mapping[str, int],
+                  now_ns: int) -> LeaseAsk | None:
+        """A long slice of ``wanted`` tokens per second, less what it holds
+        (None: it holds enough). Its next one is due a slice after this one
+        was due (a slice after now if late): a slice asked early
+        (``early_asks``) keeps its user's cadence, one ask a slice."""
+        want = math.ceil(wanted * self.slice_s) - held.get(user, 0)
+        if want <= 0:
+            return None
+        due = self.next_long.get(user, 0)
+        self.next_long[user] = (due if due > now_ns else now_ns) + self._slice_ns
+        return LeaseAsk(user, rate, want, 0, long=True, kind=self.kind)
+
+    def early_asks(self, now_ns: int, until: Callable[[str], int], asked: Set[str],
+                   held: Mapping[str, int], sharing: Mapping[str, int],
+                   retry_at: Mapping[str, int], rate_of: Callable[[str], Fraction]) -> list[LeaseAsk]:
+        """(Long slices) The piggyback: the steady users whose next long
+        slice falls due before ``until(user)`` (the end of the round of the
+        store it is on, a cluster's shard, when that store is called on its
+        round now; else 0), asked now in that call instead of a call of
+        their own (``asked``: users asked this round already). A slice
+        asked early is the same slice (its grant, its lease's life and its
+        slots' lookahead are a slice's: the bound's terms do not change),
+        and the user's next one is due a slice after this one was due: a
+        user is still asked once a slice, and the slices of one store's
+        users are asked on its rounds (``lease_store.round_s``)."""
+        asks = []
+        for user, due in self.next_long.items():
+            if due <= now_ns or user in asked or due >= until(user):
+                continue
+            if retry_at.get(user, 0) > now_ns:
+                continue
+            rate = rate_of(user)
+            limit = float(rate)
+            steady = self.steady_rate(user, now_ns, limit / max(1, sharing.get(user, 1)))
+            if steady is None:
+                continue
+            wanted = self.demand[user] = min(steady, limit)
+            ask = self._long_ask(user, rate, wanted, held, now_ns)
+            if ask is not None:
+                asks.append(ask)
+        return asks
 
     def long_granted(self, user: str, tokens: int, want: int, now_ns: int) -> None:
         """(The lease thread) What the store granted of a long slice (the
@@ -204,10 +251,9 @@ class LeaseSizer:
                     # it lasts until the next one.
                     wanted = demand[user] = min(steady, limit)
                     if now_ns >= self.next_long.get(user, 0):
-                        want = math.ceil(wanted * slice_s) - held.get(user, 0)
-                        if want > 0:
-                            self.next_long[user] = now_ns + self._slice_ns
-                            asks.append(LeaseAsk(user, rate, want, 0, long=True, kind=self.kind))
+                        ask = self._long_ask(user, rate, wanted, held, now_ns)
+                        if ask is not None:
+                            asks.append(ask)
                     continue
             spend = recent.get(user, 0) / elapsed
             if user in short or user in due:

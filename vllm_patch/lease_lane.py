@@ -128,14 +128,24 @@ class LeaseLane:
              used: Mapping[str, int]) -> list[LeaseAsk]:
         """This round's asks of the lane (``fleet_math.LeaseSizer``)."""
         limiter = self.limiter
-        held: Any = limiter.book.balance
-        if self.settings.slice_s and limiter.unreleased:
-            held = _Held(held, limiter.unreleased)
         paced: set[str] = set()
         while limiter.paced:
             paced.add(limiter.paced.popleft())
-        return self.sizer.asks(now_ns, recent, short, used, held, self.sharing, self.retry_at,
+        return self.sizer.asks(now_ns, recent, short, used, self._held(), self.sharing, self.retry_at,
                                limiter.rate_of, paced)
+
+    def early_asks(self, now_ns: int, until: Callable[[str], int], asked: set[str]) -> list[LeaseAsk]:
+        """(Long slices) The long slices due before ``until(user)`` (the end
+        of its store's round, when called on it now): ``LeaseSizer.early_asks``."""
+        return self.sizer.early_asks(now_ns, until, asked, self._held(), self.sharing, self.retry_at,
+                                     self.limiter.rate_of)
+
+    def _held(self) -> Any:
+        limiter = self.limiter
+        held: Any = limiter.book.balance
+        if self.settings.slice_s and limiter.unreleased:
+            held = _Held(held, limiter.unreleased)
+        return held
 
     def answer(self, ask: LeaseAsk, tokens: int, sharing: int, now_ns: int, sent_ns: int,
                retry_at: dict[str, int]) -> None:

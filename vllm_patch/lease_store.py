@@ -13,7 +13,9 @@ sends ``LeaseAsk`` entries sized by ``fleet_math`` and reads a
 
 from __future__ import annotations
 
+import math
 import os
+import random
 import secrets
 import socket
 from dataclasses import dataclass
@@ -180,7 +182,10 @@ for i = 1, @USERS@ do
         div, untl, silent = string.match(r, '^(%d+) (%d+) (%d+)$')
         silent = tonumber(silent) or silent_us
       end
-      local c = class_of(engine, silent)
+      -- (a mark within its engine's silent window: its heartbeat, written
+      -- by the same call, is as new: live, no look at the heartbeat set)
+      local c = 1
+      if t < now - silent then c = class_of(engine, silent) end
       local keep = false
       if c == 1 then
         if t >= now - live_us then
@@ -345,6 +350,50 @@ def keep_ms_of(settings: SharedStateSettings) -> int:
     return KEEP_MS + int(2000 * settings.slice_s) + int(1000 * settings.partition_s)
 
 
+def round_s(settings: SharedStateSettings) -> float:
+    """With long slices, each store (a cluster's shard) is called on its
+    *rounds*, a fixed cadence (each engine its own phase): its heartbeat, at most
+    ``HEARTBEAT_S`` apart, two or more a slice and a whole number of them
+    (0.5 s at ``slice_ms=1000``). A round's call takes the long slices of
+    the store's users due before the next round (``LeaseSizer.early_asks``:
+    at most a round, half a slice, early), so a slice asked on a round
+    falls due on a round: one call a round carries them."""
+    return settings.slice_s / max(2, math.ceil(settings.slice_s / HEARTBEAT_S - 1e-9))
+
+
+def next_rounds(next_round: dict[Any, int], shards: Any, now_ns: int, round_ns: int,
+                phase_ns: int = 0) -> dict[Any, int]:
+    """The shards (of ``shards``) whose round has come by ``now_ns`` ->
+    that round's end (``round_s``), ``next_round`` (shard -> when its next
+    round comes; at once if unknown) set to it. Rounds end on the times
+    ``phase_ns`` (mod a round): each engine its own (random) phase, so that
+    the engines sharing a user do not all ask for it at the same moment."""
+    out = {}
+    for shard in shards:
+        if now_ns >= next_round.get(shard, now_ns):
+            out[shard] = next_round[shard] = now_ns + round_ns - (now_ns - phase_ns) % round_ns
+    return out
+
+
+class Rounds:
+    """(Long slices) One engine's rounds of a store's shards (``round_s``;
+    one store: the shard ``None``): ``come`` each round of the lease
+    thread, ``ends`` the shards on their round this time -> its end."""
+
+    __slots__ = ("round_ns", "phase_ns", "next", "ends")
+
+    def __init__(self, settings: SharedStateSettings) -> None:
+        self.round_ns = int(round_s(settings) * 1e9) if settings.slice_s else 0
+        #: the engine's phase (random: ``next_rounds``)
+        self.phase_ns = random.randrange(self.round_ns) if self.round_ns else 0
+        self.next: dict[Any, int] = {}
+        self.ends: dict[Any, int] = {}
+
+    def come(self, shards: Any, now_ns: int) -> dict[Any, int]:
+        self.ends = next_rounds(self.next, shards, now_ns, self.round_ns, self.phase_ns)
+        return self.ends
+
+
 def report_window_s(settings: SharedStateSettings) -> float:
     """How far back an engine reports its spends after a fallback or a
     reset, and how far back the store may charge them: the longest a lease
@@ -393,7 +442,8 @@ class RedisStore:
         #: script calls made, and user entries sent in them
         self.calls = 0
         self.entries = 0
-        self._last_call_ns = -(10**18)
+        #: (long slices) the store's rounds (``round_s``)
+        self.rounds = Rounds(settings)
         #: the engine's subscription on its alive channel (``partition``)
         self.alive: AliveChannel | None = None
         self.keep_ms = keep_ms_of(settings)
@@ -426,11 +476,11 @@ class RedisStore:
 
     def plan(self, asks: list[LeaseAsk], now_ns: int) -> dict[Any, list[LeaseAsk]]:
         """The calls of one round: one store, called every tick; with long
-        slices (``slice_ms``), a round with nothing to ask only when the
-        heartbeat is due (``HEARTBEAT_S``), as a cluster's shards are."""
-        if not asks and self.settings.slice_s and now_ns - self._last_call_ns < HEARTBEAT_S * 1e9:
-            return {}
-        self._last_call_ns = now_ns
+        slices (``slice_ms``), a round with nothing to ask only on the
+        store's rounds (``round_s``: its heartbeat), as a cluster's shards."""
+        if self.rounds.round_ns:
+            if not self.rounds.come((None,), now_ns) and not asks:
+                return {}
         return {None: asks}
 
     def lease_shards(self, engine: str, plan: dict[Any, list[LeaseAsk]], epochs: dict[Any, str],

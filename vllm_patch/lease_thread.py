@@ -34,7 +34,10 @@ user is in fallback, as with one store (the shard ``None``).
 
 **Long slices** (``slice_ms``): a long slice's grant goes to the limiter
 to be released over the slice (``long_grants``), its lease living a slice
-longer; a short lease granted after it never expires before it.
+longer; a short lease granted after it never expires before it. Each store
+(a cluster's shard) is called on its rounds (``lease_store.round_s``) and a
+round's call carries the long slices of its users due before the next
+round (``_piggyback``): a shard's slices in one call a round.
 
 **Lanes** (``lease_lane``): the users' rates are one kind of budget; their
 ceilings and prompt budgets, where the limits set them, are two more, each
@@ -337,14 +340,17 @@ class LeaseThread(PartitionWatch):
                     stats.unleased_spent += unleased
             used = {} if report is None else lane.usage_to_report(*report, self.shard_of)
             asks.extend(lane.asks(now_ns, recent, short, used))
-        # (each budget's own divisor: its lane's fallback share, ``partition``)
-        live = self.live_engines
-        divisors = {ask.budget: lanes[ask.kind].divisor(ask.user, live) for ask in asks}
         sent_ns = self.clock()
         t0 = time.perf_counter()
         try:
             store = self.store
             plan = store.plan(asks, now_ns)
+            if plan and self.settings.slice_s:
+                self._piggyback(plan, now_ns)
+            # (each budget's own divisor: its lane's fallback share, ``partition``)
+            live = self.live_engines
+            divisors = {ask.budget: lanes[ask.kind].divisor(ask.user, live)
+                        for shard_asks in plan.values() for ask in shard_asks}
             replies = store.lease_shards(self.engine_id, plan,
                                          {k: v.epoch for k, v in self.shards.items()}, now_us=now_us,
                                          divisors=divisors,
@@ -378,6 +384,22 @@ class LeaseThread(PartitionWatch):
         self.live_engines = max((st.live_engines for k, st in self.shards.items()
                                  if k is not None or not self.settings.cluster), default=1)
         self.stats.failures_in_row = max(st.failures_in_row for st in self.shards.values())
+
+    def _piggyback(self, plan: dict[Any, list[LeaseAsk]], now_ns: int) -> None:
+        """(Long slices) Each store (a cluster's shard) called on its round
+        this round (``rounds``: shard -> the round's end) takes in the same
+        call the long slices of its users due before the round ends
+        (``LeaseSizer.early_asks``): a store's slices are asked together on
+        its rounds, not each in a call of its own."""
+        rounds = getattr(self.store, "rounds", None)
+        ends = None if rounds is None else rounds.ends
+        if not ends:
+            return
+        shard_of = self.shard_of
+        for lane in self.lanes.values():
+            asked = {a.user for shard_asks in plan.values() for a in shard_asks if a.kind == lane.kind}
+            for ask in lane.early_asks(now_ns, lambda u: ends.get(shard_of(u), 0), asked):
+                plan[shard_of(ask.user)].append(ask)
 
     def _out_of_the_dark(self, replies: Mapping[Any, Any], now_ns: int) -> None:
         """(A cluster) A node answered: the "no node answers" state ends;
