@@ -247,7 +247,7 @@ def test_the_store_restarted_empty_no_burst_of_any_kind(redis_server):
     budget), every budget back at its rate after it, and the bound of each
     kind holds across the outage and the reset."""
     at = fresh(redis_server)
-    fleet = budgets_fleet(at, SharedStateSettings(at, timeout_s=0.05), seed=4)
+    fleet = budgets_fleet(at, SharedStateSettings(at, timeout_s=1.0), seed=4)
     for _ in range(3):
         engine = fleet.add_engine()
         engine.streams, engine.prompts = {"u": 2}, {"u": 300}
@@ -280,7 +280,7 @@ def test_a_budget_that_starts_during_an_outage_starts_in_fallback(redis_server):
     lane starts in fallback (its users' ceilings divided by the engines last
     seen), and the rates' fallback goes on as it was (no fresh burst)."""
     at = fresh(redis_server)
-    fleet = Fleet(at, Fraction(20), settings=SharedStateSettings(at, timeout_s=0.05), seed=8)
+    fleet = Fleet(at, Fraction(20), settings=SharedStateSettings(at, timeout_s=1.0), seed=8)
     a, b = fleet.add_engine(), fleet.add_engine()
     a.streams = b.streams = {"u": 2}
     fleet.run(1.0)
@@ -305,7 +305,7 @@ def test_a_cluster_shard_restarted_empty_resets_every_budget_of_its_users(reques
     empty; every budget of "u" (its keys on that shard's slot) falls back,
     resets and reports together; the bound of each kind holds across."""
     at = cluster_url(request)
-    settings_ = SharedStateSettings(at, timeout_s=0.05, nodes=parse_shared_state(at).nodes)
+    settings_ = SharedStateSettings(at, timeout_s=1.0, nodes=parse_shared_state(at).nodes)
     fleet = budgets_fleet(at, settings_, seed=6)
     for _ in range(2):
         engine = fleet.add_engine()
