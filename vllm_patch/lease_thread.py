@@ -104,8 +104,6 @@ class LeaseStats:
     fallback_episodes: int = 0
     #: times the store was found to have lost its data
     resets: int = 0
-    #: tokens spent in fallback, without a lease (the users' rates)
-    unleased_spent: int = 0
     #: per kind of budget (``KIND_KEYS``, every key there from the start:
     #: read from any thread): tokens spent in fallback without a lease, and
     #: budget entries sent [in calls answered, in calls that failed]
@@ -336,8 +334,6 @@ class LeaseThread(PartitionWatch):
             recent, short, unleased = lane.drain(now_ns)
             if unleased:
                 stats.unleased[lane.kind] += unleased
-                if lane.kind == RATE:
-                    stats.unleased_spent += unleased
             used = {} if report is None else lane.usage_to_report(*report, self.shard_of)
             asks.extend(lane.asks(now_ns, recent, short, used))
         sent_ns = self.clock()

@@ -128,7 +128,6 @@ class PartitionWatch:
     the thread's ``shards`` (``ShardState`` each), ``settings`` and its
     store."""
 
-
     def _alive_states(self) -> tuple[str, ...]:
         store = self._store
         if store is None:

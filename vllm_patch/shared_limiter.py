@@ -461,7 +461,7 @@ class SharedBudgetLimiter(OutputRateLimiter):
         c = t.stats
         return {
             "leased": book.granted, "spent": book.spent, "expired": book.expired,
-            "unleased": c.unleased_spent, "calls": c.calls, "failed_calls": c.failed_calls,
+            "unleased": c.unleased[RATE], "calls": c.calls, "failed_calls": c.failed_calls,
             "fallback": 1.0 if t.in_fallback else 0.0, "fallback_seconds": c.fallback_seconds(),
             "fallback_episodes": c.fallback_episodes, "resets": c.resets,
             "live_engines": t.live_engines,
